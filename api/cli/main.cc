@@ -1,0 +1,35 @@
+#include <CLI/CLI.hpp>
+#include <algorithm>
+
+#include "cli/registry.h"
+
+namespace sparsekv::cli {
+
+std::vector<CommandEntry>& TopLevelCommands() {
+  static std::vector<CommandEntry> list;
+  return list;
+}
+
+std::vector<CommandEntry>& BenchCommands() {
+  static std::vector<CommandEntry> list;
+  return list;
+}
+
+}  // namespace sparsekv::cli
+
+int main(int argc, char** argv) {
+  using namespace sparsekv::cli;
+  CLI::App app{"sparsekv: KV-cache manager and offload service for sparse-attention models"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "sparsekv 0.1.0");
+  int exit_code = 0;
+  auto by_name = [](const CommandEntry& a, const CommandEntry& b) { return a.name < b.name; };
+  std::sort(TopLevelCommands().begin(), TopLevelCommands().end(), by_name);
+  for (const CommandEntry& c : TopLevelCommands()) c.add(app, exit_code);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  return exit_code;
+}

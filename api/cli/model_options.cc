@@ -1,0 +1,36 @@
+#include "cli/model_options.h"
+
+#include <fmt/format.h>
+
+#include <cstdio>
+
+namespace sparsekv::cli {
+
+void ModelOptions::AddTo(CLI::App* app) {
+  app->add_option("--model", model, "Model preset: deepseek-v3.2-exp or deepseek-v4-flash")
+      ->capture_default_str();
+  app->add_option("--spec", spec_file, "JSON model spec file (instead of --model)")->check(CLI::ExistingFile);
+  kv_format_option = app->add_option("--kv-format", kv_format,
+                                     "Storage of MLA latent / compressed KV and indexer keys: bf16, c8 or fp8")
+                         ->capture_default_str();
+  app->add_option("--block-tokens", block_tokens, "Tokens per block (a multiple of every ratio)")
+      ->capture_default_str();
+}
+
+Result<ModelSpec> ModelOptions::Load() const {
+  if (!spec_file.empty()) {
+    if (kv_format_option && kv_format_option->count() > 0) {
+      return Status::InvalidArgument("--kv-format applies to presets; a spec file names its own formats");
+    }
+    return LoadModelSpecFile(spec_file);
+  }
+  SPARSEKV_ASSIGN_OR_RETURN(KvPrecision p, ParseKvPrecision(kv_format));
+  return ModelPreset(model, p);
+}
+
+int Fail(const Status& status) {
+  std::fprintf(stderr, "sparsekv: %s\n", status.ToString().c_str());
+  return 1;
+}
+
+}  // namespace sparsekv::cli

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds sparsekv and runs the test suite through ctest.
+#   ./test.sh                     RelWithDebInfo build in build/test
+#   SANITIZE=address ./test.sh    ASan+UBSan build in build/asan
+#   SANITIZE=thread ./test.sh     TSan build in build/tsan
+# Extra arguments go to ctest (for example -R PagePool).
+set -euo pipefail
+cd "$(dirname "$0")"
+./scripts/setup.sh
+san=${SANITIZE:-}
+case "$san" in
+  "") dir=build/test; type=RelWithDebInfo ;;
+  address) dir=build/asan; type=Debug ;;
+  thread) dir=build/tsan; type=RelWithDebInfo ;;
+  *) echo "test.sh: SANITIZE must be address or thread, not '$san'" >&2; exit 2 ;;
+esac
+werror=OFF
+[ -n "${CI:-}" ] && werror=ON
+./scripts/configure.sh "$dir" "$type" -DSPARSEKV_SANITIZE="$san" -DSPARSEKV_WERROR="$werror"
+cmake --build "$dir" -j2
+cd "$dir"
+ctest --output-on-failure -j2 --timeout 600 "$@"
