@@ -70,7 +70,8 @@ TEST(Cli, PlanJsonForV32) {
 
   Outcome c8 = Cli("plan --model deepseek-v3.2-exp --batch 4 --seq-len 65536 --kv-format c8 --json");
   ASSERT_EQ(c8.exit_code, 0) << c8.err;
-  for (const auto& k : nlohmann::json::parse(c8.out)["kinds"]) {
+  const auto c8_json = nlohmann::json::parse(c8.out);
+  for (const auto& k : c8_json["kinds"]) {
     if (k["kind"] == "indexer_key") {
       EXPECT_EQ(k["bytes"].get<uint64_t>(), 4ull * 65536 * 61 * 132);
       EXPECT_EQ(k["format"], "idx_c8");
