@@ -8,6 +8,7 @@ packages=(
   librocksdb-dev liburing-dev libboost-dev libboost-system-dev libxxhash-dev
   libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  clang libclang-rt-14-dev
   fio redis-server redis-tools
 )
 missing=()

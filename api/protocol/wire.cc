@@ -1,0 +1,499 @@
+#include "protocol/wire.h"
+
+#include <fmt/format.h>
+#include <xxhash.h>
+
+#include <cstring>
+
+namespace sparsekv::wire {
+namespace {
+
+template <typename T>
+T LoadLE(const std::byte* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));  // x86-64 and aarch64 Linux are little-endian
+  return v;
+}
+template <typename T>
+void StoreLE(std::byte* p, T v) {
+  std::memcpy(p, &v, sizeof(T));
+}
+
+uint32_t HeaderChecksum(const std::byte* header) { return XXH32(header, 28, 0); }
+
+Status Bad(std::string msg) { return Status::InvalidArgument(std::move(msg)); }
+
+void WriteHashes(PayloadWriter& w, const std::vector<WireHash>& hashes) {
+  w.U32(static_cast<uint32_t>(hashes.size()));
+  for (const WireHash& h : hashes) w.Bytes(h);
+}
+
+Result<std::vector<WireHash>> ReadHashes(PayloadReader& r, const char* field) {
+  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count(field, kMaxBatchItems, 16));
+  std::vector<WireHash> out(n);
+  for (WireHash& h : out) {
+    SPARSEKV_ASSIGN_OR_RETURN(auto b, r.Bytes(16, field));
+    std::memcpy(h.data(), b.data(), 16);
+  }
+  return out;
+}
+
+void WriteItemStatus(PayloadWriter& w, const ItemStatus& s) {
+  w.U8(static_cast<uint8_t>(s.code));
+  if (s.code != StatusCode::kOk) w.String(s.message);
+}
+
+Result<ItemStatus> ReadItemStatus(PayloadReader& r) {
+  ItemStatus s;
+  SPARSEKV_ASSIGN_OR_RETURN(uint8_t code, r.U8("item status"));
+  if (code > static_cast<uint8_t>(StatusCode::kInternal)) {
+    return Bad(fmt::format("item status code {} is unknown", code));
+  }
+  s.code = static_cast<StatusCode>(code);
+  if (s.code != StatusCode::kOk) {
+    SPARSEKV_ASSIGN_OR_RETURN(s.message, r.String("item status message", 4096));
+  }
+  return s;
+}
+
+void WriteSlot(PayloadWriter& w, const ShmSlot& s) {
+  w.Bytes(s.hash);
+  w.U64(s.offset);
+  w.U32(s.bytes);
+}
+
+Result<ShmSlot> ReadSlot(PayloadReader& r) {
+  ShmSlot s;
+  SPARSEKV_ASSIGN_OR_RETURN(auto h, r.Bytes(16, "slot hash"));
+  std::memcpy(s.hash.data(), h.data(), 16);
+  SPARSEKV_ASSIGN_OR_RETURN(s.offset, r.U64("slot offset"));
+  SPARSEKV_ASSIGN_OR_RETURN(s.bytes, r.U32("slot bytes"));
+  return s;
+}
+
+}  // namespace
+
+std::string_view OpcodeName(Opcode op) {
+  switch (op) {
+    case Opcode::kHello: return "HELLO";
+    case Opcode::kLookup: return "LOOKUP";
+    case Opcode::kPut: return "PUT";
+    case Opcode::kGet: return "GET";
+    case Opcode::kPin: return "PIN";
+    case Opcode::kUnpin: return "UNPIN";
+    case Opcode::kDelete: return "DELETE";
+    case Opcode::kStats: return "STATS";
+    case Opcode::kSubscribe: return "SUBSCRIBE";
+    case Opcode::kEvent: return "EVENT";
+    case Opcode::kError: return "ERROR";
+    case Opcode::kShmPut: return "SHM_PUT";
+    case Opcode::kShmGet: return "SHM_GET";
+    case Opcode::kShmRelease: return "SHM_RELEASE";
+    case Opcode::kPing: return "PING";
+  }
+  return "UNKNOWN";
+}
+
+std::array<std::byte, kHeaderBytes> EncodeHeader(const FrameHeader& h) {
+  std::array<std::byte, kHeaderBytes> out{};
+  std::byte* p = out.data();
+  StoreLE<uint32_t>(p + 0, kMagic);
+  StoreLE<uint16_t>(p + 4, kProtocolVersion);
+  StoreLE<uint16_t>(p + 6, static_cast<uint16_t>(h.opcode));
+  StoreLE<uint16_t>(p + 8, h.flags);
+  StoreLE<uint16_t>(p + 10, 0);
+  StoreLE<uint64_t>(p + 12, h.request_id);
+  StoreLE<uint32_t>(p + 20, h.payload_bytes);
+  StoreLE<uint32_t>(p + 24, h.payload_checksum);
+  StoreLE<uint32_t>(p + 28, HeaderChecksum(p));
+  return out;
+}
+
+Result<FrameHeader> DecodeHeader(std::span<const std::byte> bytes, uint32_t max_payload_bytes) {
+  if (bytes.size() < kHeaderBytes) {
+    return Bad(fmt::format("frame header is {} bytes; expected {}", bytes.size(), kHeaderBytes));
+  }
+  const std::byte* p = bytes.data();
+  const uint32_t magic = LoadLE<uint32_t>(p);
+  if (magic != kMagic) return Bad(fmt::format("bad frame magic 0x{:08x}; expected 0x{:08x} (\"SKV1\")", magic, kMagic));
+  const uint32_t want = LoadLE<uint32_t>(p + 28);
+  const uint32_t got = HeaderChecksum(p);
+  if (want != got) return Bad(fmt::format("frame header checksum 0x{:08x} does not match its bytes (0x{:08x})", want, got));
+  const uint16_t version = LoadLE<uint16_t>(p + 4);
+  if (version != kProtocolVersion) {
+    return Status::NotSupported(fmt::format("protocol version {}; this side speaks {}", version, kProtocolVersion));
+  }
+  FrameHeader h;
+  const uint16_t op = LoadLE<uint16_t>(p + 6);
+  if (op == 0 || op > kMaxOpcode) return Bad(fmt::format("unknown opcode {}", op));
+  h.opcode = static_cast<Opcode>(op);
+  h.flags = LoadLE<uint16_t>(p + 8);
+  if (h.flags & ~kKnownFlags) return Bad(fmt::format("unknown frame flags 0x{:04x}", h.flags & ~kKnownFlags));
+  if (LoadLE<uint16_t>(p + 10) != 0) return Bad("reserved header field is not zero");
+  h.request_id = LoadLE<uint64_t>(p + 12);
+  h.payload_bytes = LoadLE<uint32_t>(p + 20);
+  h.payload_checksum = LoadLE<uint32_t>(p + 24);
+  const uint32_t limit = std::min(max_payload_bytes, kMaxPayloadBytes);
+  if (h.payload_bytes > limit) {
+    return Status::ResourceExhausted(
+        fmt::format("frame payload of {} bytes exceeds the limit of {}", h.payload_bytes, limit));
+  }
+  return h;
+}
+
+uint32_t PayloadChecksum(std::span<const std::byte> payload) { return XXH32(payload.data(), payload.size(), 0); }
+
+Status VerifyPayload(const FrameHeader& header, std::span<const std::byte> payload) {
+  if (payload.size() != header.payload_bytes) {
+    return Bad(fmt::format("payload is {} bytes; header says {}", payload.size(), header.payload_bytes));
+  }
+  if ((header.flags & kFlagPayloadChecksum) && PayloadChecksum(payload) != header.payload_checksum) {
+    return Status::Corruption(fmt::format("{} payload checksum mismatch", OpcodeName(header.opcode)));
+  }
+  return Status::OK();
+}
+
+std::vector<std::byte> EncodeFrame(Opcode op, uint16_t flags, uint64_t request_id,
+                                   std::span<const std::byte> payload) {
+  FrameHeader h;
+  h.opcode = op;
+  h.flags = flags | kFlagPayloadChecksum;
+  h.request_id = request_id;
+  h.payload_bytes = static_cast<uint32_t>(payload.size());
+  h.payload_checksum = PayloadChecksum(payload);
+  const auto header = EncodeHeader(h);
+  std::vector<std::byte> out(kHeaderBytes + payload.size());
+  std::memcpy(out.data(), header.data(), kHeaderBytes);
+  if (!payload.empty()) std::memcpy(out.data() + kHeaderBytes, payload.data(), payload.size());
+  return out;
+}
+
+// ---- primitives ----
+
+void PayloadWriter::Raw(const void* p, size_t n) {
+  const auto* b = static_cast<const std::byte*>(p);
+  out_.insert(out_.end(), b, b + n);
+}
+
+void PayloadWriter::Blob(std::span<const std::byte> b) {
+  U32(static_cast<uint32_t>(b.size()));
+  Bytes(b);
+}
+
+void PayloadWriter::String(std::string_view s) {
+  Blob(std::as_bytes(std::span<const char>(s.data(), s.size())));
+}
+
+Status PayloadReader::Short(const char* field, size_t need) const {
+  return Bad(fmt::format("payload ends inside {}: {} bytes needed, {} left", field, need, remaining()));
+}
+
+#define SPARSEKV_READ_SCALAR(T, NAME)                         \
+  Result<T> PayloadReader::NAME(const char* field) {          \
+    if (remaining() < sizeof(T)) return Short(field, sizeof(T)); \
+    T v = LoadLE<T>(in_.data() + pos_);                       \
+    pos_ += sizeof(T);                                        \
+    return v;                                                 \
+  }
+SPARSEKV_READ_SCALAR(uint8_t, U8)
+SPARSEKV_READ_SCALAR(uint16_t, U16)
+SPARSEKV_READ_SCALAR(uint32_t, U32)
+SPARSEKV_READ_SCALAR(uint64_t, U64)
+#undef SPARSEKV_READ_SCALAR
+
+Result<std::span<const std::byte>> PayloadReader::Bytes(size_t n, const char* field) {
+  if (remaining() < n) return Short(field, n);
+  auto s = in_.subspan(pos_, n);
+  pos_ += n;
+  return s;
+}
+
+Result<std::span<const std::byte>> PayloadReader::Blob(const char* field, uint32_t max_bytes) {
+  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, U32(field));
+  if (n > max_bytes) return Bad(fmt::format("{} of {} bytes exceeds the limit of {}", field, n, max_bytes));
+  return Bytes(n, field);
+}
+
+Result<std::string> PayloadReader::String(const char* field, uint32_t max_bytes) {
+  SPARSEKV_ASSIGN_OR_RETURN(auto b, Blob(field, max_bytes));
+  return std::string(reinterpret_cast<const char*>(b.data()), b.size());
+}
+
+Result<uint32_t> PayloadReader::Count(const char* field, uint32_t max_items, size_t min_item_bytes) {
+  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, U32(field));
+  if (n > max_items) return Bad(fmt::format("{} = {} exceeds the limit of {}", field, n, max_items));
+  if (min_item_bytes && n > remaining() / min_item_bytes) {
+    return Bad(fmt::format("{} = {} but only {} bytes follow", field, n, remaining()));
+  }
+  return n;
+}
+
+Status PayloadReader::Finish(const char* message) const {
+  if (remaining() != 0) return Bad(fmt::format("{} has {} trailing bytes", message, remaining()));
+  return Status::OK();
+}
+
+// ---- messages ----
+
+std::vector<std::byte> Encode(const HelloRequest& m) {
+  PayloadWriter w;
+  w.U16(m.protocol_version);
+  w.String(m.namespace_name);
+  w.String(m.token);
+  w.String(m.client_name);
+  w.U8(m.want_shared_memory ? 1 : 0);
+  return w.Take();
+}
+
+Result<HelloRequest> DecodeHelloRequest(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  HelloRequest m;
+  SPARSEKV_ASSIGN_OR_RETURN(m.protocol_version, r.U16("HELLO version"));
+  SPARSEKV_ASSIGN_OR_RETURN(m.namespace_name, r.String("HELLO namespace", kMaxNameBytes));
+  SPARSEKV_ASSIGN_OR_RETURN(m.token, r.String("HELLO token", kMaxNameBytes));
+  SPARSEKV_ASSIGN_OR_RETURN(m.client_name, r.String("HELLO client name", kMaxNameBytes));
+  SPARSEKV_ASSIGN_OR_RETURN(uint8_t shm, r.U8("HELLO shared-memory flag"));
+  if (shm > 1) return Bad("HELLO shared-memory flag must be 0 or 1");
+  m.want_shared_memory = shm == 1;
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("HELLO"));
+  if (m.namespace_name.empty()) return Bad("HELLO namespace is empty");
+  return m;
+}
+
+std::vector<std::byte> Encode(const HelloReply& m) {
+  PayloadWriter w;
+  w.U64(m.session_id);
+  w.U32(m.max_payload_bytes);
+  w.U32(m.block_tokens);
+  w.U64(m.shm_arena_bytes);
+  w.String(m.server_version);
+  return w.Take();
+}
+
+Result<HelloReply> DecodeHelloReply(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  HelloReply m;
+  SPARSEKV_ASSIGN_OR_RETURN(m.session_id, r.U64("HELLO reply session"));
+  SPARSEKV_ASSIGN_OR_RETURN(m.max_payload_bytes, r.U32("HELLO reply max payload"));
+  SPARSEKV_ASSIGN_OR_RETURN(m.block_tokens, r.U32("HELLO reply block tokens"));
+  SPARSEKV_ASSIGN_OR_RETURN(m.shm_arena_bytes, r.U64("HELLO reply arena bytes"));
+  SPARSEKV_ASSIGN_OR_RETURN(m.server_version, r.String("HELLO reply version", kMaxNameBytes));
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("HELLO reply"));
+  return m;
+}
+
+std::vector<std::byte> Encode(const HashList& m) {
+  PayloadWriter w;
+  WriteHashes(w, m.hashes);
+  return w.Take();
+}
+
+Result<HashList> DecodeHashList(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  HashList m;
+  SPARSEKV_ASSIGN_OR_RETURN(m.hashes, ReadHashes(r, "hash count"));
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("hash list"));
+  return m;
+}
+
+std::vector<std::byte> Encode(const LookupReply& m) {
+  PayloadWriter w;
+  w.U32(m.prefix_blocks);
+  w.U32(static_cast<uint32_t>(m.tiers.size()));
+  for (uint8_t t : m.tiers) w.U8(t);
+  return w.Take();
+}
+
+Result<LookupReply> DecodeLookupReply(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  LookupReply m;
+  SPARSEKV_ASSIGN_OR_RETURN(m.prefix_blocks, r.U32("LOOKUP prefix"));
+  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count("LOOKUP tier count", kMaxBatchItems, 1));
+  if (m.prefix_blocks > n) return Bad("LOOKUP prefix is longer than the list of blocks");
+  m.tiers.resize(n);
+  for (uint8_t& t : m.tiers) {
+    SPARSEKV_ASSIGN_OR_RETURN(t, r.U8("LOOKUP tier"));
+  }
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("LOOKUP reply"));
+  return m;
+}
+
+std::vector<std::byte> Encode(const PinRequest& m) {
+  PayloadWriter w;
+  w.U8(m.priority);
+  WriteHashes(w, m.hashes);
+  return w.Take();
+}
+
+Result<PinRequest> DecodePinRequest(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  PinRequest m;
+  SPARSEKV_ASSIGN_OR_RETURN(m.priority, r.U8("PIN priority"));
+  SPARSEKV_ASSIGN_OR_RETURN(m.hashes, ReadHashes(r, "PIN hash count"));
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("PIN"));
+  return m;
+}
+
+std::vector<std::byte> Encode(const PutRequest& m) {
+  PayloadWriter w;
+  w.U32(static_cast<uint32_t>(m.items.size()));
+  for (const PutItem& it : m.items) {
+    w.Bytes(it.hash);
+    w.Blob(it.bundle);
+  }
+  return w.Take();
+}
+
+Result<PutRequest> DecodePutRequest(std::span<const std::byte> p, uint32_t max_bundle_bytes) {
+  PayloadReader r(p);
+  PutRequest m;
+  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count("PUT item count", kMaxBatchItems, 20));
+  m.items.resize(n);
+  for (PutItem& it : m.items) {
+    SPARSEKV_ASSIGN_OR_RETURN(auto h, r.Bytes(16, "PUT hash"));
+    std::memcpy(it.hash.data(), h.data(), 16);
+    SPARSEKV_ASSIGN_OR_RETURN(it.bundle, r.Blob("PUT bundle", max_bundle_bytes));
+  }
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("PUT"));
+  return m;
+}
+
+std::vector<std::byte> Encode(const StatusListReply& m) {
+  PayloadWriter w;
+  w.U32(static_cast<uint32_t>(m.items.size()));
+  for (const ItemStatus& s : m.items) WriteItemStatus(w, s);
+  return w.Take();
+}
+
+Result<StatusListReply> DecodeStatusListReply(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  StatusListReply m;
+  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count("status count", kMaxBatchItems, 1));
+  m.items.resize(n);
+  for (ItemStatus& s : m.items) {
+    SPARSEKV_ASSIGN_OR_RETURN(s, ReadItemStatus(r));
+  }
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("status list"));
+  return m;
+}
+
+std::vector<std::byte> Encode(const GetReply& m) {
+  PayloadWriter w;
+  w.U32(static_cast<uint32_t>(m.items.size()));
+  for (const GetItem& it : m.items) {
+    WriteItemStatus(w, it.status);
+    if (it.status.code == StatusCode::kOk) w.Blob(it.bundle);
+  }
+  return w.Take();
+}
+
+Result<GetReply> DecodeGetReply(std::span<const std::byte> p, uint32_t max_bundle_bytes) {
+  PayloadReader r(p);
+  GetReply m;
+  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count("GET item count", kMaxBatchItems, 1));
+  m.items.resize(n);
+  for (GetItem& it : m.items) {
+    SPARSEKV_ASSIGN_OR_RETURN(it.status, ReadItemStatus(r));
+    if (it.status.code == StatusCode::kOk) {
+      SPARSEKV_ASSIGN_OR_RETURN(it.bundle, r.Blob("GET bundle", max_bundle_bytes));
+    }
+  }
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("GET reply"));
+  return m;
+}
+
+std::vector<std::byte> Encode(const ShmPutRequest& m) {
+  PayloadWriter w;
+  w.U32(static_cast<uint32_t>(m.slots.size()));
+  for (const ShmSlot& s : m.slots) WriteSlot(w, s);
+  return w.Take();
+}
+
+Result<ShmPutRequest> DecodeShmPutRequest(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  ShmPutRequest m;
+  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count("SHM_PUT slot count", kMaxBatchItems, 28));
+  m.slots.resize(n);
+  for (ShmSlot& s : m.slots) {
+    SPARSEKV_ASSIGN_OR_RETURN(s, ReadSlot(r));
+  }
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("SHM_PUT"));
+  return m;
+}
+
+std::vector<std::byte> Encode(const ShmGetReply& m) {
+  PayloadWriter w;
+  w.U32(static_cast<uint32_t>(m.status.size()));
+  size_t slot = 0;
+  for (const ItemStatus& s : m.status) {
+    WriteItemStatus(w, s);
+    if (s.code == StatusCode::kOk) WriteSlot(w, m.slots[slot++]);
+  }
+  return w.Take();
+}
+
+Result<ShmGetReply> DecodeShmGetReply(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  ShmGetReply m;
+  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count("SHM_GET item count", kMaxBatchItems, 1));
+  m.status.resize(n);
+  for (ItemStatus& s : m.status) {
+    SPARSEKV_ASSIGN_OR_RETURN(s, ReadItemStatus(r));
+    if (s.code == StatusCode::kOk) {
+      SPARSEKV_ASSIGN_OR_RETURN(ShmSlot slot, ReadSlot(r));
+      m.slots.push_back(slot);
+    }
+  }
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("SHM_GET reply"));
+  return m;
+}
+
+std::vector<std::byte> Encode(const ErrorReply& m) {
+  PayloadWriter w;
+  w.U8(static_cast<uint8_t>(m.code));
+  w.String(m.message);
+  return w.Take();
+}
+
+Result<ErrorReply> DecodeErrorReply(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  ErrorReply m;
+  SPARSEKV_ASSIGN_OR_RETURN(uint8_t code, r.U8("ERROR code"));
+  if (code == 0 || code > static_cast<uint8_t>(StatusCode::kInternal)) {
+    return Bad(fmt::format("ERROR code {} is unknown", code));
+  }
+  m.code = static_cast<StatusCode>(code);
+  SPARSEKV_ASSIGN_OR_RETURN(m.message, r.String("ERROR message", 4096));
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("ERROR"));
+  return m;
+}
+
+std::vector<std::byte> Encode(const EventBatch& m) {
+  PayloadWriter w;
+  w.U64(m.sequence);
+  w.U32(static_cast<uint32_t>(m.events.size()));
+  for (const EventRecord& e : m.events) {
+    w.U8(e.type);
+    w.U8(e.tier);
+    WriteHashes(w, e.hashes);
+  }
+  return w.Take();
+}
+
+Result<EventBatch> DecodeEventBatch(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  EventBatch m;
+  SPARSEKV_ASSIGN_OR_RETURN(m.sequence, r.U64("EVENT sequence"));
+  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count("EVENT count", kMaxBatchItems, 6));
+  m.events.resize(n);
+  for (EventRecord& e : m.events) {
+    SPARSEKV_ASSIGN_OR_RETURN(e.type, r.U8("EVENT type"));
+    if (e.type < 1 || e.type > 3) return Bad(fmt::format("EVENT type {} is unknown", e.type));
+    SPARSEKV_ASSIGN_OR_RETURN(e.tier, r.U8("EVENT tier"));
+    SPARSEKV_ASSIGN_OR_RETURN(e.hashes, ReadHashes(r, "EVENT hash count"));
+  }
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("EVENT"));
+  return m;
+}
+
+}  // namespace sparsekv::wire

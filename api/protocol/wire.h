@@ -1,0 +1,233 @@
+// sparsekv's wire protocol (see api/PROTOCOL.md): length-prefixed frames with a fixed 32-byte
+// header that carries its own checksum, and little-endian payloads decoded with bounds checks.
+//
+// Everything here is a pure function over byte spans: no I/O, no allocation beyond the
+// decoded values. Decoders never trust a length they have not checked against the bytes they
+// hold, and every error names the field at fault. Thread-safe.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "sparsekv/status.h"
+
+namespace sparsekv::wire {
+
+inline constexpr uint32_t kMagic = 0x31564B53;  // bytes "SKV1"
+inline constexpr uint16_t kProtocolVersion = 1;
+inline constexpr size_t kHeaderBytes = 32;
+// Upper bound any side accepts; a server configures a lower one. 64 MiB.
+inline constexpr uint32_t kMaxPayloadBytes = 64u << 20;
+
+enum class Opcode : uint16_t {
+  kHello = 1,       // open a session in a namespace
+  kLookup = 2,      // block hashes -> resumable prefix length and tier of each block
+  kPut = 3,         // store bundles
+  kGet = 4,         // fetch bundles
+  kPin = 5,         // keep blocks resident, with a priority
+  kUnpin = 6,
+  kDelete = 7,
+  kStats = 8,       // JSON statistics of the namespace
+  kSubscribe = 9,   // start receiving kEvent frames
+  kEvent = 10,      // server -> client: KV events
+  kError = 11,      // server -> client: the request failed; payload is an ErrorReply
+  kShmPut = 12,     // shared-memory path: bundles already written into the mapped arena
+  kShmGet = 13,     // shared-memory path: bundles copied into the arena, offsets returned
+  kShmRelease = 14, // shared-memory path: the client is done with arena slots
+  kPing = 15,
+};
+inline constexpr uint16_t kMaxOpcode = 15;
+std::string_view OpcodeName(Opcode op);
+
+// Header flags.
+inline constexpr uint16_t kFlagResponse = 1u << 0;
+inline constexpr uint16_t kFlagPayloadChecksum = 1u << 1;  // payload_checksum is set
+inline constexpr uint16_t kKnownFlags = kFlagResponse | kFlagPayloadChecksum;
+
+struct FrameHeader {
+  Opcode opcode = Opcode::kPing;
+  uint16_t flags = 0;
+  uint64_t request_id = 0;
+  uint32_t payload_bytes = 0;
+  uint32_t payload_checksum = 0;  // XXH32 of the payload when kFlagPayloadChecksum
+};
+
+// Layout (little-endian): magic u32 | version u16 | opcode u16 | flags u16 | reserved u16 (0) |
+// request_id u64 | payload_bytes u32 | payload_checksum u32 | header_checksum u32, the last being
+// XXH32 (seed 0) of the 28 bytes before it.
+std::array<std::byte, kHeaderBytes> EncodeHeader(const FrameHeader& header);
+// Errors: bad magic, unsupported version, checksum mismatch, unknown opcode or flags, a
+// non-zero reserved field, payload larger than `max_payload_bytes`.
+Result<FrameHeader> DecodeHeader(std::span<const std::byte> bytes, uint32_t max_payload_bytes);
+uint32_t PayloadChecksum(std::span<const std::byte> payload);
+// Checks the payload against the header's checksum when the header carries one.
+Status VerifyPayload(const FrameHeader& header, std::span<const std::byte> payload);
+
+// A whole frame: header then payload, with the payload checksum set.
+std::vector<std::byte> EncodeFrame(Opcode op, uint16_t flags, uint64_t request_id,
+                                   std::span<const std::byte> payload);
+
+// ---- payload primitives ----
+
+class PayloadWriter {
+ public:
+  void U8(uint8_t v) { Raw(&v, 1); }
+  void U16(uint16_t v) { Raw(&v, 2); }
+  void U32(uint32_t v) { Raw(&v, 4); }
+  void U64(uint64_t v) { Raw(&v, 8); }
+  void Bytes(std::span<const std::byte> b) { Raw(b.data(), b.size()); }
+  // u32 length, then the bytes.
+  void Blob(std::span<const std::byte> b);
+  void String(std::string_view s);
+  std::vector<std::byte>& bytes() { return out_; }
+  std::vector<std::byte> Take() { return std::move(out_); }
+
+ private:
+  void Raw(const void* p, size_t n);
+  std::vector<std::byte> out_;
+};
+
+class PayloadReader {
+ public:
+  explicit PayloadReader(std::span<const std::byte> in) : in_(in) {}
+  // Each returns an error naming `field` when the bytes run out.
+  Result<uint8_t> U8(const char* field);
+  Result<uint16_t> U16(const char* field);
+  Result<uint32_t> U32(const char* field);
+  Result<uint64_t> U64(const char* field);
+  Result<std::span<const std::byte>> Bytes(size_t n, const char* field);
+  Result<std::span<const std::byte>> Blob(const char* field, uint32_t max_bytes);
+  Result<std::string> String(const char* field, uint32_t max_bytes);
+  // A count of items of at least `min_item_bytes` each: refused if the rest cannot hold them.
+  Result<uint32_t> Count(const char* field, uint32_t max_items, size_t min_item_bytes);
+  // Error when bytes are left over.
+  Status Finish(const char* message) const;
+  size_t remaining() const { return in_.size() - pos_; }
+
+ private:
+  Status Short(const char* field, size_t need) const;
+  std::span<const std::byte> in_;
+  size_t pos_ = 0;
+};
+
+// ---- messages ----
+
+using WireHash = std::array<std::byte, 16>;  // a 128-bit block hash
+inline constexpr uint32_t kMaxBatchItems = 65536;
+inline constexpr uint32_t kMaxNameBytes = 256;
+
+struct HelloRequest {
+  uint16_t protocol_version = kProtocolVersion;
+  std::string namespace_name;
+  std::string token;
+  std::string client_name;
+  bool want_shared_memory = false;  // Unix socket only: the reply carries the arena's memfd
+};
+struct HelloReply {
+  uint64_t session_id = 0;
+  uint32_t max_payload_bytes = 0;
+  uint32_t block_tokens = 0;
+  uint64_t shm_arena_bytes = 0;  // 0 when no arena was passed
+  std::string server_version;
+};
+
+struct HashList {  // LOOKUP, GET, UNPIN, DELETE, SHM_GET requests
+  std::vector<WireHash> hashes;
+};
+
+struct LookupReply {
+  uint32_t prefix_blocks = 0;   // length of the resumable prefix, in blocks
+  std::vector<uint8_t> tiers;   // per hash: 0 absent, 1 host memory, 2 SSD, 3 RocksDB
+};
+
+struct PinRequest {
+  std::vector<WireHash> hashes;
+  uint8_t priority = 0;  // higher outlives lower
+};
+
+struct PutItem {
+  WireHash hash{};
+  std::span<const std::byte> bundle;  // a view into the frame's payload
+};
+struct PutRequest {
+  std::vector<PutItem> items;
+};
+
+// Per-item outcome: a StatusCode and, when not OK, a message.
+struct ItemStatus {
+  StatusCode code = StatusCode::kOk;
+  std::string message;
+};
+struct StatusListReply {  // PUT, PIN, UNPIN, DELETE, SHM_PUT, SHM_RELEASE replies
+  std::vector<ItemStatus> items;
+};
+
+struct GetItem {
+  ItemStatus status;
+  std::span<const std::byte> bundle;  // empty unless OK
+};
+struct GetReply {
+  std::vector<GetItem> items;
+};
+
+struct ShmSlot {
+  WireHash hash{};
+  uint64_t offset = 0;  // into the shared arena
+  uint32_t bytes = 0;
+};
+struct ShmPutRequest {  // bundles the client wrote at offsets it was given by SHM_GET/alloc
+  std::vector<ShmSlot> slots;
+};
+struct ShmGetReply {
+  std::vector<ItemStatus> status;
+  std::vector<ShmSlot> slots;  // one per OK item, in order
+};
+
+struct ErrorReply {
+  StatusCode code = StatusCode::kInternal;
+  std::string message;
+};
+
+struct EventRecord {
+  uint8_t type = 0;  // 1 stored, 2 removed, 3 all cleared
+  uint8_t tier = 0;
+  std::vector<WireHash> hashes;
+};
+struct EventBatch {
+  uint64_t sequence = 0;  // first event's sequence number
+  std::vector<EventRecord> events;
+};
+
+std::vector<std::byte> Encode(const HelloRequest& m);
+std::vector<std::byte> Encode(const HelloReply& m);
+std::vector<std::byte> Encode(const HashList& m);
+std::vector<std::byte> Encode(const LookupReply& m);
+std::vector<std::byte> Encode(const PinRequest& m);
+std::vector<std::byte> Encode(const PutRequest& m);
+std::vector<std::byte> Encode(const StatusListReply& m);
+std::vector<std::byte> Encode(const GetReply& m);
+std::vector<std::byte> Encode(const ShmPutRequest& m);
+std::vector<std::byte> Encode(const ShmGetReply& m);
+std::vector<std::byte> Encode(const ErrorReply& m);
+std::vector<std::byte> Encode(const EventBatch& m);
+
+Result<HelloRequest> DecodeHelloRequest(std::span<const std::byte> p);
+Result<HelloReply> DecodeHelloReply(std::span<const std::byte> p);
+Result<HashList> DecodeHashList(std::span<const std::byte> p);
+Result<LookupReply> DecodeLookupReply(std::span<const std::byte> p);
+Result<PinRequest> DecodePinRequest(std::span<const std::byte> p);
+// Bundle views point into `p`, which must outlive the result.
+Result<PutRequest> DecodePutRequest(std::span<const std::byte> p, uint32_t max_bundle_bytes);
+Result<StatusListReply> DecodeStatusListReply(std::span<const std::byte> p);
+Result<GetReply> DecodeGetReply(std::span<const std::byte> p, uint32_t max_bundle_bytes);
+Result<ShmPutRequest> DecodeShmPutRequest(std::span<const std::byte> p);
+Result<ShmGetReply> DecodeShmGetReply(std::span<const std::byte> p);
+Result<ErrorReply> DecodeErrorReply(std::span<const std::byte> p);
+Result<EventBatch> DecodeEventBatch(std::span<const std::byte> p);
+
+}  // namespace sparsekv::wire

@@ -1,0 +1,139 @@
+#include "protocol/wire.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+namespace sparsekv::wire {
+namespace {
+
+using ::testing::HasSubstr;
+
+WireHash H(uint8_t seed) {
+  WireHash h{};
+  for (size_t i = 0; i < h.size(); ++i) h[i] = std::byte(seed + i);
+  return h;
+}
+
+TEST(Wire, HeaderRoundTripAndChecksum) {
+  FrameHeader h;
+  h.opcode = Opcode::kGet;
+  h.flags = kFlagResponse;
+  h.request_id = 0x1122334455667788ull;
+  h.payload_bytes = 1234;
+  auto bytes = EncodeHeader(h);
+  auto back = DecodeHeader(bytes, kMaxPayloadBytes);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->opcode, Opcode::kGet);
+  EXPECT_EQ(back->request_id, h.request_id);
+  EXPECT_EQ(back->payload_bytes, 1234u);
+  // Every single-bit flip of the header is caught.
+  for (size_t bit = 0; bit < kHeaderBytes * 8; ++bit) {
+    auto bad = bytes;
+    bad[bit / 8] ^= std::byte(1u << (bit % 8));
+    EXPECT_FALSE(DecodeHeader(bad, kMaxPayloadBytes).ok()) << "bit " << bit;
+  }
+}
+
+TEST(Wire, HeaderErrorsNameTheFault) {
+  FrameHeader h;
+  h.payload_bytes = 100;
+  auto bytes = EncodeHeader(h);
+  EXPECT_THAT(std::string(DecodeHeader(std::span(bytes).first(10), 1000).status().message()),
+              HasSubstr("expected 32"));
+  EXPECT_EQ(DecodeHeader(bytes, 99).status().code(), StatusCode::kResourceExhausted);
+  auto bad_magic = bytes;
+  bad_magic[0] = std::byte{'X'};
+  EXPECT_THAT(std::string(DecodeHeader(bad_magic, 1000).status().message()), HasSubstr("magic"));
+}
+
+TEST(Wire, FramePayloadChecksum) {
+  std::vector<std::byte> payload(64, std::byte{1});
+  auto frame = EncodeFrame(Opcode::kPut, 0, 5, payload);
+  auto h = DecodeHeader(frame, kMaxPayloadBytes);
+  ASSERT_TRUE(h.ok());
+  auto body = std::span(frame).subspan(kHeaderBytes);
+  EXPECT_TRUE(VerifyPayload(*h, body).ok());
+  frame[kHeaderBytes + 10] ^= std::byte{4};
+  EXPECT_EQ(VerifyPayload(*h, body).code(), StatusCode::kCorruption);
+  EXPECT_FALSE(VerifyPayload(*h, body.first(10)).ok());
+}
+
+TEST(Wire, MessagesRoundTrip) {
+  HelloRequest hello{1, "ns", "tok", "engine", true};
+  auto hr = DecodeHelloRequest(Encode(hello));
+  ASSERT_TRUE(hr.ok());
+  EXPECT_EQ(hr->namespace_name, "ns");
+  EXPECT_EQ(hr->token, "tok");
+  EXPECT_TRUE(hr->want_shared_memory);
+
+  std::vector<std::byte> b1(10, std::byte{1}), b2(3, std::byte{2});
+  PutRequest put{{PutItem{H(1), b1}, PutItem{H(2), b2}}};
+  auto enc = Encode(put);
+  auto pr = DecodePutRequest(enc, 1024);
+  ASSERT_TRUE(pr.ok());
+  ASSERT_EQ(pr->items.size(), 2u);
+  EXPECT_EQ(pr->items[1].hash, H(2));
+  EXPECT_EQ(pr->items[1].bundle.size(), 3u);
+  EXPECT_EQ(pr->items[0].bundle[9], std::byte{1});
+  EXPECT_EQ(DecodePutRequest(enc, 5).status().code(), StatusCode::kInvalidArgument);  // bundle over limit
+
+  GetReply get{{GetItem{{}, b1}, GetItem{{StatusCode::kPermissionDenied, "other namespace"}, {}}}};
+  auto genc = Encode(get);
+  auto gr = DecodeGetReply(genc, 1024);
+  ASSERT_TRUE(gr.ok());
+  EXPECT_EQ(gr->items[1].status.code, StatusCode::kPermissionDenied);
+  EXPECT_EQ(gr->items[1].status.message, "other namespace");
+
+  LookupReply lr{2, {1, 2, 0}};
+  auto lrr = DecodeLookupReply(Encode(lr));
+  ASSERT_TRUE(lrr.ok());
+  EXPECT_EQ(lrr->prefix_blocks, 2u);
+  EXPECT_EQ(lrr->tiers, lr.tiers);
+
+  EventBatch ev{42, {EventRecord{1, 1, {H(3)}}, EventRecord{3, 0, {}}}};
+  auto er = DecodeEventBatch(Encode(ev));
+  ASSERT_TRUE(er.ok());
+  EXPECT_EQ(er->sequence, 42u);
+  EXPECT_EQ(er->events[1].type, 3);
+
+  ShmGetReply sg{{ItemStatus{}, ItemStatus{StatusCode::kNotFound, "gone"}}, {ShmSlot{H(4), 8192, 77}}};
+  auto sgr = DecodeShmGetReply(Encode(sg));
+  ASSERT_TRUE(sgr.ok());
+  ASSERT_EQ(sgr->slots.size(), 1u);
+  EXPECT_EQ(sgr->slots[0].offset, 8192u);
+}
+
+TEST(Wire, MalformedPayloadsAreRefused) {
+  // A count that promises more items than the bytes can hold.
+  PayloadWriter w;
+  w.U32(1000);
+  w.Bytes(H(1));
+  EXPECT_THAT(std::string(DecodeHashList(w.bytes()).status().message()), HasSubstr("only 16 bytes follow"));
+  // Trailing bytes.
+  auto ok = Encode(HashList{{H(1)}});
+  ok.push_back(std::byte{0});
+  EXPECT_THAT(std::string(DecodeHashList(ok).status().message()), HasSubstr("trailing"));
+  // A string whose length runs past the end.
+  PayloadWriter s;
+  s.U16(1);
+  s.U32(0x7fffffff);
+  EXPECT_FALSE(DecodeHelloRequest(s.bytes()).ok());
+  // Empty namespace.
+  EXPECT_FALSE(DecodeHelloRequest(Encode(HelloRequest{1, "", "", "", false})).ok());
+  // Unknown status code in a reply.
+  PayloadWriter st;
+  st.U32(1);
+  st.U8(200);
+  EXPECT_FALSE(DecodeStatusListReply(st.bytes()).ok());
+  // LOOKUP prefix longer than the list.
+  PayloadWriter lk;
+  lk.U32(5);
+  lk.U32(1);
+  lk.U8(1);
+  EXPECT_FALSE(DecodeLookupReply(lk.bytes()).ok());
+}
+
+}  // namespace
+}  // namespace sparsekv::wire
