@@ -1,0 +1,135 @@
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <memory>
+
+#include "bench_util.h"
+#include "cli/model_options.h"
+#include "cli/registry.h"
+#include "replay.h"
+
+namespace sparsekv::cli {
+namespace {
+
+// "[=========>          ]  45%  5,400/12,031 requests" on stderr, redrawn in place.
+void DrawProgress(size_t done, size_t total) {
+  static double last_draw = 0;  // ten redraws a second are plenty
+  const double now = bench::NowSeconds();
+  if (done != 0 && done != total && now - last_draw < 0.1) return;
+  last_draw = now;
+  constexpr int kWidth = 40;
+  const double f = total ? static_cast<double>(done) / static_cast<double>(total) : 1.0;
+  const int filled = static_cast<int>(f * kWidth);
+  std::string bar(kWidth, ' ');
+  for (int i = 0; i < filled; ++i) bar[i] = '=';
+  if (filled < kWidth) bar[filled] = '>';
+  std::fprintf(stderr, "\r[%s] %3d%%  %zu/%zu requests", bar.c_str(), static_cast<int>(f * 100),
+               done, total);
+  if (done == total) std::fputc('\n', stderr);
+  std::fflush(stderr);
+}
+
+}  // namespace
+
+SPARSEKV_CLI_COMMAND(replay) {
+  struct Args {
+    std::string trace;
+    std::string model = "single-kind";
+    std::string spec_file;
+    std::string kv_format = "bf16";
+    std::string hash = "xxh3";
+    bench::ReplayOptions options;
+    bool json = false;
+    bool progress = false;
+  };
+  auto args = std::make_shared<Args>();
+  CLI::App* cmd = app.add_subcommand(
+      "replay",
+      "Replay a Mooncake-format request trace through the prefix cache and report its hit ratio");
+  cmd->add_option("--trace", args->trace, "Trace file: JSON lines with input_length and hash_ids")
+      ->required()
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--capacity-blocks", args->options.capacity_blocks,
+                  "Pages per pool (blocks the cache holds); 0 for unlimited")
+      ->capture_default_str();
+  cmd->add_option("--block-tokens", args->options.block_tokens, "Tokens per cache block")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--trace-block-tokens", args->options.trace_block_tokens,
+                  "Tokens per hash id in the trace")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  auto* model =
+      cmd->add_option("--model", args->model,
+                      "single-kind (one page per block), deepseek-v3.2-exp or deepseek-v4-flash")
+          ->capture_default_str();
+  cmd->add_option("--spec", args->spec_file, "JSON model spec file (instead of --model)")
+      ->check(CLI::ExistingFile)
+      ->excludes(model);
+  cmd->add_option("--kv-format", args->kv_format, "Storage of a preset's KV: bf16, c8 or fp8")
+      ->capture_default_str();
+  cmd->add_option("--hash", args->hash, "Prefix hash: xxh3 or sha256")->capture_default_str();
+  cmd->add_option("--salt", args->options.namespace_salt, "Namespace salt of every request");
+  cmd->add_flag("--json", args->json, "Print JSON");
+  cmd->add_flag("--progress", args->progress, "Draw a progress bar on stderr");
+  cmd->callback([args, &exit_code] {
+    auto hash = ParseHashMode(args->hash);
+    if (!hash.ok()) {
+      exit_code = Fail(hash.status());
+      return;
+    }
+    args->options.hash_mode = *hash;
+    if (!args->spec_file.empty()) {
+      auto spec = LoadModelSpecFile(args->spec_file);
+      if (!spec.ok()) {
+        exit_code = Fail(spec.status());
+        return;
+      }
+      args->options.spec = *spec;
+    } else if (args->model != "single-kind") {
+      auto precision = ParseKvPrecision(args->kv_format);
+      auto spec = precision.ok() ? ModelPreset(args->model, *precision)
+                                 : Result<ModelSpec>(precision.status());
+      if (!spec.ok()) {
+        exit_code = Fail(spec.status());
+        return;
+      }
+      args->options.spec = *spec;
+    }
+    const double t0 = bench::NowSeconds();
+    auto trace = bench::LoadMooncakeTrace(args->trace, args->options.trace_block_tokens);
+    if (!trace.ok()) {
+      exit_code = Fail(trace.status());
+      return;
+    }
+    const double load_seconds = bench::NowSeconds() - t0;
+    if (args->progress) args->options.progress = DrawProgress;
+    auto r = bench::RunReplay(*trace, args->options);
+    if (!r.ok()) {
+      exit_code = Fail(r.status());
+      return;
+    }
+    nlohmann::json j = bench::ReplayResultToJson(*r, args->options);
+    j["trace"] = args->trace;
+    j["load_seconds"] = load_seconds;
+    if (args->json) {
+      std::printf("%s\n", j.dump(2).c_str());
+      return;
+    }
+    std::printf("%s: %llu requests, %llu blocks of %u tokens, model %s, capacity %s\n",
+                args->trace.c_str(), static_cast<unsigned long long>(r->requests),
+                static_cast<unsigned long long>(r->blocks), args->options.block_tokens,
+                args->options.spec.name.c_str(),
+                args->options.capacity_blocks
+                    ? fmt::format("{} blocks", args->options.capacity_blocks).c_str()
+                    : "unlimited");
+    std::printf("hit blocks %llu   block hit ratio %.4f   token hit ratio %.4f\n",
+                static_cast<unsigned long long>(r->hit_blocks), r->BlockHitRatio(),
+                r->TokenHitRatio(args->options.block_tokens));
+    std::printf("evicted %llu blocks   %.3f s   %.2f M blocks/s (hashing included)\n",
+                static_cast<unsigned long long>(r->evicted_blocks), r->seconds,
+                r->BlocksPerSecond() / 1e6);
+  });
+}
+
+}  // namespace sparsekv::cli

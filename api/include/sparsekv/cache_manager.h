@@ -1,0 +1,246 @@
+// CacheManager: sequences, their block tables and the prefix cache over one model's page pools.
+//
+// What it is. The manager owns one PagePool per PoolGeometry of the model (block_geometry.h) and
+// gives each sequence a block table per pool: entry b is the page holding token block b of that
+// kind. An engine, per request: CreateSequence, AppendTokens (the prompt), AcquireCachedPrefix
+// (attach the longest resumable cached prefix), AllocateSlots (pages for the tokens to compute),
+// runs the model, CommitComputed (the KV is written: full blocks become findable), and at the
+// end Free. Fork shares a sequence's pages with a new one (copy on write for a shared partial
+// block).
+//
+// Blocks and records. A full block that is committed gets a record in the prefix index, keyed by
+// its BlockHash (block_hash.h), holding the block's page in every pool. The record is the unit of
+// caching: lookup walks the chain of records, and a record whose full-history page is evicted
+// from any pool is removed with all its pages. The sliding-window and compressor-snapshot pages
+// of a record are only needed to *resume at* its end boundary, so they may go first (a running
+// sequence releases them early once they leave its window, and they may be evicted while the
+// block's full-history pages stay); the record then remains a prefix but not a resume point,
+// until a request that computes the block again hands it the lost pages.
+//
+// Compressor state. A compressor-state page of block b holds the compressor's running state while
+// b is the sequence's last block, and its snapshot at the end of b once b is full. A new block's
+// page starts from the previous one: AllocateSlots lists that copy (kCarryState).
+//
+// Resumable prefix (DESIGN.md). A cached prefix of k blocks is a hit only if every full-history
+// kind of blocks 0..k-1 is cached, the sliding-window pages of the ceil(window/block_tokens)
+// blocks before token k*block_tokens are cached, and the compressor snapshot at that boundary
+// (the compressor-state page of block k-1) is cached. A request always computes at least one
+// token: a prompt of L tokens hits at most (L-1)/block_tokens blocks. So a V4 prefix never hits
+// at a boundary whose window or snapshot pages were evicted; it may still hit at a later
+// boundary whose own pages are there, since the earlier window is not needed to resume there.
+//
+// Eviction. Pages are reference-counted by the pools; a page with references is never evicted.
+// A freed sequence's pages are released tail first: pages of committed full blocks stay cached
+// (findable; a hit takes them back), the others are freed at once, and allocation takes free
+// pages before evicting cached ones, least recently released first. A failed allocation changes
+// nothing. Pins hold a cached prefix's pages; under memory pressure, once no unpinned cached page
+// is left, pins are given up lowest priority first (never those with kPinForever).
+//
+// Ownership. The manager owns its pools, records, sequences and pins; pool(i) is exposed for
+// page addresses (PageData, arena_base) only: allocating or releasing its pages directly breaks
+// the manager. Block tables are copied out.
+//
+// Thread safety. Every method is thread-safe: one annotated mutex guards the index, records,
+// tables and statistics; token hashing for AppendTokens and the query forms of LookupPrefix and
+// PinPrefix runs outside it. Calls on one sequence from several threads are safe, but their order
+// is the callers' business. Event listeners run after the lock is released, one event at a time,
+// in event order across all threads (see kv_events.h).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "sparsekv/block_geometry.h"
+#include "sparsekv/block_hash.h"
+#include "sparsekv/kv_events.h"
+#include "sparsekv/model_spec.h"
+#include "sparsekv/page_pool.h"
+#include "sparsekv/status.h"
+
+namespace sparsekv {
+
+struct CacheManagerOptions {
+  // Tokens per block: a multiple of every compression ratio of the model. Default: 128.
+  uint32_t block_tokens = kDefaultBlockTokens;
+  // Pages of each full-history pool (one page per block). Must be at least 1. Default: 0 (set it).
+  uint32_t capacity_blocks = 0;
+  // Pages of each sliding-window pool; 0 means capacity_blocks. Default: 0.
+  uint32_t window_capacity_blocks = 0;
+  // Pages of each compressor-state pool; 0 means capacity_blocks. Default: 0.
+  uint32_t state_capacity_blocks = 0;
+  // Pools without a payload arena: tables, refcounts and the prefix cache only (trace replay,
+  // benchmarks, a router's model of a remote cache). Default: false.
+  bool metadata_only = false;
+  // Arena backing: kAnonymous or kMemfd (kFile is refused: one file per pool is not modelled).
+  // Default: kAnonymous.
+  ArenaBacking backing = ArenaBacking::kAnonymous;
+  // Ask for transparent huge pages for the arenas. Default: true.
+  bool huge_pages = true;
+  // Prefix hash chain. Default: kXxh3.
+  HashMode hash_mode = HashMode::kXxh3;
+  // Keep committed full blocks findable after their sequences end. When false, nothing is
+  // hashed, looked up or registered, and pages are freed at once. Default: true.
+  bool enable_prefix_caching = true;
+  // Lookups over which CacheStats::recent_token_hit_ratio is computed. Default: 1000.
+  uint32_t stats_window_requests = 1000;
+};
+
+using SequenceId = uint64_t;
+using PinId = uint64_t;
+// A pin that memory pressure never gives up.
+inline constexpr uint32_t kPinForever = UINT32_MAX;
+
+struct SequenceOptions {
+  // Namespace salt: sequences only share blocks with sequences of the same salt. Default: "".
+  std::string namespace_salt;
+  // Extra keys hashed into every block (adapter id, ...). Default: "".
+  std::string extra_keys;
+  // Look this sequence's prompt up and register its full blocks. Default: true.
+  bool cache_blocks = true;
+};
+
+// A prompt to look up or pin without a sequence.
+struct PrefixQuery {
+  std::string_view namespace_salt;
+  std::string_view extra_keys;
+  std::span<const TokenId> tokens;
+  // Leave at least one token to compute, as a request must. Default: true.
+  bool leave_last_token = true;
+};
+
+struct PrefixMatch {
+  uint32_t blocks = 0;        // resumable cached blocks
+  uint64_t tokens = 0;        // blocks * block_tokens
+  uint32_t chain_blocks = 0;  // consecutive blocks found in the index, resumable or not
+};
+
+enum class CopyReason : uint8_t {
+  kCopyOnWrite,  // a partial block shared with a fork: the new page gets the old page's bytes
+  kCarryState,   // compressor state entering a new block: its page starts from the previous one
+};
+
+// One page copy the engine performs, in list order, before it writes the new tokens.
+struct PageCopy {
+  uint32_t pool = 0;
+  PageId src = kInvalidPage;
+  PageId dst = kInvalidPage;
+  CopyReason reason = CopyReason::kCopyOnWrite;
+};
+
+struct SlotAllocation {
+  uint32_t first_new_block = 0;  // index of the first block added
+  uint32_t new_blocks = 0;       // blocks added to every table
+  std::vector<PageCopy> copies;
+};
+
+struct SequenceInfo {
+  uint64_t tokens = 0;           // appended
+  uint64_t computed_tokens = 0;  // committed (or taken from the cache)
+  uint64_t slot_tokens = 0;      // tokens that have pages
+  uint32_t blocks = 0;           // entries in every block table
+  uint32_t cached_blocks = 0;    // blocks whose pages belong to the prefix cache
+};
+
+struct PinInfo {
+  PinId id = 0;
+  uint32_t blocks = 0;  // blocks pinned (the longest resumable cached prefix)
+};
+
+struct CacheStats {
+  uint64_t lookups = 0;        // AcquireCachedPrefix calls that looked up (requests)
+  uint64_t hits = 0;           // ... that hit at least one block
+  uint64_t misses = 0;         // ... that hit none
+  uint64_t lookup_tokens = 0;  // prompt tokens of those lookups
+  uint64_t hit_tokens = 0;     // tokens taken from the cache
+  uint64_t hit_blocks = 0;
+  // hit_tokens / lookup_tokens over the last `recent_lookups` lookups (stats_window_requests).
+  double recent_token_hit_ratio = 0;
+  uint64_t recent_lookups = 0;
+  uint64_t stored_blocks = 0;           // records created
+  uint64_t duplicate_blocks = 0;        // blocks committed while an equal block was cached
+  uint64_t repaired_blocks = 0;         // ... that gave it back window/snapshot pages it had lost
+  uint64_t hash_collisions = 0;         // key matched, check did not: treated as a miss
+  uint64_t evicted_blocks = 0;          // records evicted (full-history pages reused)
+  uint64_t evicted_boundary_pages = 0;  // window/snapshot pages evicted from records that stayed
+  uint64_t early_released_pages = 0;    // window/snapshot pages a running sequence gave up
+  uint64_t failed_allocations = 0;      // AllocateSlots refused for want of pages
+  uint64_t pins_released = 0;           // pins given up under memory pressure
+  uint64_t cached_blocks = 0;           // records now
+  uint64_t sequences = 0;               // live sequences
+  uint64_t pins = 0;                    // live pins
+  uint64_t events = 0;                  // KV events emitted
+  uint64_t internal_errors = 0;         // broken invariants: a bug in sparsekv
+  std::string first_internal_error;     // what the first one was
+};
+
+class CacheManager {
+ public:
+  // Errors: an invalid spec, a block_tokens that is not a multiple of some ratio, capacity 0,
+  // kFile backing, an arena that cannot be mapped.
+  static Result<std::unique_ptr<CacheManager>> Create(const ModelSpec& spec,
+                                                      const CacheManagerOptions& options);
+  ~CacheManager();
+  CacheManager(const CacheManager&) = delete;
+  CacheManager& operator=(const CacheManager&) = delete;
+
+  const BlockGeometry& geometry() const;
+  const CacheManagerOptions& options() const;
+  const BlockHasher& hasher() const;
+  size_t num_pools() const;
+  // Precondition: i < num_pools(). For page addresses only (see the contract above).
+  const PagePool& pool(size_t i) const;
+
+  // ---- sequences ----
+  Result<SequenceId> CreateSequence(const SequenceOptions& options = {});
+  // Adds known tokens (prompt or generated); full blocks are hashed here, outside the lock.
+  Status AppendTokens(SequenceId seq, std::span<const TokenId> tokens);
+  // Looks the appended tokens up and attaches the longest resumable cached prefix: its pages join
+  // the block tables and its tokens count as computed. Counts in the statistics. Precondition:
+  // the sequence has no pages yet (FailedPrecondition otherwise).
+  Result<PrefixMatch> AcquireCachedPrefix(SequenceId seq);
+  // Pages in every pool for tokens [0, num_tokens) (num_tokens may exceed the appended tokens,
+  // for lookahead), copying a partial block shared with a fork before it is written. All or
+  // nothing: on ResourceExhausted no page, count, cached block or pin has changed.
+  Result<SlotAllocation> AllocateSlots(SequenceId seq, uint64_t num_tokens);
+  // The KV of tokens [0, num_tokens) is written. Registers the full blocks among them (stored
+  // events), then releases window and snapshot pages that left the sequence's window.
+  // Preconditions: computed <= num_tokens <= min(appended tokens, slot tokens).
+  Status CommitComputed(SequenceId seq, uint64_t num_tokens);
+  // A new sequence with the same tokens and pages (references shared).
+  Result<SequenceId> Fork(SequenceId seq);
+  // Releases the sequence's pages tail first and forgets it.
+  Status Free(SequenceId seq);
+  // The sequence's table for pool `pool` (kInvalidPage where a page was released early).
+  Status GetBlockTable(SequenceId seq, size_t pool, std::vector<PageId>* out) const;
+  Result<SequenceInfo> GetSequenceInfo(SequenceId seq) const;
+
+  // ---- prefix cache ----
+  // How much of a prompt would hit now. Read-only: no statistics, no references.
+  Result<PrefixMatch> LookupPrefix(const PrefixQuery& query) const;
+  // The same for digests computed elsewhere (a router's, hasher().HashFullBlocks). `prompt_tokens`
+  // is the prompt length when leave_last_token applies, 0 to consider every digest.
+  PrefixMatch LookupDigests(std::span<const BlockDigest> digests, uint64_t prompt_tokens) const;
+  // Holds the longest resumable cached prefix of `query.tokens` (leave_last_token is ignored)
+  // until Unpin. NotFound when nothing of it is cached.
+  Result<PinInfo> PinPrefix(const PrefixQuery& query, uint32_t priority);
+  Status Unpin(PinId pin);
+  // Forgets every cached block and pin ("all cleared" event). FailedPrecondition while a sequence
+  // holds pages.
+  Status Reset();
+
+  // ---- events and statistics ----
+  SubscriptionId Subscribe(KvEventListener listener);
+  void Unsubscribe(SubscriptionId id);
+  CacheStats Stats() const;
+
+ private:
+  class Impl;
+  explicit CacheManager(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace sparsekv

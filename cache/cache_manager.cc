@@ -1,0 +1,1172 @@
+#include "sparsekv/cache_manager.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <unordered_map>
+#include <utility>
+
+#include "block_index.h"
+#include "sparsekv/thread_annotations.h"
+
+namespace sparsekv {
+
+using cache_internal::BlockIndex;
+using cache_internal::kNoRecord;
+using cache_internal::RecordId;
+
+namespace {
+
+// What a pool's pages are needed for when resuming at a block boundary.
+enum class PoolRole : uint8_t {
+  kFullHistory,  // every block back to the start
+  kWindow,       // the ceil(window / block_tokens) blocks before the boundary
+  kState,        // the block just before the boundary (its end-of-block snapshot)
+};
+
+// A sequence's tokens as far as hashing needs them: the digests of its full blocks and the tokens
+// of its partial last block. AppendTokens writes it holding only `mu`, so hashing never blocks the
+// manager. Lock order: the manager's lock, then this one.
+struct SequenceTokens {
+  // Set before the object is shared, then read-only.
+  BlockDigest root;
+  std::string extra_keys;
+  bool hashing = false;
+
+  Mutex mu;
+  uint64_t num_tokens SPARSEKV_GUARDED_BY(mu) = 0;
+  std::vector<TokenId> tail SPARSEKV_GUARDED_BY(mu);
+  std::vector<BlockDigest> digests SPARSEKV_GUARDED_BY(mu);
+  bool freed SPARSEKV_GUARDED_BY(mu) = false;
+};
+
+// A sequence's pages; guarded by the manager's lock (it lives in a guarded map).
+struct SequenceEntry {
+  std::shared_ptr<SequenceTokens> tokens;
+  std::vector<std::vector<PageId>> tables;  // [pool][block]; kInvalidPage once released early
+  std::vector<RecordId> records;            // [block]: the record these pages belong to, if any
+  std::vector<uint32_t> released_upto;      // [pool]: blocks below were released early
+  uint64_t computed = 0;
+  uint64_t slot_tokens = 0;
+  uint32_t num_blocks = 0;
+  uint32_t registered_upto = 0;  // blocks below were registered or found already cached
+  bool looked_up = false;
+};
+
+struct Pin {
+  uint32_t priority = 0;
+  std::vector<std::pair<uint32_t, PageId>> pages;  // (pool, page), tail first
+};
+
+std::string SeqNotFound(SequenceId seq) {
+  return fmt::format("sequence {} does not exist (never created, or already freed)", seq);
+}
+
+// Managers whose events this thread is delivering: a listener that changes its manager leaves
+// the delivery of the new events to the loop already running below it on this thread.
+thread_local std::vector<const void*> tls_delivering;
+
+}  // namespace
+
+class CacheManager::Impl {
+ public:
+  Impl(const ModelSpec& spec, const CacheManagerOptions& options, BlockGeometry geometry)
+      : options_(options),
+        geometry_(std::move(geometry)),
+        hasher_(options.hash_mode, options.block_tokens),
+        block_tokens_(options.block_tokens),
+        window_tokens_(spec.window_tokens),
+        window_blocks_((spec.window_tokens + options.block_tokens - 1) / options.block_tokens) {}
+
+  Status Init() SPARSEKV_EXCLUDES(mu_);
+
+  // ---- public API, one to one ----
+  Result<SequenceId> CreateSequence(const SequenceOptions& options) SPARSEKV_EXCLUDES(mu_);
+  Status AppendTokens(SequenceId seq, std::span<const TokenId> tokens) SPARSEKV_EXCLUDES(mu_);
+  Result<PrefixMatch> AcquireCachedPrefix(SequenceId seq) SPARSEKV_EXCLUDES(mu_);
+  Result<SlotAllocation> AllocateSlots(SequenceId seq, uint64_t num_tokens) SPARSEKV_EXCLUDES(mu_);
+  Status CommitComputed(SequenceId seq, uint64_t num_tokens) SPARSEKV_EXCLUDES(mu_);
+  Result<SequenceId> Fork(SequenceId seq) SPARSEKV_EXCLUDES(mu_);
+  Status Free(SequenceId seq) SPARSEKV_EXCLUDES(mu_);
+  Status GetBlockTable(SequenceId seq, size_t pool, std::vector<PageId>* out) const
+      SPARSEKV_EXCLUDES(mu_);
+  Result<SequenceInfo> GetSequenceInfo(SequenceId seq) const SPARSEKV_EXCLUDES(mu_);
+  Result<PrefixMatch> LookupPrefix(const PrefixQuery& query) const SPARSEKV_EXCLUDES(mu_);
+  PrefixMatch LookupDigests(std::span<const BlockDigest> digests, uint64_t prompt_tokens) const
+      SPARSEKV_EXCLUDES(mu_);
+  Result<PinInfo> PinPrefix(const PrefixQuery& query, uint32_t priority) SPARSEKV_EXCLUDES(mu_);
+  Status Unpin(PinId pin) SPARSEKV_EXCLUDES(mu_);
+  Status Reset() SPARSEKV_EXCLUDES(mu_);
+  SubscriptionId Subscribe(KvEventListener listener) SPARSEKV_EXCLUDES(mu_);
+  void Unsubscribe(SubscriptionId id) SPARSEKV_EXCLUDES(mu_, delivery_mu_);
+  CacheStats Stats() const SPARSEKV_EXCLUDES(mu_);
+
+  const CacheManagerOptions options_;
+  const BlockGeometry geometry_;
+  const BlockHasher hasher_;
+  std::vector<std::unique_ptr<PagePool>> pools_;  // set by Init, then fixed
+
+ private:
+  size_t P() const { return pools_.size(); }
+  bool Caching() const { return options_.enable_prefix_caching; }
+
+  // ---- records ----
+  PageId& RecPage(RecordId r, size_t q) SPARSEKV_REQUIRES(mu_) {
+    return record_pages_[r * P() + q];
+  }
+  PageId RecPage(RecordId r, size_t q) const SPARSEKV_REQUIRES(mu_) {
+    return record_pages_[r * P() + q];
+  }
+  void RemoveRecordLocked(RecordId r) SPARSEKV_REQUIRES(mu_);
+  // Gives record r the window and snapshot pages it lacks from block b of sequence s (an equal
+  // block computed again); returns the kinds it gained.
+  KindSet RepairBoundaryLocked(RecordId r, SequenceEntry& s, uint32_t b) SPARSEKV_REQUIRES(mu_);
+  KindSet RecordKindsLocked(RecordId r) const SPARSEKV_REQUIRES(mu_);
+
+  // ---- lookup ----
+  bool ResumableLocked(std::span<const RecordId> chain) const SPARSEKV_REQUIRES(mu_);
+  PrefixMatch FindResumableLocked(std::span<const BlockDigest> digests, size_t max_blocks,
+                                  std::vector<RecordId>* chain) const SPARSEKV_REQUIRES(mu_);
+  // Which blocks of a k-block resumable prefix a holder needs from pool q.
+  uint32_t FirstNeededBlock(size_t q, uint32_t k) const;
+  size_t MaxLookupBlocks(uint64_t prompt_tokens, size_t digests, bool leave_last_token) const;
+
+  // ---- pages ----
+  SequenceEntry* FindLocked(SequenceId seq) SPARSEKV_REQUIRES(mu_);
+  const SequenceEntry* FindLocked(SequenceId seq) const SPARSEKV_REQUIRES(mu_);
+  // Releases one page of a sequence: to the cache when it is its record's page, else free.
+  void ReleaseSeqPageLocked(SequenceEntry& s, size_t q, uint32_t b) SPARSEKV_REQUIRES(mu_);
+  // Makes sure `need[q]` pages can be allocated in every pool, giving up pins if it must. On
+  // failure nothing has changed.
+  Status EnsureAvailableLocked(std::span<const uint32_t> need) SPARSEKV_REQUIRES(mu_);
+  void ReleasePinLocked(const Pin& pin) SPARSEKV_REQUIRES(mu_);
+  // The pools tell us, under their own locks, which cached page an allocation reuses; the
+  // bookkeeping and the drops in other pools happen after the pool call returns.
+  void OnPoolEvict(size_t q, PageId page) SPARSEKV_NO_THREAD_SAFETY_ANALYSIS;
+  void ProcessEvictionsLocked() SPARSEKV_REQUIRES(mu_);
+  void Internal(const Status& st) SPARSEKV_REQUIRES(mu_);
+
+  // ---- events ----
+  void QueueEventLocked(KvEventType type, KindSet kinds, std::vector<BlockHash> hashes,
+                        BlockHash parent) SPARSEKV_REQUIRES(mu_);
+  // Queues a "stored" event for a run of consecutive new blocks and empties the run.
+  void FlushStoredLocked(std::vector<BlockHash>* run, BlockHash parent, KindSet kinds)
+      SPARSEKV_REQUIRES(mu_);
+  void NoteRemovedLocked(const BlockHash& hash, KindSet kinds) SPARSEKV_REQUIRES(mu_);
+  void FlushRemovedLocked() SPARSEKV_REQUIRES(mu_);
+  void DeliverEvents() SPARSEKV_EXCLUDES(mu_, delivery_mu_);
+
+  void RecordLookupLocked(uint64_t hit_tokens, uint64_t prompt_tokens) SPARSEKV_REQUIRES(mu_);
+
+  const uint32_t block_tokens_;
+  const uint32_t window_tokens_;
+  const uint32_t window_blocks_;
+  // Set by Init, then fixed.
+  std::vector<PoolRole> roles_;
+  std::vector<CacheKind> kinds_;
+  std::vector<uint32_t> window_pools_, state_pools_;
+  // Full-history pools first: a block they evict takes its window and snapshot pages along,
+  // which then serve the boundary pools' allocations instead of evicting other blocks' pages.
+  std::vector<uint32_t> alloc_order_;
+  uint64_t max_records_ = 0;
+
+  mutable Mutex mu_;
+  BlockIndex index_ SPARSEKV_GUARDED_BY(mu_) = BlockIndex(0);
+  std::vector<BlockDigest> record_digest_ SPARSEKV_GUARDED_BY(mu_);
+  std::vector<PageId> record_pages_ SPARSEKV_GUARDED_BY(mu_);  // [record * pools + pool]
+  std::vector<RecordId> free_records_ SPARSEKV_GUARDED_BY(mu_);
+  std::vector<std::vector<RecordId>> owners_ SPARSEKV_GUARDED_BY(mu_);  // [pool][page]
+  std::vector<std::pair<uint32_t, PageId>> evicted_ SPARSEKV_GUARDED_BY(mu_);
+  std::unordered_map<SequenceId, SequenceEntry> seqs_ SPARSEKV_GUARDED_BY(mu_);
+  SequenceId next_seq_ SPARSEKV_GUARDED_BY(mu_) = 1;
+  std::map<PinId, Pin> pins_ SPARSEKV_GUARDED_BY(mu_);
+  PinId next_pin_ SPARSEKV_GUARDED_BY(mu_) = 1;
+  std::vector<std::vector<PageId>> alloc_scratch_ SPARSEKV_GUARDED_BY(mu_);
+  mutable std::vector<RecordId> chain_scratch_ SPARSEKV_GUARDED_BY(mu_);
+
+  // Statistics.
+  CacheStats stats_ SPARSEKV_GUARDED_BY(mu_);
+  mutable uint64_t hash_collisions_ SPARSEKV_GUARDED_BY(mu_) = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> recent_
+      SPARSEKV_GUARDED_BY(mu_);  // (hit, prompt) tokens
+  size_t recent_next_ SPARSEKV_GUARDED_BY(mu_) = 0;
+  uint64_t recent_hit_ SPARSEKV_GUARDED_BY(mu_) = 0;
+  uint64_t recent_prompt_ SPARSEKV_GUARDED_BY(mu_) = 0;
+
+  // Events: queued under mu_ in the order of the changes, delivered under delivery_mu_ in the
+  // same order (one drainer at a time, each taking the whole queue).
+  std::vector<std::pair<SubscriptionId, std::shared_ptr<KvEventListener>>> listeners_
+      SPARSEKV_GUARDED_BY(mu_);
+  SubscriptionId next_subscription_ SPARSEKV_GUARDED_BY(mu_) = 1;
+  std::atomic<bool> has_listeners_{false};
+  std::vector<KvEvent> pending_events_ SPARSEKV_GUARDED_BY(mu_);
+  std::vector<std::pair<KindSet, std::vector<BlockHash>>> removed_batch_ SPARSEKV_GUARDED_BY(mu_);
+  uint64_t next_event_ SPARSEKV_GUARDED_BY(mu_) = 1;
+  Mutex delivery_mu_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Construction
+
+Status CacheManager::Impl::Init() {
+  MutexLock l(mu_);
+  const uint32_t window_cap =
+      options_.window_capacity_blocks ? options_.window_capacity_blocks : options_.capacity_blocks;
+  const uint32_t state_cap =
+      options_.state_capacity_blocks ? options_.state_capacity_blocks : options_.capacity_blocks;
+  uint64_t min_full_cap = UINT64_MAX, boundary_caps = 0;
+  for (size_t q = 0; q < geometry_.pools.size(); ++q) {
+    const PoolGeometry& g = geometry_.pools[q];
+    const CacheKind kind = g.spec.kind;
+    const PoolRole role = IsFullHistoryKind(kind)         ? PoolRole::kFullHistory
+                          : kind == CacheKind::kSwaWindow ? PoolRole::kWindow
+                                                          : PoolRole::kState;
+    PagePoolOptions po;
+    po.name = fmt::format("{}#{}", CacheKindName(kind), q);
+    po.capacity = role == PoolRole::kFullHistory ? options_.capacity_blocks
+                  : role == PoolRole::kWindow    ? window_cap
+                                                 : state_cap;
+    po.page_bytes = options_.metadata_only ? 0 : g.block_stride;
+    po.backing = options_.backing;
+    po.huge_pages = options_.huge_pages;
+    auto pool = PagePool::Create(po);
+    if (!pool.ok()) return pool.status().WithContext("cache manager");
+    pools_.push_back(std::move(pool).value());
+    roles_.push_back(role);
+    kinds_.push_back(kind);
+    if (role == PoolRole::kWindow) window_pools_.push_back(static_cast<uint32_t>(q));
+    if (role == PoolRole::kState) state_pools_.push_back(static_cast<uint32_t>(q));
+    if (role == PoolRole::kFullHistory) {
+      min_full_cap = std::min<uint64_t>(min_full_cap, po.capacity);
+    } else {
+      boundary_caps += po.capacity;
+    }
+    owners_.emplace_back(po.capacity, kNoRecord);
+  }
+  // Every record holds its own page in each full-history pool (or, without one, at least one
+  // page somewhere), which bounds how many can exist at once.
+  max_records_ = min_full_cap != UINT64_MAX ? min_full_cap : boundary_caps;
+  index_ = BlockIndex(max_records_);
+  record_digest_.resize(max_records_);
+  record_pages_.assign(max_records_ * pools_.size(), kInvalidPage);
+  free_records_.reserve(max_records_);
+  for (uint64_t r = max_records_; r-- > 0;) free_records_.push_back(static_cast<RecordId>(r));
+  alloc_scratch_.resize(pools_.size());
+  for (PoolRole role : {PoolRole::kFullHistory, PoolRole::kWindow, PoolRole::kState}) {
+    for (size_t q = 0; q < pools_.size(); ++q) {
+      if (roles_[q] == role) alloc_order_.push_back(static_cast<uint32_t>(q));
+    }
+  }
+  recent_.assign(std::max<uint32_t>(1, options_.stats_window_requests), {0, 0});
+  for (size_t q = 0; q < pools_.size(); ++q) {
+    pools_[q]->SetEvictListener([this, q](PageId page) { OnPoolEvict(q, page); });
+  }
+  return Status::OK();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+SequenceEntry* CacheManager::Impl::FindLocked(SequenceId seq) {
+  auto it = seqs_.find(seq);
+  return it == seqs_.end() ? nullptr : &it->second;
+}
+
+const SequenceEntry* CacheManager::Impl::FindLocked(SequenceId seq) const {
+  auto it = seqs_.find(seq);
+  return it == seqs_.end() ? nullptr : &it->second;
+}
+
+void CacheManager::Impl::Internal(const Status& st) {
+  // A broken invariant: counted, and the first one kept, so that tests and the daemon's health
+  // check see it; the operation carries on with what is consistent.
+  if (stats_.internal_errors++ == 0) stats_.first_internal_error = st.ToString();
+}
+
+void CacheManager::Impl::RemoveRecordLocked(RecordId r) {
+  for (size_t q = 0; q < P(); ++q) {
+    PageId& page = RecPage(r, q);
+    if (page != kInvalidPage) owners_[q][page] = kNoRecord;
+    page = kInvalidPage;
+  }
+  index_.Erase(record_digest_[r].hash);
+  free_records_.push_back(r);
+}
+
+KindSet CacheManager::Impl::RepairBoundaryLocked(RecordId r, SequenceEntry& s, uint32_t b) {
+  KindSet gained;
+  for (size_t q = 0; q < P(); ++q) {
+    if (roles_[q] == PoolRole::kFullHistory) continue;
+    const PageId page = s.tables[q][b];
+    if (RecPage(r, q) != kInvalidPage || page == kInvalidPage) continue;
+    RecPage(r, q) = page;
+    owners_[q][page] = r;
+    gained.Add(kinds_[q]);
+  }
+  if (!gained.empty()) {
+    // The sequence's pages of this block are now partly the record's: releasing them sends
+    // exactly those to the cache (ReleaseSeqPageLocked compares page by page).
+    s.records[b] = r;
+    ++stats_.repaired_blocks;
+  }
+  return gained;
+}
+
+KindSet CacheManager::Impl::RecordKindsLocked(RecordId r) const {
+  KindSet k;
+  for (size_t q = 0; q < P(); ++q) {
+    if (RecPage(r, q) != kInvalidPage) k.Add(kinds_[q]);
+  }
+  return k;
+}
+
+uint32_t CacheManager::Impl::FirstNeededBlock(size_t q, uint32_t k) const {
+  switch (roles_[q]) {
+    case PoolRole::kFullHistory:
+      return 0;
+    case PoolRole::kWindow:
+      return k - std::min(k, window_blocks_);
+    case PoolRole::kState:
+      return k == 0 ? 0 : k - 1;
+  }
+  return 0;
+}
+
+size_t CacheManager::Impl::MaxLookupBlocks(uint64_t prompt_tokens, size_t digests,
+                                           bool leave_last_token) const {
+  if (!leave_last_token || prompt_tokens == 0) return digests;
+  return std::min<uint64_t>(digests, (prompt_tokens - 1) / block_tokens_);
+}
+
+bool CacheManager::Impl::ResumableLocked(std::span<const RecordId> chain) const {
+  const uint32_t k = static_cast<uint32_t>(chain.size());
+  for (uint32_t q : state_pools_) {
+    if (RecPage(chain[k - 1], q) == kInvalidPage) return false;
+  }
+  for (uint32_t q : window_pools_) {
+    for (uint32_t b = FirstNeededBlock(q, k); b < k; ++b) {
+      if (RecPage(chain[b], q) == kInvalidPage) return false;
+    }
+  }
+  return true;
+}
+
+PrefixMatch CacheManager::Impl::FindResumableLocked(std::span<const BlockDigest> digests,
+                                                    size_t max_blocks,
+                                                    std::vector<RecordId>* chain) const {
+  PrefixMatch m;
+  chain->clear();
+  const size_t n = std::min(digests.size(), max_blocks);
+  for (size_t i = 0; i < n; ++i) {
+    const RecordId r = index_.Find(digests[i].hash);
+    if (r == kNoRecord) break;
+    if (!(record_digest_[r].check == digests[i].check)) {
+      ++hash_collisions_;
+      break;
+    }
+    chain->push_back(r);
+    // A live record always has every full-history page; only the boundary kinds can be missing.
+    if (ResumableLocked(*chain)) m.blocks = static_cast<uint32_t>(i + 1);
+  }
+  m.chain_blocks = static_cast<uint32_t>(chain->size());
+  m.tokens = uint64_t{m.blocks} * block_tokens_;
+  return m;
+}
+
+void CacheManager::Impl::ReleaseSeqPageLocked(SequenceEntry& s, size_t q, uint32_t b) {
+  PageId& page = s.tables[q][b];
+  if (page == kInvalidPage) return;
+  const RecordId r = s.records[b];
+  const bool keep = r != kNoRecord && RecPage(r, q) == page;
+  Status st = keep ? pools_[q]->ReleaseToCache(page) : pools_[q]->Release(page);
+  if (!st.ok()) Internal(st);
+  page = kInvalidPage;
+}
+
+void CacheManager::Impl::ReleasePinLocked(const Pin& pin) {
+  for (const auto& [q, page] : pin.pages) {
+    Status st = pools_[q]->ReleaseToCache(page);
+    if (!st.ok()) Internal(st);
+  }
+}
+
+void CacheManager::Impl::OnPoolEvict(size_t q, PageId page) {
+  // Runs inside a pool call made by this manager with mu_ held (the only caller that allocates).
+  evicted_.emplace_back(static_cast<uint32_t>(q), page);
+}
+
+void CacheManager::Impl::ProcessEvictionsLocked() {
+  for (size_t i = 0; i < evicted_.size(); ++i) {
+    const auto [q, page] = evicted_[i];
+    const RecordId r = owners_[q][page];
+    if (r == kNoRecord) {
+      Internal(
+          Status::Internal(fmt::format("evicted page {} of pool {} belongs to no block", page, q)));
+      continue;
+    }
+    owners_[q][page] = kNoRecord;
+    RecPage(r, q) = kInvalidPage;
+    KindSet lost = KindSet::Of(kinds_[q]);
+    const PoolRole role = roles_[q];
+    // Losing a full-history page loses the block; losing a window or snapshot page loses that
+    // role's pages of the block in every pool (half a snapshot resumes nothing).
+    uint64_t dropped = 1;
+    for (size_t p = 0; p < P(); ++p) {
+      if (role != PoolRole::kFullHistory && roles_[p] != role) continue;
+      const PageId other = RecPage(r, p);
+      if (other == kInvalidPage) continue;
+      // Usually cached. A sequence that recomputed the block and lent the record its window or
+      // snapshot page (see CommitComputed) may still hold that page: it then just stops being
+      // the cache's, and is freed by its holder.
+      if (pools_[p]->State(other) == PageState::kCached) {
+        Status st = pools_[p]->Drop(other);
+        if (!st.ok()) Internal(st);
+      }
+      owners_[p][other] = kNoRecord;
+      RecPage(r, p) = kInvalidPage;
+      lost.Add(kinds_[p]);
+      ++dropped;
+    }
+    NoteRemovedLocked(record_digest_[r].hash, lost);
+    if (role == PoolRole::kFullHistory) {
+      ++stats_.evicted_blocks;
+      RemoveRecordLocked(r);
+    } else {
+      stats_.evicted_boundary_pages += dropped;
+      if (RecordKindsLocked(r).empty()) RemoveRecordLocked(r);
+    }
+  }
+  evicted_.clear();
+}
+
+Status CacheManager::Impl::EnsureAvailableLocked(std::span<const uint32_t> need) {
+  std::vector<uint64_t> avail(P());
+  auto short_of = [&]() -> int {
+    for (size_t q = 0; q < P(); ++q) {
+      if (need[q] > avail[q]) return static_cast<int>(q);
+    }
+    return -1;
+  };
+  for (size_t q = 0; q < P(); ++q) {
+    if (need[q] == 0) continue;
+    const PagePoolStats ps = pools_[q]->Stats();
+    avail[q] = ps.free + ps.cached;
+  }
+  int q_short = short_of();
+  if (q_short < 0) return Status::OK();
+
+  // Give up pins, lowest priority (then oldest) first, counting what they would free before
+  // touching anything, so that a request that cannot be met changes nothing.
+  std::vector<std::pair<uint32_t, PinId>> order;
+  for (const auto& [id, pin] : pins_) {
+    if (pin.priority != kPinForever) order.emplace_back(pin.priority, id);
+  }
+  std::sort(order.begin(), order.end());
+  std::unordered_map<uint64_t, uint32_t> refs_left;
+  size_t chosen = 0;
+  while (q_short >= 0 && chosen < order.size()) {
+    for (const auto& [q, page] : pins_.at(order[chosen].second).pages) {
+      auto [it, fresh] = refs_left.try_emplace((uint64_t{q} << 32) | page, 0);
+      if (fresh) it->second = pools_[q]->RefCount(page);
+      if (it->second > 0 && --it->second == 0) ++avail[q];
+    }
+    ++chosen;
+    q_short = short_of();
+  }
+  if (q_short >= 0) {
+    const auto ps = pools_[q_short]->Stats();
+    return Status::ResourceExhausted(fmt::format(
+        "pool {} ({}): {} pages needed, {} available ({} free, {} cached, {} in use); nothing was "
+        "allocated or evicted",
+        q_short, CacheKindName(kinds_[q_short]), need[q_short], ps.free + ps.cached, ps.free,
+        ps.cached, ps.used));
+  }
+  for (size_t i = 0; i < chosen; ++i) {
+    auto it = pins_.find(order[i].second);
+    ReleasePinLocked(it->second);
+    pins_.erase(it);
+    ++stats_.pins_released;
+  }
+  return Status::OK();
+}
+
+void CacheManager::Impl::RecordLookupLocked(uint64_t hit_tokens, uint64_t prompt_tokens) {
+  ++stats_.lookups;
+  ++(hit_tokens ? stats_.hits : stats_.misses);
+  stats_.lookup_tokens += prompt_tokens;
+  stats_.hit_tokens += hit_tokens;
+  stats_.hit_blocks += hit_tokens / block_tokens_;
+  auto& slot = recent_[recent_next_];
+  recent_hit_ += hit_tokens - slot.first;
+  recent_prompt_ += prompt_tokens - slot.second;
+  slot = {hit_tokens, prompt_tokens};
+  recent_next_ = (recent_next_ + 1) % recent_.size();
+  stats_.recent_lookups = std::min<uint64_t>(stats_.recent_lookups + 1, recent_.size());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Events
+
+void CacheManager::Impl::QueueEventLocked(KvEventType type, KindSet kinds,
+                                          std::vector<BlockHash> hashes, BlockHash parent) {
+  KvEvent e;
+  e.type = type;
+  e.sequence_number = next_event_++;
+  e.kinds = kinds;
+  e.block_hashes = std::move(hashes);
+  e.parent_hash = parent;
+  e.block_tokens = block_tokens_;
+  pending_events_.push_back(std::move(e));
+  ++stats_.events;
+}
+
+void CacheManager::Impl::FlushStoredLocked(std::vector<BlockHash>* run, BlockHash parent,
+                                           KindSet kinds) {
+  if (run->empty()) return;
+  QueueEventLocked(KvEventType::kBlocksStored, kinds, std::move(*run), parent);
+  run->clear();
+}
+
+void CacheManager::Impl::NoteRemovedLocked(const BlockHash& hash, KindSet kinds) {
+  if (listeners_.empty()) return;
+  if (removed_batch_.empty() || removed_batch_.back().first != kinds)
+    removed_batch_.push_back({kinds, {}});
+  removed_batch_.back().second.push_back(hash);
+}
+
+void CacheManager::Impl::FlushRemovedLocked() {
+  for (auto& [kinds, hashes] : removed_batch_) {
+    QueueEventLocked(KvEventType::kBlocksRemoved, kinds, std::move(hashes), BlockHash{});
+  }
+  removed_batch_.clear();
+}
+
+void CacheManager::Impl::DeliverEvents() {
+  if (!has_listeners_.load(std::memory_order_acquire)) return;
+  if (std::find(tls_delivering.begin(), tls_delivering.end(), this) != tls_delivering.end()) return;
+  MutexLock d(delivery_mu_);
+  tls_delivering.push_back(this);
+  for (;;) {
+    std::vector<KvEvent> batch;
+    std::vector<std::shared_ptr<KvEventListener>> listeners;
+    {
+      MutexLock l(mu_);
+      if (pending_events_.empty()) break;
+      batch.swap(pending_events_);
+      for (const auto& entry : listeners_) listeners.push_back(entry.second);
+    }
+    for (const KvEvent& e : batch) {
+      for (const auto& fn : listeners) (*fn)(e);
+    }
+  }
+  tls_delivering.pop_back();
+}
+
+SubscriptionId CacheManager::Impl::Subscribe(KvEventListener listener) {
+  MutexLock l(mu_);
+  const SubscriptionId id = next_subscription_++;
+  listeners_.emplace_back(id, std::make_shared<KvEventListener>(std::move(listener)));
+  has_listeners_.store(true, std::memory_order_release);
+  return id;
+}
+
+void CacheManager::Impl::Unsubscribe(SubscriptionId id) {
+  {
+    MutexLock l(mu_);
+    std::erase_if(listeners_, [id](const auto& e) { return e.first == id; });
+    if (listeners_.empty()) {
+      has_listeners_.store(false, std::memory_order_release);
+      pending_events_.clear();
+      removed_batch_.clear();
+    }
+  }
+  // Wait for a delivery in flight on another thread, so the listener is not called after this
+  // returns (unless this is that listener).
+  if (std::find(tls_delivering.begin(), tls_delivering.end(), this) == tls_delivering.end()) {
+    MutexLock d(delivery_mu_);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sequences
+
+Result<SequenceId> CacheManager::Impl::CreateSequence(const SequenceOptions& options) {
+  auto tokens = std::make_shared<SequenceTokens>();
+  tokens->hashing = Caching() && options.cache_blocks;
+  tokens->extra_keys = options.extra_keys;
+  if (tokens->hashing) tokens->root = hasher_.Root(options.namespace_salt);
+  MutexLock l(mu_);
+  const SequenceId id = next_seq_++;
+  SequenceEntry& s = seqs_[id];
+  s.tokens = std::move(tokens);
+  s.tables.resize(P());
+  s.released_upto.assign(P(), 0);
+  ++stats_.sequences;
+  return id;
+}
+
+Status CacheManager::Impl::AppendTokens(SequenceId seq, std::span<const TokenId> tokens) {
+  std::shared_ptr<SequenceTokens> t;
+  {
+    MutexLock l(mu_);
+    const SequenceEntry* s = FindLocked(seq);
+    if (s == nullptr) return Status::NotFound(SeqNotFound(seq));
+    t = s->tokens;
+  }
+  MutexLock tl(t->mu);
+  if (t->freed) return Status::NotFound(SeqNotFound(seq));
+  t->num_tokens += tokens.size();
+  if (!t->hashing) return Status::OK();
+  std::span<const TokenId> rest = tokens;
+  if (!t->tail.empty()) {
+    const size_t take = std::min<size_t>(block_tokens_ - t->tail.size(), rest.size());
+    t->tail.insert(t->tail.end(), rest.begin(), rest.begin() + take);
+    rest = rest.subspan(take);
+    if (t->tail.size() < block_tokens_) return Status::OK();
+    const BlockDigest& parent = t->digests.empty() ? t->root : t->digests.back();
+    t->digests.push_back(hasher_.Next(parent, t->tail, t->extra_keys));
+    t->tail.clear();
+  }
+  const BlockDigest parent = t->digests.empty() ? t->root : t->digests.back();
+  const size_t n = hasher_.HashFullBlocks(parent, rest, t->extra_keys, &t->digests);
+  rest = rest.subspan(n * block_tokens_);
+  t->tail.assign(rest.begin(), rest.end());
+  return Status::OK();
+}
+
+Result<PrefixMatch> CacheManager::Impl::AcquireCachedPrefix(SequenceId seq) {
+  MutexLock l(mu_);
+  SequenceEntry* s = FindLocked(seq);
+  if (s == nullptr) return Status::NotFound(SeqNotFound(seq));
+  if (s->num_blocks != 0 || s->computed != 0 || s->looked_up) {
+    return Status::FailedPrecondition(fmt::format(
+        "sequence {}: a cached prefix can only be acquired once, before any slot is allocated "
+        "(it has {} blocks, {} computed tokens)",
+        seq, s->num_blocks, s->computed));
+  }
+  s->looked_up = true;
+  SequenceTokens& t = *s->tokens;
+  MutexLock tl(t.mu);
+  if (!t.hashing || t.num_tokens == 0) return PrefixMatch{};
+  const PrefixMatch m = FindResumableLocked(
+      t.digests, MaxLookupBlocks(t.num_tokens, t.digests.size(), true), &chain_scratch_);
+  RecordLookupLocked(m.tokens, t.num_tokens);
+  const uint32_t k = m.blocks;
+  if (k == 0) return m;
+  s->records.assign(chain_scratch_.begin(), chain_scratch_.begin() + k);
+  for (size_t q = 0; q < P(); ++q) {
+    s->tables[q].assign(k, kInvalidPage);
+    const uint32_t first = FirstNeededBlock(q, k);
+    for (uint32_t b = first; b < k; ++b) {
+      const PageId page = RecPage(s->records[b], q);
+      Status st = pools_[q]->Revive(page);
+      if (!st.ok()) {
+        Internal(st);
+        continue;
+      }
+      s->tables[q][b] = page;
+    }
+    s->released_upto[q] = first;
+  }
+  s->num_blocks = k;
+  s->computed = s->slot_tokens = m.tokens;
+  s->registered_upto = k;
+  return m;
+}
+
+Result<SlotAllocation> CacheManager::Impl::AllocateSlots(SequenceId seq, uint64_t num_tokens) {
+  SlotAllocation out;
+  bool events = false;
+  {
+    MutexLock l(mu_);
+    SequenceEntry* s = FindLocked(seq);
+    if (s == nullptr) return Status::NotFound(SeqNotFound(seq));
+    const uint64_t want64 = (num_tokens + block_tokens_ - 1) / block_tokens_;
+    if (want64 >= UINT32_MAX) {
+      return Status::InvalidArgument(
+          fmt::format("sequence {}: {} tokens is too many", seq, num_tokens));
+    }
+    const uint32_t want = static_cast<uint32_t>(want64);
+    const uint32_t old_blocks = s->num_blocks;
+    const uint32_t new_blocks = want > old_blocks ? want - old_blocks : 0;
+
+    // Blocks the new tokens will be written into that are shared with a fork get their own copy
+    // first. Committed full blocks are never written again, so only blocks from the one holding
+    // the first uncomputed token on can need it.
+    std::vector<std::pair<uint32_t, uint32_t>> cow;  // (pool, block)
+    const uint32_t write_end = std::min(old_blocks, want);
+    for (uint32_t b = static_cast<uint32_t>(s->computed / block_tokens_); b < write_end; ++b) {
+      if (s->records[b] != kNoRecord) continue;
+      for (size_t q = 0; q < P(); ++q) {
+        const PageId page = s->tables[q][b];
+        if (page != kInvalidPage && pools_[q]->RefCount(page) > 1)
+          cow.emplace_back(static_cast<uint32_t>(q), b);
+      }
+    }
+    if (new_blocks == 0 && cow.empty()) {
+      s->slot_tokens = std::max(s->slot_tokens, num_tokens);
+      out.first_new_block = old_blocks;
+      return out;
+    }
+    std::vector<uint32_t> need(P(), new_blocks);
+    for (const auto& c : cow) ++need[c.first];
+    Status st = EnsureAvailableLocked(need);
+    if (!st.ok()) {
+      ++stats_.failed_allocations;
+      return st.WithContext(fmt::format("sequence {}: allocating {} new blocks", seq, new_blocks));
+    }
+    for (size_t i = 0; i < P(); ++i) {
+      const uint32_t q = alloc_order_[i];
+      alloc_scratch_[q].resize(need[q]);
+      st = pools_[q]->AllocateBatch(alloc_scratch_[q]);
+      ProcessEvictionsLocked();
+      if (!st.ok()) {
+        // EnsureAvailableLocked said there was room: a bug. Hand back what was taken.
+        for (size_t j = 0; j < i; ++j) {
+          pools_[alloc_order_[j]]
+              ->ReleaseBatch(alloc_scratch_[alloc_order_[j]], false)
+              .IgnoreError();
+        }
+        Internal(st);
+        FlushRemovedLocked();
+        return Status::Internal(
+            st.WithContext("allocation after a successful availability check").ToString());
+      }
+    }
+    std::vector<size_t> used(P(), 0);
+    for (const auto& [q, b] : cow) {
+      PageId& page = s->tables[q][b];
+      const PageId fresh = alloc_scratch_[q][used[q]++];
+      out.copies.push_back({q, page, fresh, CopyReason::kCopyOnWrite});
+      Status rs = pools_[q]->Release(page);  // ours was one of several references
+      if (!rs.ok()) Internal(rs);
+      page = fresh;
+    }
+    for (size_t q = 0; q < P(); ++q) {
+      for (uint32_t i = 0; i < new_blocks; ++i)
+        s->tables[q].push_back(alloc_scratch_[q][used[q]++]);
+    }
+    s->records.resize(want, kNoRecord);
+    if (new_blocks > 0 && old_blocks > 0) {
+      for (uint32_t q : state_pools_) {
+        const PageId src = s->tables[q][old_blocks - 1];
+        if (src != kInvalidPage)
+          out.copies.push_back({q, src, s->tables[q][old_blocks], CopyReason::kCarryState});
+      }
+    }
+    s->num_blocks = want;
+    s->slot_tokens = std::max(s->slot_tokens, num_tokens);
+    out.first_new_block = old_blocks;
+    out.new_blocks = new_blocks;
+    FlushRemovedLocked();
+    events = !pending_events_.empty();
+  }
+  if (events) DeliverEvents();
+  return out;
+}
+
+Status CacheManager::Impl::CommitComputed(SequenceId seq, uint64_t num_tokens) {
+  bool events = false;
+  {
+    MutexLock l(mu_);
+    SequenceEntry* s = FindLocked(seq);
+    if (s == nullptr) return Status::NotFound(SeqNotFound(seq));
+    SequenceTokens& t = *s->tokens;
+    MutexLock tl(t.mu);
+    if (num_tokens < s->computed) {
+      return Status::InvalidArgument(fmt::format(
+          "sequence {}: commit of {} tokens but {} are already computed; commits only move forward",
+          seq, num_tokens, s->computed));
+    }
+    if (num_tokens > s->slot_tokens || num_tokens > t.num_tokens) {
+      return Status::FailedPrecondition(fmt::format(
+          "sequence {}: commit of {} tokens but only {} have slots and {} were appended", seq,
+          num_tokens, s->slot_tokens, t.num_tokens));
+    }
+    s->computed = num_tokens;
+
+    // Register the newly computed full blocks, as one stored event per run of new records.
+    if (t.hashing) {
+      const uint32_t end =
+          static_cast<uint32_t>(std::min<uint64_t>(num_tokens / block_tokens_, t.digests.size()));
+      const bool emit = !listeners_.empty();
+      std::vector<BlockHash> run;
+      BlockHash run_parent;
+      KindSet run_kinds;
+      for (uint32_t b = s->registered_upto; b < end; ++b) {
+        if (s->records[b] != kNoRecord) {
+          FlushStoredLocked(&run, run_parent, run_kinds);
+          continue;
+        }
+        const BlockDigest& d = t.digests[b];
+        const RecordId existing = index_.Find(d.hash);
+        if (existing != kNoRecord && record_digest_[existing].check == d.check) {
+          // An equal block is cached already (computed twice, or recomputed because the hit had
+          // to stop before it): this copy stays private and is freed with the sequence, except
+          // window and snapshot pages the cached block has lost, which it takes over, so the
+          // boundary after it becomes resumable again.
+          ++stats_.duplicate_blocks;
+          FlushStoredLocked(&run, run_parent, run_kinds);
+          const KindSet repaired = RepairBoundaryLocked(existing, *s, b);
+          if (!repaired.empty() && emit) {
+            std::vector<BlockHash> one{d.hash};
+            QueueEventLocked(KvEventType::kBlocksStored, repaired, std::move(one),
+                             b == 0 ? t.root.hash : t.digests[b - 1].hash);
+          }
+          continue;
+        }
+        if (existing != kNoRecord || free_records_.empty()) {
+          if (existing == kNoRecord) {
+            Internal(Status::Internal("no free block record"));
+          } else {
+            ++hash_collisions_;  // same key, other content: never served, never overwritten
+          }
+          FlushStoredLocked(&run, run_parent, run_kinds);
+          continue;
+        }
+        const RecordId r = free_records_.back();
+        free_records_.pop_back();
+        record_digest_[r] = d;
+        KindSet kinds;
+        for (size_t q = 0; q < P(); ++q) {
+          const PageId page = s->tables[q][b];
+          RecPage(r, q) = page;
+          if (page != kInvalidPage) {
+            owners_[q][page] = r;
+            kinds.Add(kinds_[q]);
+          }
+        }
+        index_.Insert(d.hash, r);
+        s->records[b] = r;
+        ++stats_.stored_blocks;
+        if (emit) {
+          if (!run.empty() && run_kinds != kinds) FlushStoredLocked(&run, run_parent, run_kinds);
+          if (run.empty()) {
+            run_parent = b == 0 ? t.root.hash : t.digests[b - 1].hash;
+            run_kinds = kinds;
+          }
+          run.push_back(d.hash);
+        }
+      }
+      FlushStoredLocked(&run, run_parent, run_kinds);
+      s->registered_upto = std::max(s->registered_upto, end);
+    }
+
+    // Window and snapshot pages the next token no longer needs: to the cache when a registered
+    // block owns them (a later request may resume there), free otherwise. Tail first.
+    for (size_t q = 0; q < P(); ++q) {
+      if (roles_[q] == PoolRole::kFullHistory) continue;
+      uint32_t first_needed;
+      if (roles_[q] == PoolRole::kWindow) {
+        first_needed = num_tokens > window_tokens_
+                           ? static_cast<uint32_t>((num_tokens - window_tokens_) / block_tokens_)
+                           : 0;
+      } else {
+        first_needed =
+            num_tokens == 0 ? 0 : static_cast<uint32_t>((num_tokens - 1) / block_tokens_);
+      }
+      first_needed = std::min(first_needed, s->num_blocks);
+      for (uint32_t b = first_needed; b-- > s->released_upto[q];) {
+        if (s->tables[q][b] == kInvalidPage) continue;
+        ReleaseSeqPageLocked(*s, q, b);
+        ++stats_.early_released_pages;
+      }
+      s->released_upto[q] = std::max(s->released_upto[q], first_needed);
+    }
+    events = !pending_events_.empty();
+  }
+  if (events) DeliverEvents();
+  return Status::OK();
+}
+
+Result<SequenceId> CacheManager::Impl::Fork(SequenceId seq) {
+  MutexLock l(mu_);
+  const SequenceEntry* parent = FindLocked(seq);
+  if (parent == nullptr) return Status::NotFound(SeqNotFound(seq));
+  SequenceEntry child = *parent;
+  {
+    const SequenceTokens& pt = *parent->tokens;
+    auto t = std::make_shared<SequenceTokens>();
+    t->root = pt.root;
+    t->extra_keys = pt.extra_keys;
+    t->hashing = pt.hashing;
+    MutexLock ptl(parent->tokens->mu);
+    MutexLock tl(t->mu);
+    t->num_tokens = parent->tokens->num_tokens;
+    t->tail = parent->tokens->tail;
+    t->digests = parent->tokens->digests;
+    child.tokens = std::move(t);
+  }
+  for (size_t q = 0; q < P(); ++q) {
+    for (uint32_t b = 0; b < child.num_blocks; ++b) {
+      const PageId page = child.tables[q][b];
+      if (page == kInvalidPage) continue;
+      Status st = pools_[q]->Retain(page);
+      if (!st.ok()) {
+        Internal(st);
+        child.tables[q][b] = kInvalidPage;
+      }
+    }
+  }
+  const SequenceId id = next_seq_++;
+  seqs_.emplace(id, std::move(child));
+  ++stats_.sequences;
+  return id;
+}
+
+Status CacheManager::Impl::Free(SequenceId seq) {
+  MutexLock l(mu_);
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) return Status::NotFound(SeqNotFound(seq));
+  SequenceEntry& s = it->second;
+  for (uint32_t b = s.num_blocks; b-- > 0;) {
+    for (size_t q = 0; q < P(); ++q) ReleaseSeqPageLocked(s, q, b);
+  }
+  {
+    MutexLock tl(s.tokens->mu);
+    s.tokens->freed = true;
+  }
+  seqs_.erase(it);
+  --stats_.sequences;
+  return Status::OK();
+}
+
+Status CacheManager::Impl::GetBlockTable(SequenceId seq, size_t pool,
+                                         std::vector<PageId>* out) const {
+  if (pool >= P()) {
+    return Status::OutOfRange(
+        fmt::format("pool {} does not exist; the model has {} pools", pool, P()));
+  }
+  MutexLock l(mu_);
+  const SequenceEntry* s = FindLocked(seq);
+  if (s == nullptr) return Status::NotFound(SeqNotFound(seq));
+  *out = s->tables[pool];
+  return Status::OK();
+}
+
+Result<SequenceInfo> CacheManager::Impl::GetSequenceInfo(SequenceId seq) const {
+  MutexLock l(mu_);
+  const SequenceEntry* s = FindLocked(seq);
+  if (s == nullptr) return Status::NotFound(SeqNotFound(seq));
+  SequenceInfo info;
+  {
+    MutexLock tl(s->tokens->mu);
+    info.tokens = s->tokens->num_tokens;
+  }
+  info.computed_tokens = s->computed;
+  info.slot_tokens = s->slot_tokens;
+  info.blocks = s->num_blocks;
+  for (RecordId r : s->records) info.cached_blocks += r != kNoRecord;
+  return info;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefix cache
+
+PrefixMatch CacheManager::Impl::LookupDigests(std::span<const BlockDigest> digests,
+                                              uint64_t prompt_tokens) const {
+  if (!Caching()) return {};
+  const size_t max_blocks = MaxLookupBlocks(prompt_tokens, digests.size(), prompt_tokens != 0);
+  std::vector<RecordId> chain;
+  MutexLock l(mu_);
+  return FindResumableLocked(digests, max_blocks, &chain);
+}
+
+Result<PrefixMatch> CacheManager::Impl::LookupPrefix(const PrefixQuery& query) const {
+  if (!Caching()) return PrefixMatch{};
+  std::vector<BlockDigest> digests;
+  hasher_.HashFullBlocks(hasher_.Root(query.namespace_salt), query.tokens, query.extra_keys,
+                         &digests);
+  return LookupDigests(digests, query.leave_last_token ? query.tokens.size() : 0);
+}
+
+Result<PinInfo> CacheManager::Impl::PinPrefix(const PrefixQuery& query, uint32_t priority) {
+  if (!Caching())
+    return Status::FailedPrecondition("prefix caching is disabled: nothing can be pinned");
+  std::vector<BlockDigest> digests;
+  hasher_.HashFullBlocks(hasher_.Root(query.namespace_salt), query.tokens, query.extra_keys,
+                         &digests);
+  MutexLock l(mu_);
+  const PrefixMatch m = FindResumableLocked(digests, digests.size(), &chain_scratch_);
+  if (m.blocks == 0) {
+    return Status::NotFound(
+        fmt::format("no resumable prefix of these {} tokens is cached ({} blocks found in the "
+                    "index); run the prompt "
+                    "and commit it first",
+                    query.tokens.size(), m.chain_blocks));
+  }
+  Pin pin;
+  pin.priority = priority;
+  for (uint32_t b = m.blocks; b-- > 0;) {
+    for (size_t q = 0; q < P(); ++q) {
+      if (b < FirstNeededBlock(q, m.blocks)) continue;
+      const PageId page = RecPage(chain_scratch_[b], q);
+      Status st = pools_[q]->Revive(page);
+      if (!st.ok()) {
+        Internal(st);
+        continue;
+      }
+      pin.pages.emplace_back(static_cast<uint32_t>(q), page);
+    }
+  }
+  const PinId id = next_pin_++;
+  pins_.emplace(id, std::move(pin));
+  return PinInfo{id, m.blocks};
+}
+
+Status CacheManager::Impl::Unpin(PinId pin) {
+  MutexLock l(mu_);
+  auto it = pins_.find(pin);
+  if (it == pins_.end()) {
+    return Status::NotFound(
+        fmt::format("pin {} does not exist (never made, unpinned, or given up under memory "
+                    "pressure; see pins_released)",
+                    pin));
+  }
+  ReleasePinLocked(it->second);
+  pins_.erase(it);
+  return Status::OK();
+}
+
+Status CacheManager::Impl::Reset() {
+  {
+    MutexLock l(mu_);
+    uint64_t holding = 0;
+    for (const auto& [id, s] : seqs_) {
+      for (const auto& table : s.tables) {
+        if (std::any_of(table.begin(), table.end(), [](PageId p) { return p != kInvalidPage; })) {
+          ++holding;
+          break;
+        }
+      }
+    }
+    if (holding > 0) {
+      return Status::FailedPrecondition(fmt::format(
+          "reset refused: {} sequences hold pages; free them first (nothing was cleared)",
+          holding));
+    }
+    for (const auto& [id, pin] : pins_) ReleasePinLocked(pin);
+    pins_.clear();
+    for (size_t q = 0; q < P(); ++q) {
+      pools_[q]->DropAllCached();
+      std::fill(owners_[q].begin(), owners_[q].end(), kNoRecord);
+    }
+    index_.Clear();
+    std::fill(record_pages_.begin(), record_pages_.end(), kInvalidPage);
+    free_records_.clear();
+    for (uint64_t r = max_records_; r-- > 0;) free_records_.push_back(static_cast<RecordId>(r));
+    removed_batch_.clear();
+    if (!listeners_.empty()) QueueEventLocked(KvEventType::kAllCleared, KindSet{}, {}, BlockHash{});
+  }
+  DeliverEvents();
+  return Status::OK();
+}
+
+CacheStats CacheManager::Impl::Stats() const {
+  MutexLock l(mu_);
+  CacheStats s = stats_;
+  s.hash_collisions = hash_collisions_;
+  s.recent_token_hit_ratio =
+      recent_prompt_ ? static_cast<double>(recent_hit_) / static_cast<double>(recent_prompt_) : 0;
+  s.cached_blocks = index_.size();
+  s.pins = pins_.size();
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// CacheManager: forwards to Impl.
+
+Result<std::unique_ptr<CacheManager>> CacheManager::Create(const ModelSpec& spec,
+                                                           const CacheManagerOptions& options) {
+  if (options.capacity_blocks == 0) {
+    return Status::InvalidArgument(
+        "cache manager: capacity_blocks is 0; expected at least 1 block");
+  }
+  if (options.backing == ArenaBacking::kFile) {
+    return Status::InvalidArgument(
+        "cache manager: kFile backing is not supported (one file per pool is not modelled); use "
+        "kAnonymous or "
+        "kMemfd");
+  }
+  SPARSEKV_ASSIGN_OR_RETURN(BlockGeometry geometry,
+                            ComputeBlockGeometry(spec, options.block_tokens));
+  auto impl = std::make_unique<Impl>(spec, options, std::move(geometry));
+  SPARSEKV_RETURN_IF_ERROR(impl->Init());
+  return std::unique_ptr<CacheManager>(new CacheManager(std::move(impl)));
+}
+
+CacheManager::CacheManager(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CacheManager::~CacheManager() = default;
+
+const BlockGeometry& CacheManager::geometry() const {
+  return impl_->geometry_;
+}
+const CacheManagerOptions& CacheManager::options() const {
+  return impl_->options_;
+}
+const BlockHasher& CacheManager::hasher() const {
+  return impl_->hasher_;
+}
+size_t CacheManager::num_pools() const {
+  return impl_->pools_.size();
+}
+const PagePool& CacheManager::pool(size_t i) const {
+  return *impl_->pools_[i];
+}
+
+Result<SequenceId> CacheManager::CreateSequence(const SequenceOptions& options) {
+  return impl_->CreateSequence(options);
+}
+Status CacheManager::AppendTokens(SequenceId seq, std::span<const TokenId> tokens) {
+  return impl_->AppendTokens(seq, tokens);
+}
+Result<PrefixMatch> CacheManager::AcquireCachedPrefix(SequenceId seq) {
+  return impl_->AcquireCachedPrefix(seq);
+}
+Result<SlotAllocation> CacheManager::AllocateSlots(SequenceId seq, uint64_t num_tokens) {
+  return impl_->AllocateSlots(seq, num_tokens);
+}
+Status CacheManager::CommitComputed(SequenceId seq, uint64_t num_tokens) {
+  return impl_->CommitComputed(seq, num_tokens);
+}
+Result<SequenceId> CacheManager::Fork(SequenceId seq) {
+  return impl_->Fork(seq);
+}
+Status CacheManager::Free(SequenceId seq) {
+  return impl_->Free(seq);
+}
+Status CacheManager::GetBlockTable(SequenceId seq, size_t pool, std::vector<PageId>* out) const {
+  return impl_->GetBlockTable(seq, pool, out);
+}
+Result<SequenceInfo> CacheManager::GetSequenceInfo(SequenceId seq) const {
+  return impl_->GetSequenceInfo(seq);
+}
+Result<PrefixMatch> CacheManager::LookupPrefix(const PrefixQuery& query) const {
+  return impl_->LookupPrefix(query);
+}
+PrefixMatch CacheManager::LookupDigests(std::span<const BlockDigest> digests,
+                                        uint64_t prompt_tokens) const {
+  return impl_->LookupDigests(digests, prompt_tokens);
+}
+Result<PinInfo> CacheManager::PinPrefix(const PrefixQuery& query, uint32_t priority) {
+  return impl_->PinPrefix(query, priority);
+}
+Status CacheManager::Unpin(PinId pin) {
+  return impl_->Unpin(pin);
+}
+Status CacheManager::Reset() {
+  return impl_->Reset();
+}
+SubscriptionId CacheManager::Subscribe(KvEventListener listener) {
+  return impl_->Subscribe(std::move(listener));
+}
+void CacheManager::Unsubscribe(SubscriptionId id) {
+  impl_->Unsubscribe(id);
+}
+CacheStats CacheManager::Stats() const {
+  return impl_->Stats();
+}
+
+}  // namespace sparsekv
