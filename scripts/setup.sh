@@ -5,7 +5,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build ccache pkg-config git
-  librocksdb-dev liburing-dev libboost-dev libboost-system-dev libxxhash-dev
+  librocksdb-dev liburing-dev libboost-dev libboost-system-dev libxxhash-dev libssl-dev
   libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev
