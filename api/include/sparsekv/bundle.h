@@ -1,0 +1,152 @@
+// Bundle: every cache kind of one token block, as the offload tiers store and return it.
+//
+// Offload and restore move all kinds of a block together (DESIGN.md), so a tier never stores
+// one kind without the others. A bundle is one contiguous *record*: a small header naming the
+// key and the size of each kind's segment, then the segments back to back (the payload). The
+// record is what every tier writes; it carries its own XXH3-64 checksum, so any tier can tell
+// a damaged or misplaced record from a good one without trusting its own metadata.
+//
+// Record layout (little-endian; the header is padded to a multiple of 8 bytes):
+//   0  u32 magic "SKVB"        4  u16 format version (1)     6  u16 segment count
+//   8  u64 XXH3-64 (seed 0) of every byte from offset 16 to the end of the payload
+//  16  u32 namespace id       20  u32 flags (0)
+//  24  u64 hash.lo            32  u64 hash.hi                40  u64 payload bytes
+//  48  u32 segment bytes × segment count, then zero padding, then the payload
+//
+// Ownership: a Bundle owns its record (a RecordBuffer) and is immutable once made; tiers and
+// callers share it as a BundlePtr (shared_ptr<const Bundle>), so one bundle written to several
+// tiers is not copied, and the SSD tier writes it straight from its memory.
+// Thread safety: immutable, share freely.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+
+#include "sparsekv/block_hash.h"
+#include "sparsekv/status.h"
+
+namespace sparsekv {
+
+// What a tier files a bundle under: the block's prefix hash within a namespace.
+struct BundleKey {
+  uint32_t namespace_id = 0;
+  BlockHash hash;
+
+  bool operator==(const BundleKey&) const = default;
+  // "ns 3 / 0123...cdef" for messages.
+  std::string ToString() const;
+};
+
+struct BundleKeyHasher {
+  size_t operator()(const BundleKey& k) const {
+    return static_cast<size_t>(k.hash.lo ^ (k.hash.hi * 0x9e3779b97f4a7c15ull) ^ k.namespace_id);
+  }
+};
+
+inline constexpr uint32_t kBundleMagic = 0x42564b53;  // "SKVB" read as little-endian bytes
+inline constexpr uint16_t kBundleFormatVersion = 1;
+inline constexpr uint32_t kMaxBundleSegments = 64;
+inline constexpr uint64_t kBundleFixedHeaderBytes = 48;
+
+// Header bytes of a record with `segment_count` segments.
+constexpr uint64_t BundleHeaderBytes(uint32_t segment_count) {
+  return (kBundleFixedHeaderBytes + 4ull * segment_count + 7) & ~uint64_t{7};
+}
+// Record bytes (header + payload) of a bundle with these segment sizes.
+uint64_t BundleRecordBytes(std::span<const uint64_t> segment_bytes);
+
+class Bundle;
+using BundlePtr = std::shared_ptr<const Bundle>;
+
+// Memory for one record: 4 KiB-aligned, its capacity a multiple of 4 KiB, bytes past the record
+// zeroed, so an O_DIRECT read can land in it and an O_DIRECT write can take it as it is. It
+// comes from the heap (Allocate) or from a tier's registered arena, and goes back there
+// through `release` when the last owner lets go. Move-only.
+class RecordBuffer {
+ public:
+  RecordBuffer() = default;
+  RecordBuffer(std::byte* data, uint64_t capacity, std::function<void(std::byte*)> release)
+      : data_(data), capacity_(capacity), release_(std::move(release)) {}
+  RecordBuffer(RecordBuffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)),
+        capacity_(std::exchange(o.capacity_, 0)),
+        release_(std::move(o.release_)) {}
+  RecordBuffer& operator=(RecordBuffer&& o) noexcept;
+  RecordBuffer(const RecordBuffer&) = delete;
+  RecordBuffer& operator=(const RecordBuffer&) = delete;
+  ~RecordBuffer() { Reset(); }
+
+  // Heap memory for a record of `bytes` (capacity rounded up to 4 KiB, the padding zeroed).
+  static RecordBuffer Allocate(uint64_t bytes);
+  void Reset();
+  std::byte* data() const { return data_; }
+  uint64_t capacity() const { return capacity_; }
+  explicit operator bool() const { return data_ != nullptr; }
+
+ private:
+  std::byte* data_ = nullptr;
+  uint64_t capacity_ = 0;
+  std::function<void(std::byte*)> release_;
+};
+
+class Bundle {
+ public:
+  // Gathers `segments` (one per cache kind, in the model's pool order) under `key`: builds the
+  // header, copies the payload and computes the checksum. Errors: more than kMaxBundleSegments
+  // segments, or a segment of 4 GiB or more.
+  static Result<BundlePtr> Make(const BundleKey& key,
+                                std::span<const std::span<const std::byte>> segments);
+  // As Make, with segments of the given sizes filled in place by `fill(index, destination)`:
+  // spares a copy when the caller gathers from pages itself.
+  static Result<BundlePtr> MakeWith(
+      const BundleKey& key, std::span<const uint64_t> segment_bytes,
+      const std::function<void(uint32_t, std::span<std::byte>)>& fill);
+
+  // Checks a record read back from storage: magic, version, sizes against `record.size()`, the
+  // checksum, and that it is filed under `expected`. Returns Corruption (data_loss) naming what
+  // failed. `ParseRecord` copies; `AdoptRecord` takes over a buffer holding the record (its
+  // bytes past `record_bytes` must be zero, as RecordBuffer keeps them).
+  static Result<BundlePtr> ParseRecord(std::span<const std::byte> record,
+                                       const BundleKey& expected);
+  static Result<BundlePtr> AdoptRecord(RecordBuffer buffer, uint64_t record_bytes,
+                                       const BundleKey& expected);
+  // The checks of ParseRecord without building a bundle; OK when `record` is a good record of
+  // `expected`.
+  static Status VerifyRecord(std::span<const std::byte> record, const BundleKey& expected);
+
+  const BundleKey& key() const { return key_; }
+  uint32_t segment_count() const { return segment_count_; }
+  uint64_t segment_bytes(uint32_t i) const;
+  // Precondition: i < segment_count().
+  std::span<const std::byte> segment(uint32_t i) const;
+  std::span<const std::byte> payload() const;
+  // Header + payload: what a tier stores.
+  std::span<const std::byte> record() const { return {record_.data(), record_bytes_}; }
+  // The record followed by zeros up to a multiple of 4 KiB, 4 KiB-aligned: an O_DIRECT write.
+  std::span<const std::byte> padded_record() const {
+    return {record_.data(), (record_bytes_ + 4095) & ~uint64_t{4095}};
+  }
+  uint64_t record_bytes() const { return record_bytes_; }
+  uint64_t checksum() const { return checksum_; }
+
+  Bundle(const Bundle&) = delete;
+  Bundle& operator=(const Bundle&) = delete;
+
+ private:
+  Bundle() = default;
+  static Result<BundlePtr> FromVerified(RecordBuffer buffer, uint64_t record_bytes);
+
+  BundleKey key_;
+  uint32_t segment_count_ = 0;
+  uint64_t header_bytes_ = 0;
+  uint64_t record_bytes_ = 0;
+  uint64_t checksum_ = 0;
+  RecordBuffer record_;
+};
+
+}  // namespace sparsekv

@@ -1,0 +1,46 @@
+// HostTier: the host-DRAM offload tier (L2), bundles in the fixed-size pages of a PagePool.
+//
+// Each bundle takes one page ("slot") of `slot_bytes`; a bundle whose record is larger is
+// refused with InvalidArgument. Stored bundles sit in the pool's LRU of cached pages: a get
+// pins the page while it copies and checks the record, then puts it back at the most recently
+// used end; a put that finds no free page evicts the least recently used bundle. With an
+// eviction listener set, evicted bundles are copied out first and handed over (write-back to
+// the next tier). Every operation completes on the caller's thread before the call returns.
+//
+// Ownership: the tier owns its pool. Thread safety: every method is thread-safe; page copies
+// run outside the tier's lock.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "sparsekv/page_pool.h"
+#include "sparsekv/tier.h"
+
+namespace sparsekv {
+
+struct HostTierOptions {
+  // Name used in messages and statistics. Default: "host".
+  std::string name = "host";
+  // Bytes of host memory for bundles; rounded down to whole slots. Default: 1 GiB.
+  uint64_t capacity_bytes = 1ull << 30;
+  // Bytes per slot: the largest record stored. The daemon sets it to BundleRecordBytes of the
+  // model's block. Default: 0 (must be set).
+  uint64_t slot_bytes = 0;
+  // What backs the pool (a memfd lets another process map it). Default: kAnonymous.
+  ArenaBacking backing = ArenaBacking::kAnonymous;
+  // Ask for transparent huge pages. Default: true.
+  bool huge_pages = true;
+};
+
+class HostTier : public Tier {
+ public:
+  // Errors: slot_bytes of 0, a capacity below one slot, a pool that cannot be mapped.
+  static Result<std::unique_ptr<HostTier>> Open(const HostTierOptions& options);
+
+  // Test hook: flips one bit of the stored record of `key` at `offset`.
+  virtual Status CorruptForTesting(const BundleKey& key, uint64_t offset) = 0;
+};
+
+}  // namespace sparsekv

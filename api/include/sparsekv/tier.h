@@ -1,0 +1,100 @@
+// Tier: one level of offload storage for bundles (host DRAM, SSD slabs, RocksDB).
+//
+// Every operation is batched and asynchronous: it takes a batch of bundles or keys and calls
+// `done` exactly once with one result per item, in the order of the batch. `done` may run
+// before the call returns (on the caller's thread: the host tier always does so) or later on
+// one of the tier's threads; it must not block for long. Items of one batch succeed or fail
+// independently. The future-returning forms wrap the callback forms.
+//
+// A tier has a capacity in bytes and evicts its least recently used bundles to make room for
+// new ones. It checks the checksum of every bundle it reads (bundle.h): a bundle that fails is
+// reported as Corruption (data_loss), counted in TierStats::corrupt, erased, and never
+// returned. Putting a key that is present replaces its bundle.
+//
+// Ownership: a tier shares the bundles it is given (BundlePtr) and returns new ones it owns
+// jointly with the caller. Destroying a tier first completes every operation in flight.
+// Thread safety: every method is thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "sparsekv/bundle.h"
+#include "sparsekv/status.h"
+
+namespace sparsekv {
+
+// When a tier's acknowledgement means the data would survive a power cut, not only a crash of
+// the process (which loses nothing acknowledged under every policy).
+enum class Durability : uint8_t {
+  kNone = 0,   // no flush: the device's and the kernel's caches may still hold acknowledged data
+  kFdatasync,  // fdatasync of the data before the index entries naming it are written (synced)
+  kDsync,      // every data write with RWF_DSYNC / O_DSYNC, index writes synced
+};
+std::string_view DurabilityName(Durability d);
+Result<Durability> ParseDurability(std::string_view name);  // "none", "fdatasync", "dsync"
+
+struct TierStats {
+  std::string name;
+  uint64_t capacity_bytes = 0;
+  uint64_t bytes = 0;         // record bytes of the bundles held
+  uint64_t items = 0;         // bundles held
+  uint64_t hits = 0;          // gets that returned a bundle
+  uint64_t misses = 0;        // gets of absent keys
+  uint64_t puts = 0;          // bundles stored
+  uint64_t put_failures = 0;  // puts refused or failed (full, too large, I/O error)
+  uint64_t evictions = 0;     // bundles dropped for room
+  uint64_t erased = 0;        // bundles erased on request
+  uint64_t corrupt = 0;       // bundles that failed their checks on read (then erased)
+  uint64_t io_errors = 0;     // operations the device failed
+  uint64_t bytes_written = 0;
+  uint64_t bytes_read = 0;
+};
+
+class Tier {
+ public:
+  using StatusesCallback = std::function<void(std::vector<Status>)>;
+  using BundlesCallback = std::function<void(std::vector<Result<BundlePtr>>)>;
+  using ContainsCallback = std::function<void(std::vector<bool>)>;
+  // Bundles a tier evicted, handed over so that the next tier can keep them (write-back).
+  using EvictionListener = std::function<void(std::vector<BundlePtr>)>;
+
+  virtual ~Tier() = default;
+
+  virtual std::string_view name() const = 0;
+  virtual uint64_t capacity_bytes() const = 0;
+  // The largest record this tier can store.
+  virtual uint64_t max_record_bytes() const = 0;
+  virtual TierStats Stats() const = 0;
+
+  // Per item: OK, InvalidArgument (too large), ResourceExhausted (no room even after
+  // eviction), IOError. An OK item is readable, and survives a crash as Durability says.
+  virtual void PutAsync(std::vector<BundlePtr> bundles, StatusesCallback done) = 0;
+  // Per item: the bundle, NotFound, Corruption (data_loss; the bundle was erased) or IOError.
+  virtual void GetAsync(std::vector<BundleKey> keys, BundlesCallback done) = 0;
+  // Per item: whether a get would find it (it may still turn out corrupt).
+  virtual void ContainsAsync(std::vector<BundleKey> keys, ContainsCallback done) = 0;
+  // Per item: OK (erased, or was absent) or an error; an erased key is not found again, even
+  // after a restart.
+  virtual void EraseAsync(std::vector<BundleKey> keys, StatusesCallback done) = 0;
+
+  // Tiers that keep evicted bundles' bytes at hand (the host tier) pass them to `listener`,
+  // on the thread that caused the eviction, outside the tier's locks. Others return
+  // NotSupported: their evictions are final. Set before the tier is shared.
+  virtual Status SetEvictionListener(EvictionListener listener) {
+    return Status::NotSupported(std::string(name()) + " tier does not hand over evicted bundles");
+  }
+
+  // Future forms.
+  std::future<std::vector<Status>> Put(std::vector<BundlePtr> bundles);
+  std::future<std::vector<Result<BundlePtr>>> Get(std::vector<BundleKey> keys);
+  std::future<std::vector<bool>> Contains(std::vector<BundleKey> keys);
+  std::future<std::vector<Status>> Erase(std::vector<BundleKey> keys);
+};
+
+}  // namespace sparsekv

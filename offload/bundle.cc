@@ -1,0 +1,236 @@
+#include "sparsekv/bundle.h"
+
+#include <fmt/format.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <new>
+
+namespace sparsekv {
+namespace {
+
+// Offsets in the record header (bundle.h).
+constexpr uint64_t kMagicAt = 0;
+constexpr uint64_t kVersionAt = 4;
+constexpr uint64_t kCountAt = 6;
+constexpr uint64_t kChecksumAt = 8;
+constexpr uint64_t kNamespaceAt = 16;
+constexpr uint64_t kFlagsAt = 20;
+constexpr uint64_t kHashLoAt = 24;
+constexpr uint64_t kHashHiAt = 32;
+constexpr uint64_t kPayloadAt = 40;
+constexpr uint64_t kSegmentsAt = 48;
+// Everything after the checksum field is covered by it.
+constexpr uint64_t kCoveredFrom = 16;
+
+constexpr uint64_t kPageAlign = 4096;  // kDirectIoAlignment, without depending on file_system.h
+
+template <typename T>
+T Load(const std::byte* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <typename T>
+void Store(std::byte* p, T v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+uint64_t RecordChecksum(std::span<const std::byte> record) {
+  return XXH3_64bits(record.data() + kCoveredFrom, record.size() - kCoveredFrom);
+}
+
+Status CheckSegments(std::span<const uint64_t> segment_bytes) {
+  if (segment_bytes.size() > kMaxBundleSegments) {
+    return Status::InvalidArgument(fmt::format("a bundle holds at most {} segments, got {}",
+                                               kMaxBundleSegments, segment_bytes.size()));
+  }
+  for (size_t i = 0; i < segment_bytes.size(); ++i) {
+    if (segment_bytes[i] > std::numeric_limits<uint32_t>::max()) {
+      return Status::InvalidArgument(fmt::format(
+          "bundle segment {} is {} bytes; a segment must be under 4 GiB", i, segment_bytes[i]));
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+std::string BundleKey::ToString() const {
+  return fmt::format("ns {} / {:016x}{:016x}", namespace_id, hash.hi, hash.lo);
+}
+
+uint64_t BundleRecordBytes(std::span<const uint64_t> segment_bytes) {
+  uint64_t total = BundleHeaderBytes(static_cast<uint32_t>(segment_bytes.size()));
+  for (uint64_t s : segment_bytes) total += s;
+  return total;
+}
+
+RecordBuffer& RecordBuffer::operator=(RecordBuffer&& o) noexcept {
+  if (this != &o) {
+    Reset();
+    data_ = std::exchange(o.data_, nullptr);
+    capacity_ = std::exchange(o.capacity_, 0);
+    release_ = std::move(o.release_);
+  }
+  return *this;
+}
+
+void RecordBuffer::Reset() {
+  if (data_ != nullptr && release_) release_(data_);
+  data_ = nullptr;
+  capacity_ = 0;
+  release_ = nullptr;
+}
+
+RecordBuffer RecordBuffer::Allocate(uint64_t bytes) {
+  const uint64_t capacity =
+      std::max<uint64_t>(kPageAlign, (bytes + kPageAlign - 1) / kPageAlign * kPageAlign);
+  auto* p = static_cast<std::byte*>(::operator new(capacity, std::align_val_t(kPageAlign)));
+  // The record's own bytes are about to be written; only the padding needs zeros.
+  std::memset(p + (bytes / kPageAlign) * kPageAlign, 0,
+              capacity - (bytes / kPageAlign) * kPageAlign);
+  return RecordBuffer(p, capacity,
+                      [](std::byte* d) { ::operator delete(d, std::align_val_t(kPageAlign)); });
+}
+
+Result<BundlePtr> Bundle::MakeWith(
+    const BundleKey& key, std::span<const uint64_t> segment_bytes,
+    const std::function<void(uint32_t, std::span<std::byte>)>& fill) {
+  SPARSEKV_RETURN_IF_ERROR(CheckSegments(segment_bytes));
+  const auto count = static_cast<uint32_t>(segment_bytes.size());
+  const uint64_t header = BundleHeaderBytes(count);
+  const uint64_t total = BundleRecordBytes(segment_bytes);
+  RecordBuffer buf = RecordBuffer::Allocate(total);
+  std::byte* p = buf.data();
+  std::memset(p, 0, header);
+  Store<uint32_t>(p + kMagicAt, kBundleMagic);
+  Store<uint16_t>(p + kVersionAt, kBundleFormatVersion);
+  Store<uint16_t>(p + kCountAt, static_cast<uint16_t>(count));
+  Store<uint32_t>(p + kNamespaceAt, key.namespace_id);
+  Store<uint32_t>(p + kFlagsAt, 0);
+  Store<uint64_t>(p + kHashLoAt, key.hash.lo);
+  Store<uint64_t>(p + kHashHiAt, key.hash.hi);
+  Store<uint64_t>(p + kPayloadAt, total - header);
+  uint64_t at = header;
+  for (uint32_t i = 0; i < count; ++i) {
+    Store<uint32_t>(p + kSegmentsAt + 4ull * i, static_cast<uint32_t>(segment_bytes[i]));
+    fill(i, std::span<std::byte>(p + at, segment_bytes[i]));
+    at += segment_bytes[i];
+  }
+  Store<uint64_t>(p + kChecksumAt, RecordChecksum({p, total}));
+  return FromVerified(std::move(buf), total);
+}
+
+Result<BundlePtr> Bundle::Make(const BundleKey& key,
+                               std::span<const std::span<const std::byte>> segments) {
+  uint64_t sizes[kMaxBundleSegments];
+  if (segments.size() > kMaxBundleSegments) {
+    return Status::InvalidArgument(fmt::format("a bundle holds at most {} segments, got {}",
+                                               kMaxBundleSegments, segments.size()));
+  }
+  for (size_t i = 0; i < segments.size(); ++i) sizes[i] = segments[i].size();
+  return MakeWith(key, std::span<const uint64_t>(sizes, segments.size()),
+                  [&](uint32_t i, std::span<std::byte> dst) {
+                    if (!dst.empty()) std::memcpy(dst.data(), segments[i].data(), dst.size());
+                  });
+}
+
+Status Bundle::VerifyRecord(std::span<const std::byte> record, const BundleKey& expected) {
+  const std::byte* p = record.data();
+  const uint64_t n = record.size();
+  if (n < kBundleFixedHeaderBytes) {
+    return Status::Corruption(
+        fmt::format("bundle {}: record of {} bytes is shorter than a header ({} bytes)",
+                    expected.ToString(), n, kBundleFixedHeaderBytes));
+  }
+  if (Load<uint32_t>(p + kMagicAt) != kBundleMagic) {
+    return Status::Corruption(fmt::format("bundle {}: bad magic {:#010x}, expected {:#010x}",
+                                          expected.ToString(), Load<uint32_t>(p + kMagicAt),
+                                          kBundleMagic));
+  }
+  if (Load<uint16_t>(p + kVersionAt) != kBundleFormatVersion) {
+    return Status::Corruption(fmt::format("bundle {}: format version {}, expected {}",
+                                          expected.ToString(), Load<uint16_t>(p + kVersionAt),
+                                          kBundleFormatVersion));
+  }
+  const uint32_t count = Load<uint16_t>(p + kCountAt);
+  const uint64_t header = BundleHeaderBytes(count);
+  if (count > kMaxBundleSegments || header > n) {
+    return Status::Corruption(fmt::format("bundle {}: {} segments do not fit a record of {} bytes",
+                                          expected.ToString(), count, n));
+  }
+  uint64_t payload = 0;
+  for (uint32_t i = 0; i < count; ++i) payload += Load<uint32_t>(p + kSegmentsAt + 4ull * i);
+  if (Load<uint64_t>(p + kPayloadAt) != payload || header + payload != n) {
+    return Status::Corruption(
+        fmt::format("bundle {}: sizes disagree: header says {} payload bytes, segments sum to {}, "
+                    "record holds {}",
+                    expected.ToString(), Load<uint64_t>(p + kPayloadAt), payload, n - header));
+  }
+  const uint64_t stored = Load<uint64_t>(p + kChecksumAt);
+  const uint64_t actual = RecordChecksum(record);
+  if (stored != actual) {
+    return Status::Corruption(
+        fmt::format("bundle {}: checksum mismatch: stored {:016x}, computed {:016x}",
+                    expected.ToString(), stored, actual));
+  }
+  BundleKey found;
+  found.namespace_id = Load<uint32_t>(p + kNamespaceAt);
+  found.hash.lo = Load<uint64_t>(p + kHashLoAt);
+  found.hash.hi = Load<uint64_t>(p + kHashHiAt);
+  if (!(found == expected)) {
+    return Status::Corruption(
+        fmt::format("bundle {}: the record belongs to {}", expected.ToString(), found.ToString()));
+  }
+  return Status::OK();
+}
+
+Result<BundlePtr> Bundle::ParseRecord(std::span<const std::byte> record,
+                                      const BundleKey& expected) {
+  SPARSEKV_RETURN_IF_ERROR(VerifyRecord(record, expected));
+  RecordBuffer buf = RecordBuffer::Allocate(record.size());
+  if (!record.empty()) std::memcpy(buf.data(), record.data(), record.size());
+  return FromVerified(std::move(buf), record.size());
+}
+
+Result<BundlePtr> Bundle::AdoptRecord(RecordBuffer buffer, uint64_t record_bytes,
+                                      const BundleKey& expected) {
+  if (!buffer || buffer.capacity() < record_bytes) {
+    return Status::InvalidArgument("bundle: a record buffer smaller than its record");
+  }
+  SPARSEKV_RETURN_IF_ERROR(VerifyRecord({buffer.data(), record_bytes}, expected));
+  return FromVerified(std::move(buffer), record_bytes);
+}
+
+Result<BundlePtr> Bundle::FromVerified(RecordBuffer buffer, uint64_t record_bytes) {
+  auto b = std::shared_ptr<Bundle>(new Bundle());
+  const std::byte* p = buffer.data();
+  b->key_.namespace_id = Load<uint32_t>(p + kNamespaceAt);
+  b->key_.hash.lo = Load<uint64_t>(p + kHashLoAt);
+  b->key_.hash.hi = Load<uint64_t>(p + kHashHiAt);
+  b->segment_count_ = Load<uint16_t>(p + kCountAt);
+  b->header_bytes_ = BundleHeaderBytes(b->segment_count_);
+  b->record_bytes_ = record_bytes;
+  b->checksum_ = Load<uint64_t>(p + kChecksumAt);
+  b->record_ = std::move(buffer);
+  return BundlePtr(std::move(b));
+}
+
+uint64_t Bundle::segment_bytes(uint32_t i) const {
+  return i < segment_count_ ? Load<uint32_t>(record_.data() + kSegmentsAt + 4ull * i) : 0;
+}
+
+std::span<const std::byte> Bundle::segment(uint32_t i) const {
+  uint64_t at = header_bytes_;
+  for (uint32_t k = 0; k < i; ++k) at += segment_bytes(k);
+  return {record_.data() + at, segment_bytes(i)};
+}
+
+std::span<const std::byte> Bundle::payload() const {
+  return {record_.data() + header_bytes_, record_bytes_ - header_bytes_};
+}
+
+}  // namespace sparsekv

@@ -1,0 +1,86 @@
+#include "sparsekv/bundle.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "tests/offload/test_util.h"
+
+namespace sparsekv {
+namespace {
+
+using testing::KeyOf;
+using testing::MakeBundle;
+
+TEST(Bundle, RoundTripKeepsEverySegment) {
+  std::vector<std::byte> a(1000), b(37), c(0), d(4096);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = std::byte(i);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = std::byte(255 - i);
+  for (size_t i = 0; i < d.size(); ++i) d[i] = std::byte(i * 7);
+  std::span<const std::byte> segs[] = {a, b, c, d};
+  auto made = Bundle::Make(KeyOf(1), segs);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  const Bundle& bundle = **made;
+  EXPECT_EQ(bundle.key(), KeyOf(1));
+  ASSERT_EQ(bundle.segment_count(), 4u);
+  EXPECT_EQ(bundle.record_bytes(), BundleHeaderBytes(4) + 1000 + 37 + 4096);
+  const uint64_t sizes[] = {1000, 37, 0, 4096};
+  EXPECT_EQ(BundleRecordBytes(sizes), bundle.record_bytes());
+  for (uint32_t i = 0; i < 4; ++i) {
+    ASSERT_EQ(bundle.segment(i).size(), segs[i].size());
+    if (!segs[i].empty()) {
+      EXPECT_EQ(std::memcmp(bundle.segment(i).data(), segs[i].data(), segs[i].size()), 0);
+    }
+  }
+  auto parsed = Bundle::ParseRecord(bundle.record(), KeyOf(1));
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  EXPECT_TRUE(testing::SameBytes(**parsed, bundle));
+  EXPECT_EQ((*parsed)->checksum(), bundle.checksum());
+  EXPECT_EQ((*parsed)->segment(1).size(), 37u);
+}
+
+TEST(Bundle, EveryFlippedBitIsDetected) {
+  BundlePtr b = MakeBundle(3, {200, 100});
+  std::vector<std::byte> rec(b->record().begin(), b->record().end());
+  for (size_t byte = 0; byte < rec.size(); ++byte) {
+    for (int bit = 0; bit < 8; bit += 3) {
+      rec[byte] ^= std::byte(1u << bit);
+      const Status s = Bundle::VerifyRecord(rec, KeyOf(3));
+      EXPECT_TRUE(s.Is(StatusCode::kCorruption)) << "byte " << byte << " bit " << bit;
+      EXPECT_TRUE(s.data_loss());
+      rec[byte] ^= std::byte(1u << bit);
+    }
+  }
+  EXPECT_TRUE(Bundle::VerifyRecord(rec, KeyOf(3)).ok());
+}
+
+TEST(Bundle, WrongKeyTruncationAndGarbageAreCorruption) {
+  BundlePtr b = MakeBundle(4, {512});
+  Status wrong = Bundle::VerifyRecord(b->record(), KeyOf(5));
+  EXPECT_TRUE(wrong.Is(StatusCode::kCorruption));
+  EXPECT_NE(wrong.ToString().find("belongs to"), std::string::npos) << wrong.ToString();
+  Status other_ns = Bundle::VerifyRecord(b->record(), KeyOf(4, /*ns=*/8));
+  EXPECT_TRUE(other_ns.Is(StatusCode::kCorruption));
+  Status cut = Bundle::VerifyRecord(b->record().first(b->record_bytes() - 1), KeyOf(4));
+  EXPECT_TRUE(cut.Is(StatusCode::kCorruption));
+  EXPECT_NE(cut.ToString().find("sizes disagree"), std::string::npos) << cut.ToString();
+  std::vector<std::byte> zeros(4096);
+  Status z = Bundle::VerifyRecord(zeros, KeyOf(4));
+  EXPECT_NE(z.ToString().find("bad magic"), std::string::npos) << z.ToString();
+  Status tiny = Bundle::VerifyRecord(std::span<const std::byte>(zeros).first(10), KeyOf(4));
+  EXPECT_TRUE(tiny.Is(StatusCode::kCorruption));
+  // A record with padding after it (as read back from a 4 KiB-aligned slot) is not its record.
+  std::vector<std::byte> padded(b->record().begin(), b->record().end());
+  padded.resize(4096);
+  EXPECT_TRUE(Bundle::VerifyRecord(padded, KeyOf(4)).Is(StatusCode::kCorruption));
+}
+
+TEST(Bundle, RefusesTooManySegments) {
+  std::vector<uint64_t> sizes(kMaxBundleSegments + 1, 1);
+  auto r = Bundle::MakeWith(KeyOf(1), sizes, [](uint32_t, std::span<std::byte>) {});
+  EXPECT_TRUE(r.status().Is(StatusCode::kInvalidArgument));
+}
+
+}  // namespace
+}  // namespace sparsekv

@@ -1,0 +1,143 @@
+#include "sparsekv/host_tier.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "tests/offload/test_util.h"
+
+namespace sparsekv {
+namespace {
+
+using testing::KeyOf;
+using testing::MakeBundleOfBytes;
+using testing::SameBytes;
+
+std::unique_ptr<HostTier> OpenHost(uint64_t slots, uint64_t slot_bytes = 16384) {
+  HostTierOptions o;
+  o.capacity_bytes = slots * slot_bytes;
+  o.slot_bytes = slot_bytes;
+  o.huge_pages = false;
+  auto t = HostTier::Open(o);
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  return t.ok() ? std::move(*t) : nullptr;
+}
+
+TEST(HostTier, PutGetContainsEraseWithPerItemResults) {
+  auto tier = OpenHost(8);
+  std::vector<BundlePtr> in = {MakeBundleOfBytes(1, 1000), MakeBundleOfBytes(2, 16000),
+                               MakeBundleOfBytes(3, 50000)};
+  auto st = tier->Put(in).get();
+  ASSERT_EQ(st.size(), 3u);
+  EXPECT_TRUE(st[0].ok());
+  EXPECT_TRUE(st[1].ok());
+  EXPECT_TRUE(st[2].Is(StatusCode::kInvalidArgument)) << st[2].ToString();  // larger than a slot
+  auto got = tier->Get({KeyOf(2), KeyOf(1), KeyOf(3)}).get();
+  ASSERT_TRUE(got[0].ok());
+  EXPECT_TRUE(SameBytes(**got[0], *in[1]));
+  ASSERT_TRUE(got[1].ok());
+  EXPECT_TRUE(SameBytes(**got[1], *in[0]));
+  EXPECT_TRUE(got[2].status().Is(StatusCode::kNotFound));
+  EXPECT_EQ(tier->Contains({KeyOf(1), KeyOf(3)}).get(), (std::vector<bool>{true, false}));
+  auto er = tier->Erase({KeyOf(1), KeyOf(9)}).get();
+  EXPECT_TRUE(er[0].ok());
+  EXPECT_TRUE(er[1].ok());
+  EXPECT_FALSE(tier->Contains({KeyOf(1)}).get()[0]);
+  TierStats s = tier->Stats();
+  EXPECT_EQ(s.items, 1u);
+  EXPECT_EQ(s.puts, 2u);
+  EXPECT_EQ(s.put_failures, 1u);
+  EXPECT_EQ(s.hits, 2u);
+  EXPECT_EQ(s.misses, 1u);
+  EXPECT_EQ(s.erased, 1u);
+  EXPECT_EQ(s.bytes, in[1]->record_bytes());
+}
+
+TEST(HostTier, EvictsLeastRecentlyUsedAndHandsItOver) {
+  auto tier = OpenHost(4);
+  std::vector<BundlePtr> evicted;
+  ASSERT_TRUE(tier->SetEvictionListener([&](std::vector<BundlePtr> b) {
+                    for (auto& x : b) evicted.push_back(std::move(x));
+                  })
+                  .ok());
+  for (uint64_t i = 0; i < 4; ++i)
+    ASSERT_TRUE(tier->Put({MakeBundleOfBytes(i, 4000)}).get()[0].ok());
+  ASSERT_TRUE(tier->Get({KeyOf(0)}).get()[0].ok());  // 0 is now the most recent; 1 the least
+  ASSERT_TRUE(tier->Put({MakeBundleOfBytes(10, 4000)}).get()[0].ok());
+  ASSERT_EQ(evicted.size(), 1u);
+  EXPECT_EQ(evicted[0]->key(), KeyOf(1));
+  EXPECT_TRUE(SameBytes(*evicted[0], *MakeBundleOfBytes(1, 4000)));
+  EXPECT_EQ(tier->Contains({KeyOf(0), KeyOf(1), KeyOf(2), KeyOf(10)}).get(),
+            (std::vector<bool>{true, false, true, true}));
+  EXPECT_EQ(tier->Stats().evictions, 1u);
+}
+
+TEST(HostTier, CorruptBundleIsReportedCountedErasedNeverReturned) {
+  auto tier = OpenHost(4);
+  ASSERT_TRUE(tier->Put({MakeBundleOfBytes(1, 4000), MakeBundleOfBytes(2, 4000)}).get()[0].ok());
+  ASSERT_TRUE(tier->CorruptForTesting(KeyOf(1), 777).ok());
+  auto got = tier->Get({KeyOf(1), KeyOf(2)}).get();
+  EXPECT_TRUE(got[0].status().Is(StatusCode::kCorruption)) << got[0].status().ToString();
+  EXPECT_TRUE(got[0].status().data_loss());
+  EXPECT_TRUE(got[1].ok());
+  EXPECT_EQ(tier->Stats().corrupt, 1u);
+  EXPECT_TRUE(tier->Get({KeyOf(1)}).get()[0].status().Is(StatusCode::kNotFound));
+  // The slot is usable again.
+  for (uint64_t i = 3; i < 6; ++i)
+    ASSERT_TRUE(tier->Put({MakeBundleOfBytes(i, 4000)}).get()[0].ok());
+  EXPECT_EQ(tier->Stats().items, 4u);
+}
+
+TEST(HostTier, ReplacingAKeyKeepsOneCopy) {
+  auto tier = OpenHost(4);
+  ASSERT_TRUE(tier->Put({MakeBundleOfBytes(1, 4000, 1)}).get()[0].ok());
+  ASSERT_TRUE(tier->Put({MakeBundleOfBytes(1, 4000, 2)}).get()[0].ok());
+  ASSERT_TRUE(tier->Put({MakeBundleOfBytes(1, 4000, 2)}).get()[0].ok());  // the same again
+  auto got = tier->Get({KeyOf(1)}).get();
+  ASSERT_TRUE(got[0].ok());
+  EXPECT_TRUE(SameBytes(**got[0], *MakeBundleOfBytes(1, 4000, 2)));
+  EXPECT_EQ(tier->Stats().items, 1u);
+  EXPECT_EQ(tier->Stats().bytes, MakeBundleOfBytes(1, 4000, 2)->record_bytes());
+}
+
+TEST(HostTier, ConcurrentReadersWritersAndErasers) {
+  auto tier = OpenHost(16);
+  std::atomic<int> bad{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 400; ++i) {
+        const uint64_t id = (i * 7 + t) % 24;
+        switch ((i + t) % 3) {
+          case 0:
+            (void)tier->Put({MakeBundleOfBytes(id, 3000)}).get();
+            break;
+          case 1: {
+            auto g = tier->Get({KeyOf(id)}).get();
+            if (g[0].ok() && !SameBytes(**g[0], *MakeBundleOfBytes(id, 3000))) ++bad;
+            if (!g[0].ok() && !g[0].status().Is(StatusCode::kNotFound)) ++bad;
+            break;
+          }
+          default:
+            (void)tier->Erase({KeyOf(id)}).get();
+            break;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_EQ(tier->Stats().corrupt, 0u);
+  EXPECT_LE(tier->Stats().items, 16u);
+}
+
+TEST(HostTier, RejectsBadOptions) {
+  HostTierOptions o;
+  EXPECT_TRUE(HostTier::Open(o).status().Is(StatusCode::kInvalidArgument));  // slot_bytes unset
+  o.slot_bytes = 1 << 20;
+  o.capacity_bytes = 1000;
+  EXPECT_TRUE(HostTier::Open(o).status().Is(StatusCode::kInvalidArgument));
+}
+
+}  // namespace
+}  // namespace sparsekv

@@ -1,0 +1,97 @@
+#include "sparsekv/offload_options.h"
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/offload/test_util.h"
+
+namespace sparsekv {
+namespace {
+
+TEST(OffloadOptions, DefaultsAndFullSection) {
+  auto d = ParseOffloadOptionsJson("{}");
+  ASSERT_TRUE(d.ok());
+  EXPECT_TRUE(d->host_enabled);
+  EXPECT_FALSE(d->ssd_enabled);
+  EXPECT_EQ(d->ssd.queue_depth, 16u);
+  EXPECT_EQ(d->ssd.durability, Durability::kFdatasync);
+  auto o = ParseOffloadOptionsJson(R"({
+    "write_policy": "write-through", "prefetch_blocks": 8,
+    "host": {"capacity_bytes": "4GiB", "slot_bytes": 9437184},
+    "ssd": {"enabled": true, "path": "l3", "capacity_bytes": "64 GiB", "queue_depth": 32, "io_threads": 2,
+            "io_bytes": "2MiB", "durability": "dsync", "register_buffers": false},
+    "rocksdb": {"enabled": true, "min_blob_size": "64KiB", "durability": "none", "use_direct_io": true}})");
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->chain.write_policy, WritePolicy::kWriteThrough);
+  EXPECT_EQ(o->chain.prefetch_blocks, 8u);
+  EXPECT_EQ(o->host.capacity_bytes, 4ull << 30);
+  EXPECT_EQ(o->host.slot_bytes, 9437184u);
+  EXPECT_EQ(o->ssd.capacity_bytes, 64ull << 30);
+  EXPECT_EQ(o->ssd.queue_depth, 32u);
+  EXPECT_EQ(o->ssd.io_bytes, 2u << 20);
+  EXPECT_EQ(o->ssd.durability, Durability::kDsync);
+  EXPECT_FALSE(o->ssd.register_buffers);
+  EXPECT_EQ(o->rocksdb.min_blob_size, 65536u);
+  EXPECT_EQ(o->rocksdb.durability, Durability::kNone);
+  ResolveOffloadPaths(*o, "/var/skv");
+  EXPECT_EQ(o->ssd.path, "/var/skv/l3");
+  EXPECT_EQ(o->rocksdb.path, "/var/skv/rocksdb");
+  // Round trip through the effective-options JSON.
+  auto again = ParseOffloadOptionsJson(OffloadOptionsToJson(*o));
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(OffloadOptionsToJson(*again), OffloadOptionsToJson(*o));
+}
+
+TEST(OffloadOptions, ErrorsNameTheKeyAndWhatWasExpected) {
+  struct Case {
+    const char* json;
+    const char* expect;
+  } cases[] = {
+      {R"({"ssd": {"queue_depth": "deep"}})",
+       "offload.ssd.queue_depth: expected an integer from 1 to 4096, got \"deep\""},
+      {R"({"ssd": {"queue_depth": 0}})",
+       "offload.ssd.queue_depth: expected an integer from 1 to 4096, got 0"},
+      {R"({"ssd": {"durability": "sometimes"}})",
+       "offload.ssd.durability: unknown durability 'sometimes'"},
+      {R"({"ssd": {"capacity_bytes": "lots"}})", "offload.ssd.capacity_bytes: expected a size"},
+      {R"({"ssd": {"io_bytes": 5000}})", "offload.ssd.io_bytes: expected a multiple of 4096"},
+      {R"({"host": {"enabled": "yes"}})", "offload.host.enabled: expected true or false"},
+      {R"({"rocksdb": {"colour": 1}})", "offload.rocksdb.colour: unknown key"},
+      {R"({"write_policy": "sideways"})", "offload.write_policy: unknown write policy 'sideways'"},
+      {R"({"ssd": []})", "offload.ssd: expected an object"},
+      {R"({"ssd": {)", "offload: not valid JSON"},
+  };
+  for (const Case& c : cases) {
+    auto r = ParseOffloadOptionsJson(c.json);
+    ASSERT_FALSE(r.ok()) << c.json;
+    EXPECT_TRUE(r.status().Is(StatusCode::kInvalidArgument));
+    EXPECT_NE(r.status().ToString().find(c.expect), std::string::npos) << r.status().ToString();
+  }
+}
+
+TEST(OffloadOptions, OpenTierChainBuildsTheEnabledTiers) {
+  testing::TempDir dir("opts");
+  auto o = ParseOffloadOptionsJson(
+      R"({"host": {"capacity_bytes": "1MiB", "slot_bytes": 65536, "huge_pages": false},
+                                       "ssd": {"enabled": true, "capacity_bytes": "16MiB", "slab_grow_bytes": "1MiB", "read_arena_bytes": "4MiB"},
+                                       "rocksdb": {"enabled": true}})");
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  ResolveOffloadPaths(*o, dir.path());
+  auto chain = OpenTierChain(*o);
+  ASSERT_TRUE(chain.ok()) << chain.status().ToString();
+  ASSERT_EQ((*chain)->tier_count(), 3u);
+  EXPECT_EQ((*chain)->tier(0).name(), "host");
+  EXPECT_EQ((*chain)->tier(1).name(), "ssd");
+  EXPECT_EQ((*chain)->tier(2).name(), "rocksdb");
+  OffloadOptions none;
+  none.host_enabled = false;
+  EXPECT_TRUE(OpenTierChain(none).status().Is(StatusCode::kInvalidArgument));
+  OffloadOptions unset;  // host on, slot_bytes unset
+  auto e = OpenTierChain(unset);
+  EXPECT_NE(e.status().ToString().find("offload.host: host tier: slot_bytes"), std::string::npos)
+      << e.status().ToString();
+}
+
+}  // namespace
+}  // namespace sparsekv
