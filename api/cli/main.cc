@@ -1,3 +1,6 @@
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 
@@ -19,6 +22,9 @@ std::vector<CommandEntry>& BenchCommands() {
 
 int main(int argc, char** argv) {
   using namespace sparsekv::cli;
+  // stdout carries results (JSON); library and in-process daemon logs go to stderr, warnings up.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("sparsekv"));
+  spdlog::set_level(spdlog::level::warn);
   CLI::App app{"sparsekv: KV-cache manager and offload service for sparse-attention models"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "sparsekv 0.1.0");

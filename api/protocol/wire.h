@@ -36,9 +36,9 @@ enum class Opcode : uint16_t {
   kSubscribe = 9,   // start receiving kEvent frames
   kEvent = 10,      // server -> client: KV events
   kError = 11,      // server -> client: the request failed; payload is an ErrorReply
-  kShmPut = 12,     // shared-memory path: bundles already written into the mapped arena
-  kShmGet = 13,     // shared-memory path: bundles copied into the arena, offsets returned
-  kShmRelease = 14, // shared-memory path: the client is done with arena slots
+  kShmPut = 12,     // shared-memory path: bundles the client wrote into its staging area
+  kShmGet = 13,     // shared-memory path: bundles copied into the staging area, offsets returned
+  kShmRelease = 14, // reserved; answered OK per item
   kPing = 15,
 };
 inline constexpr uint16_t kMaxOpcode = 15;
@@ -71,11 +71,19 @@ Status VerifyPayload(const FrameHeader& header, std::span<const std::byte> paylo
 // A whole frame: header then payload, with the payload checksum set.
 std::vector<std::byte> EncodeFrame(Opcode op, uint16_t flags, uint64_t request_id,
                                    std::span<const std::byte> payload);
+// The same for a payload already written after kHeaderBytes reserved bytes (a PayloadWriter
+// made with kReserveHeader): the header is filled in place, so the payload is not copied.
+std::vector<std::byte> FinishFrame(Opcode op, uint16_t flags, uint64_t request_id, std::vector<std::byte> frame);
 
 // ---- payload primitives ----
 
 class PayloadWriter {
  public:
+  PayloadWriter() = default;
+  // Starts with kHeaderBytes zero bytes, for FinishFrame.
+  struct ReserveHeader {};
+  explicit PayloadWriter(ReserveHeader) : out_(kHeaderBytes) {}
+  void Reserve(size_t more) { out_.reserve(out_.size() + more); }
   void U8(uint8_t v) { Raw(&v, 1); }
   void U16(uint16_t v) { Raw(&v, 2); }
   void U32(uint32_t v) { Raw(&v, 4); }
@@ -126,13 +134,13 @@ struct HelloRequest {
   std::string namespace_name;
   std::string token;
   std::string client_name;
-  bool want_shared_memory = false;  // Unix socket only: the reply carries the arena's memfd
+  bool want_shared_memory = false;  // Unix socket only: the reply carries a staging memfd
 };
 struct HelloReply {
   uint64_t session_id = 0;
   uint32_t max_payload_bytes = 0;
   uint32_t block_tokens = 0;
-  uint64_t shm_arena_bytes = 0;  // 0 when no arena was passed
+  uint64_t shm_staging_bytes = 0;  // size of the staging memfd passed with SCM_RIGHTS; 0: none
   std::string server_version;
 };
 
@@ -177,7 +185,7 @@ struct GetReply {
 
 struct ShmSlot {
   WireHash hash{};
-  uint64_t offset = 0;  // into the shared arena
+  uint64_t offset = 0;  // into the staging area
   uint32_t bytes = 0;
 };
 struct ShmPutRequest {  // bundles the client wrote at offsets it was given by SHM_GET/alloc

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -15,11 +16,18 @@ constexpr const char* kDefaultConfig = R"({
   "model": "deepseek-v3.2-exp",
   "kv_format": "fp8",
   "block_tokens": 128,
-  "l1_bytes": 1073741824,
   "listen": "127.0.0.1:7420",
   "unix_socket": "sparsekvd.sock",
+  "metrics_listen": "127.0.0.1:7421",
   "data_dir": "./var",
-  "log_level": "info"
+  "log_level": "info",
+  "namespaces": [{"name": "default", "token": ""}],
+  "offload": {
+    "write_policy": "write-back",
+    "host": {"enabled": true, "capacity_bytes": "2GiB"},
+    "ssd": {"enabled": true, "path": "ssd", "capacity_bytes": "8GiB", "queue_depth": 16,
+            "durability": "fdatasync"}
+  }
 })";
 
 template <typename T>
@@ -45,8 +53,10 @@ const char* EmbeddedDefaultConfigJson() { return kDefaultConfig; }
 Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
   json j = json::parse(json_text, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return Status::InvalidArgument("config: not a JSON object");
-  static const char* kKeys[] = {"model", "kv_format", "block_tokens", "l1_bytes", "listen", "unix_socket",
-                                "data_dir", "log_level"};
+  static const char* kKeys[] = {"model", "kv_format", "block_tokens", "listen", "unix_socket", "metrics_listen",
+                                "data_dir", "log_level", "log_file", "io_threads", "worker_threads",
+                                "max_connections", "max_frame_bytes", "max_inflight_bytes", "idle_timeout_ms",
+                                "staging_bytes", "pin_budget_bytes", "namespaces", "offload"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool known = false;
     for (const char* k : kKeys) known = known || it.key() == k;
@@ -56,11 +66,52 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
   SPARSEKV_RETURN_IF_ERROR(Read(j, "model", c.model, "a preset name or spec path"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "kv_format", c.kv_format, "bf16, c8 or fp8"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "block_tokens", c.block_tokens, "a positive integer"));
-  SPARSEKV_RETURN_IF_ERROR(Read(j, "l1_bytes", c.l1_bytes, "a byte count"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "listen", c.listen, "HOST:PORT"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "unix_socket", c.unix_socket, "a path"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "metrics_listen", c.metrics_listen, "HOST:PORT"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "data_dir", c.data_dir, "a directory"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "log_level", c.log_level, "trace, debug, info, warn or error"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "log_file", c.log_file, "a path"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "io_threads", c.io_threads, "a thread count"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "worker_threads", c.worker_threads, "a thread count"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "max_connections", c.max_connections, "a count"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "max_frame_bytes", c.max_frame_bytes, "a byte count below 4 GiB"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "max_inflight_bytes", c.max_inflight_bytes, "a byte count"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "idle_timeout_ms", c.idle_timeout_ms, "milliseconds"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "staging_bytes", c.staging_bytes, "a byte count"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "pin_budget_bytes", c.pin_budget_bytes, "a byte count"));
+  if (c.io_threads == 0 || c.io_threads > 256) return Status::InvalidArgument("config key 'io_threads' must be 1..256");
+  if (c.worker_threads == 0 || c.worker_threads > 256) {
+    return Status::InvalidArgument("config key 'worker_threads' must be 1..256");
+  }
+  if (c.max_frame_bytes < 4096 || c.max_frame_bytes > (64u << 20)) {
+    return Status::InvalidArgument("config key 'max_frame_bytes' must be from 4 KiB to 64 MiB");
+  }
+  if (auto it = j.find("namespaces"); it != j.end()) {
+    if (!it->is_array() || it->empty()) {
+      return Status::InvalidArgument("config key 'namespaces' must be a non-empty array of {\"name\", \"token\"}");
+    }
+    c.namespaces.clear();
+    for (size_t i = 0; i < it->size(); ++i) {
+      const json& n = (*it)[i];
+      if (!n.is_object() || !n.contains("name") || !n["name"].is_string() || n["name"].get<std::string>().empty() ||
+          (n.contains("token") && !n["token"].is_string()) || n.size() > 2) {
+        return Status::InvalidArgument(
+            fmt::format("config namespaces[{}] must be {{\"name\": non-empty string, \"token\": string}}", i));
+      }
+      DaemonNamespace ns{n["name"].get<std::string>(), n.value("token", "")};
+      for (const DaemonNamespace& other : c.namespaces) {
+        if (other.name == ns.name) {
+          return Status::InvalidArgument(fmt::format("config namespaces: '{}' is listed twice", ns.name));
+        }
+      }
+      c.namespaces.push_back(std::move(ns));
+    }
+  }
+  if (auto it = j.find("offload"); it != j.end()) {
+    if (!it->is_object()) return Status::InvalidArgument("config key 'offload' must be an object");
+    c.offload_json = it->dump();
+  }
   return c;
 }
 
@@ -75,9 +126,29 @@ Result<DaemonConfig> LoadDaemonConfigFile(const std::string& path) {
 }
 
 std::string DaemonConfigToJson(const DaemonConfig& c) {
-  json j{{"model", c.model},         {"kv_format", c.kv_format},     {"block_tokens", c.block_tokens},
-         {"l1_bytes", c.l1_bytes},   {"listen", c.listen},           {"unix_socket", c.unix_socket},
-         {"data_dir", c.data_dir},   {"log_level", c.log_level}};
+  json namespaces = json::array();
+  for (const DaemonNamespace& n : c.namespaces) {
+    namespaces.push_back({{"name", n.name}, {"token", n.token.empty() ? "" : "(set)"}});
+  }
+  json j{{"model", c.model},
+         {"kv_format", c.kv_format},
+         {"block_tokens", c.block_tokens},
+         {"listen", c.listen},
+         {"unix_socket", c.unix_socket},
+         {"metrics_listen", c.metrics_listen},
+         {"data_dir", c.data_dir},
+         {"log_level", c.log_level},
+         {"log_file", c.log_file},
+         {"io_threads", c.io_threads},
+         {"worker_threads", c.worker_threads},
+         {"max_connections", c.max_connections},
+         {"max_frame_bytes", c.max_frame_bytes},
+         {"max_inflight_bytes", c.max_inflight_bytes},
+         {"idle_timeout_ms", c.idle_timeout_ms},
+         {"staging_bytes", c.staging_bytes},
+         {"pin_budget_bytes", c.pin_budget_bytes},
+         {"namespaces", namespaces}};
+  if (!c.offload_json.empty()) j["offload"] = json::parse(c.offload_json, nullptr, false);
   return j.dump();
 }
 

@@ -1,30 +1,56 @@
 // sparsekvd's configuration: a JSON file (or the embedded default) plus command-line overrides.
+// The daemon logs the effective configuration at start.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "sparsekv/status.h"
 
 namespace sparsekv {
 
+struct DaemonNamespace {
+  std::string name;
+  // HELLO must present it; "" accepts any. Default: "".
+  std::string token;
+};
+
 struct DaemonConfig {
-  // Model preset or a path to a JSON spec file. Default: "deepseek-v3.2-exp".
+  // Model preset or a path to a JSON spec file; sizes the host tier's slots. Default: "deepseek-v3.2-exp".
   std::string model = "deepseek-v3.2-exp";
   // bf16, c8 or fp8 (presets only). Default: "fp8".
   std::string kv_format = "fp8";
   // Tokens per block. Default: 128.
   uint32_t block_tokens = 128;
-  // Bytes of host memory for the L1 page pools. Default: 1 GiB.
-  uint64_t l1_bytes = 1ull << 30;
-  // TCP listen address, HOST:PORT (loopback by default). Default: "127.0.0.1:7420".
+  // TCP listen address, HOST:PORT (loopback by default; "" disables). Default: "127.0.0.1:7420".
   std::string listen = "127.0.0.1:7420";
-  // Unix socket path, relative to data_dir unless absolute. Default: "sparsekvd.sock".
+  // Unix socket path, relative to data_dir unless absolute ("" disables). Default: "sparsekvd.sock".
   std::string unix_socket = "sparsekvd.sock";
+  // Prometheus /metrics over HTTP ("" disables). Default: "127.0.0.1:7421".
+  std::string metrics_listen = "127.0.0.1:7421";
   // Where tiers, indexes and the socket live. Default: "./var".
   std::string data_dir = "./var";
   // spdlog level name. Default: "info".
   std::string log_level = "info";
+  // Log file ("" logs to stderr); SIGHUP reopens it. Default: "".
+  std::string log_file;
+  // Network and worker threads. Default: 2 and 2.
+  uint32_t io_threads = 2;
+  uint32_t worker_threads = 2;
+  // Connection and per-connection limits. Defaults: 256 connections, 64 MiB frames, 256 MiB in
+  // flight per connection, 300 s idle timeout, 64 MiB shared staging per Unix session.
+  uint32_t max_connections = 256;
+  uint32_t max_frame_bytes = 64u << 20;
+  uint64_t max_inflight_bytes = 256ull << 20;
+  uint32_t idle_timeout_ms = 300000;
+  uint64_t staging_bytes = 64ull << 20;
+  // Bytes of pinned blocks held in memory. Default: 256 MiB.
+  uint64_t pin_budget_bytes = 256ull << 20;
+  // Namespaces clients may open. Default: [{"name": "default", "token": ""}].
+  std::vector<DaemonNamespace> namespaces = {{"default", ""}};
+  // The "offload" section as JSON text (see offload_options.h); "" keeps the library defaults.
+  std::string offload_json;
 };
 
 // The configuration compiled into the daemon (what ./run.sh starts with).

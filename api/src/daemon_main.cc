@@ -1,56 +1,150 @@
-// sparsekvd. Until the server lands (the daemon issue), it loads and logs its effective
-// configuration, plans the L1 pools of its model and exits.
+// sparsekvd: the cache daemon. Loads its configuration (embedded default or --config, then
+// command-line overrides), logs the effective options, opens the offload tiers under the data
+// directory and serves api/PROTOCOL.md on TCP and a Unix socket until SIGINT/SIGTERM, which
+// drain in-flight requests and flush the tiers before exit 0. SIGHUP reopens the log file.
+#include <spdlog/sinks/basic_file_sink.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
 #include <filesystem>
 
-#include "sparsekv/memory_planner.h"
+#include "server/server.h"
+#include "server/tiered_store.h"
+#include "sparsekv/block_geometry.h"
 #include "sparsekv/model_spec.h"
 #include "src/daemon_config.h"
 
+namespace {
+
+using namespace sparsekv;
+
+void OpenLog(const std::string& path) {
+  if (path.empty()) return;
+  try {
+    spdlog::drop("sparsekvd");
+    auto logger = spdlog::basic_logger_mt("sparsekvd", path);
+    logger->flush_on(spdlog::level::info);
+    spdlog::set_default_logger(logger);
+  } catch (const spdlog::spdlog_ex& e) {
+    spdlog::error("cannot open log file '{}': {}", path, e.what());
+  }
+}
+
+Result<ModelSpec> LoadModel(const DaemonConfig& c) {
+  if (std::filesystem::exists(c.model)) return LoadModelSpecFile(c.model);
+  SPARSEKV_ASSIGN_OR_RETURN(KvPrecision p, ParseKvPrecision(c.kv_format));
+  return ModelPreset(c.model, p);
+}
+
+int Run(DaemonConfig config) {
+  spdlog::set_level(spdlog::level::from_str(config.log_level));
+  std::error_code ec;
+  std::filesystem::create_directories(config.data_dir, ec);
+  if (ec) {
+    spdlog::error("cannot create data dir '{}': {}", config.data_dir, ec.message());
+    return 2;
+  }
+  OpenLog(config.log_file);
+  auto spec = LoadModel(config);
+  if (!spec.ok()) {
+    spdlog::error("model: {}", spec.status().ToString());
+    return 2;
+  }
+  auto geometry = ComputeBlockGeometry(*spec, config.block_tokens);
+  if (!geometry.ok()) {
+    spdlog::error("model: {}", geometry.status().ToString());
+    return 2;
+  }
+  server::TieredStoreOptions store_options;
+  if (!config.offload_json.empty()) {
+    auto offload = ParseOffloadOptionsJson(config.offload_json);
+    if (!offload.ok()) {
+      spdlog::error("config: {}", offload.status().ToString());
+      return 2;
+    }
+    store_options.offload = *offload;
+  }
+  ResolveOffloadPaths(store_options.offload, config.data_dir);
+  // A host slot holds one block of the model as a client sends it (one segment).
+  const uint64_t block_record = BundleHeaderBytes(1) + geometry->BytesPerBlock();
+  if (store_options.offload.host.slot_bytes == 0) store_options.offload.host.slot_bytes = block_record;
+  store_options.pin_budget_bytes = config.pin_budget_bytes;
+
+  server::ServerOptions so;
+  so.tcp_listen = config.listen;
+  if (!config.unix_socket.empty()) {
+    std::filesystem::path p(config.unix_socket);
+    so.unix_path = p.is_absolute() ? p.string() : (std::filesystem::path(config.data_dir) / p).string();
+  }
+  so.metrics_listen = config.metrics_listen;
+  so.io_threads = static_cast<int>(config.io_threads);
+  so.worker_threads = static_cast<int>(config.worker_threads);
+  so.max_connections = config.max_connections;
+  so.max_frame_bytes = config.max_frame_bytes;
+  so.max_inflight_bytes = config.max_inflight_bytes;
+  so.idle_timeout_ms = config.idle_timeout_ms;
+  so.staging_bytes = config.staging_bytes;
+  so.block_tokens = config.block_tokens;
+  so.namespaces.clear();
+  for (const DaemonNamespace& n : config.namespaces) so.namespaces.push_back({n.name, n.token});
+  so.handle_signals = true;
+  so.on_sighup = [path = config.log_file] { OpenLog(path); };
+
+  spdlog::info("sparsekvd 0.1.0 effective options: {}", DaemonConfigToJson(config));
+  spdlog::info("offload: {}", OffloadOptionsToJson(store_options.offload));
+  spdlog::info("model {}: {} bytes per {}-token block", spec->name, geometry->BytesPerBlock(), config.block_tokens);
+
+  auto store = server::TieredStore::Open(store_options);
+  if (!store.ok()) {
+    spdlog::error("opening the tiers: {}", store.status().ToString());
+    return 2;
+  }
+  auto srv = server::Server::Start(so, store->get());
+  if (!srv.ok()) {
+    spdlog::error("{}", srv.status().ToString());
+    return 2;
+  }
+  spdlog::info("listening on {}{}{}", (*srv)->tcp_address().empty() ? "(no TCP)" : (*srv)->tcp_address(),
+               so.unix_path.empty() ? "" : " and unix:" + so.unix_path,
+               (*srv)->metrics_port() ? fmt::format(", metrics on port {}", (*srv)->metrics_port()) : "");
+  Status st = (*srv)->Wait();
+  srv->reset();
+  store->reset();
+  if (!st.ok()) {
+    spdlog::error("shutdown: {}", st.ToString());
+    return 1;
+  }
+  spdlog::info("sparsekvd stopped cleanly");
+  return 0;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  using namespace sparsekv;
+  // Logs go to stderr (or the log file); stdout stays free for --print-default-config.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("sparsekvd"));
   CLI::App app{"sparsekvd: the sparsekv cache daemon"};
   std::string config_path, listen, unix_path, data_dir;
   app.add_option("--config", config_path, "JSON config file (default: the embedded configuration)")
       ->check(CLI::ExistingFile);
-  app.add_option("--listen", listen, "TCP address HOST:PORT");
-  app.add_option("--unix", unix_path, "Unix socket path");
+  app.add_option("--listen", listen, "TCP address HOST:PORT (\"\" disables)");
+  app.add_option("--unix", unix_path, "Unix socket path (\"\" disables)");
   app.add_option("--data-dir", data_dir, "Data directory");
+  bool print_config = false;
+  app.add_flag("--print-default-config", print_config, "Print the embedded configuration and exit");
   CLI11_PARSE(app, argc, argv);
-
-  auto config = config_path.empty() ? ParseDaemonConfig(EmbeddedDefaultConfigJson())
-                                    : LoadDaemonConfigFile(config_path);
+  if (print_config) {
+    std::puts(EmbeddedDefaultConfigJson());
+    return 0;
+  }
+  auto config = config_path.empty() ? ParseDaemonConfig(EmbeddedDefaultConfigJson()) : LoadDaemonConfigFile(config_path);
   if (!config.ok()) {
     spdlog::error("{}", config.status().ToString());
     return 2;
   }
-  if (!listen.empty()) config->listen = listen;
-  if (!unix_path.empty()) config->unix_socket = unix_path;
-  if (!data_dir.empty()) config->data_dir = data_dir;
-  spdlog::set_level(spdlog::level::from_str(config->log_level));
-  spdlog::info("sparsekvd 0.1.0 effective options: {}", DaemonConfigToJson(*config));
-
-  std::error_code ec;
-  std::filesystem::create_directories(config->data_dir, ec);
-  if (ec) {
-    spdlog::error("cannot create data dir '{}': {}", config->data_dir, ec.message());
-    return 2;
-  }
-  auto precision = ParseKvPrecision(config->kv_format);
-  Result<ModelSpec> spec = precision.ok() ? ModelPreset(config->model, *precision) : Result<ModelSpec>(precision.status());
-  if (!spec.ok() && std::filesystem::exists(config->model)) spec = LoadModelSpecFile(config->model);
-  if (!spec.ok()) {
-    spdlog::error("{}", spec.status().ToString());
-    return 2;
-  }
-  auto plan = PlanForBudget(*spec, config->block_tokens, config->l1_bytes);
-  if (!plan.ok()) {
-    spdlog::error("{}", plan.status().ToString());
-    return 2;
-  }
-  std::fputs(MemoryPlanToTable(*plan).c_str(), stdout);
-  spdlog::warn("the network server is not built yet (daemon issue); exiting after the plan");
-  return 0;
+  if (app.count("--listen")) config->listen = listen;
+  if (app.count("--unix")) config->unix_socket = unix_path;
+  if (app.count("--data-dir")) config->data_dir = data_dir;
+  return Run(std::move(*config));
 }

@@ -1,5 +1,6 @@
 // The `sparsekv` and `sparsekvd` binaries end to end: exit codes, stderr and JSON.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -40,7 +41,8 @@ Outcome Exec(const std::string& binary, const std::string& args) {
 Outcome Cli(const std::string& args) { return Exec(SPARSEKV_CLI_PATH, args); }
 
 TEST(Cli, HelpForEverySubcommand) {
-  for (const char* sub : {"", "plan", "spec", "bench", "bench alloc", "spec show"}) {
+  for (const char* sub : {"", "plan", "spec", "bench", "bench alloc", "bench daemon", "spec show", "put", "get",
+                          "lookup", "stats", "events"}) {
     Outcome r = Cli(std::string(sub) + " --help");
     EXPECT_EQ(r.exit_code, 0) << sub;
     EXPECT_NE(r.out.find("Usage"), std::string::npos) << sub;
@@ -144,18 +146,83 @@ TEST(Cli, BenchAllocShortRun) {
   }
 }
 
-TEST(Daemon, LogsEffectiveOptionsAndRejectsBadConfig) {
+// The real daemon binary: serves the CLI's put/get/lookup/stats over its Unix socket and TCP,
+// then drains and exits 0 on SIGTERM; a bad config is refused with the key named.
+TEST(Daemon, ServesTheCliAndStopsCleanlyOnSigterm) {
   const auto dir = std::filesystem::temp_directory_path() / ("sparsekvd_" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
-  Outcome ok = Exec(SPARSEKVD_PATH, "--data-dir " + (dir / "var").string());
-  EXPECT_EQ(ok.exit_code, 0) << ok.err;
-  EXPECT_NE((ok.out + ok.err).find("effective options"), std::string::npos);
-  EXPECT_TRUE(std::filesystem::is_directory(dir / "var"));
-  std::ofstream(dir / "bad.json") << R"({"model": "deepseek-v3.2-exp", "l1_bytes": "lots"})";
+  const int port = 20000 + getpid() % 20000;
+  std::ofstream(dir / "config.json") << R"({"listen": "127.0.0.1:)" << port << R"(", "metrics_listen": "",
+    "unix_socket": "d.sock", "data_dir": ")" << (dir / "var").string() << R"(",
+    "offload": {"host": {"capacity_bytes": "256MiB"},
+                "ssd": {"enabled": true, "capacity_bytes": "256MiB", "slab_grow_bytes": "16MiB"}}})";
+  const std::string log = (dir / "log").string();
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    FILE* f = std::freopen(log.c_str(), "w", stderr);
+    (void)f;
+    execl(SPARSEKVD_PATH, SPARSEKVD_PATH, "--config", (dir / "config.json").c_str(), nullptr);
+    _exit(127);
+  }
+  const auto sock = dir / "var" / "d.sock";
+  for (int i = 0; i < 200 && !std::filesystem::exists(sock); ++i) usleep(50000);
+  ASSERT_TRUE(std::filesystem::exists(sock)) << Slurp(log);
+  usleep(100000);
+  const std::string unix_addr = "--addr unix:" + sock.string();
+  const std::string tcp_addr = "--addr 127.0.0.1:" + std::to_string(port);
+  Outcome put = Cli("put " + unix_addr + " --key system-prompt --value hello-sparsekv");
+  EXPECT_EQ(put.exit_code, 0) << put.err;
+  Outcome get = Cli("get " + tcp_addr + " --key system-prompt");
+  EXPECT_EQ(get.exit_code, 0) << get.err;
+  EXPECT_EQ(get.out, "hello-sparsekv");
+  Outcome lookup = Cli("lookup " + unix_addr + " --key system-prompt --key unknown");
+  ASSERT_EQ(lookup.exit_code, 0) << lookup.err;
+  auto j = nlohmann::json::parse(lookup.out);
+  EXPECT_EQ(j["prefix_blocks"], 1);
+  EXPECT_EQ(j["blocks"][0]["tier"], "host");
+  EXPECT_EQ(j["blocks"][1]["tier"], "absent");
+  Outcome stats = Cli("stats " + tcp_addr);
+  ASSERT_EQ(stats.exit_code, 0) << stats.err;
+  EXPECT_EQ(nlohmann::json::parse(stats.out)["puts"], 1);
+  Outcome missing = Cli("get " + tcp_addr + " --key nothing");
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_NE(missing.err.find("NotFound"), std::string::npos) << missing.err;
+  Outcome wrong_ns = Cli("get " + tcp_addr + " --namespace other --key system-prompt");
+  EXPECT_NE(wrong_ns.exit_code, 0);
+  EXPECT_NE(wrong_ns.err.find("PermissionDenied"), std::string::npos) << wrong_ns.err;
+
+  kill(pid, SIGTERM);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status)) << Slurp(log);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << Slurp(log);
+  const std::string text = Slurp(log);
+  EXPECT_NE(text.find("effective options"), std::string::npos);
+  EXPECT_NE(text.find("stopped cleanly"), std::string::npos) << text;
+
+  std::ofstream(dir / "bad.json") << R"({"model": "deepseek-v3.2-exp", "max_connections": "lots"})";
   Outcome bad = Exec(SPARSEKVD_PATH, "--config " + (dir / "bad.json").string());
   EXPECT_NE(bad.exit_code, 0);
-  EXPECT_NE((bad.out + bad.err).find("l1_bytes"), std::string::npos);
+  EXPECT_NE((bad.out + bad.err).find("max_connections"), std::string::npos);
   std::filesystem::remove_all(dir);
+}
+
+TEST(Cli, BenchDaemonShortRunOverBothTransports) {
+  for (const char* addr : {"tcp", "unix"}) {
+    Outcome r = Cli(std::string("bench daemon --spawn --addr ") + addr +
+                    " --clients 4 --value-bytes 65536 --seconds 0.5 --keys-per-client 8 --json");
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    auto j = nlohmann::json::parse(r.out);
+    for (const char* k : {"put_ops_per_s", "get_ops_per_s", "get_bytes_per_s", "get_p50_us", "get_p99_us"}) {
+      ASSERT_TRUE(j.contains(k)) << k;
+      EXPECT_GT(j[k].get<double>(), 0) << k;
+    }
+    EXPECT_EQ(j["errors"], 0);
+    EXPECT_EQ(j["transport"], std::string(addr) == "tcp" ? "tcp" : "shared_memory");
+    EXPECT_LE(j["get_p50_us"].get<double>(), j["get_p99_us"].get<double>());
+  }
 }
 
 }  // namespace

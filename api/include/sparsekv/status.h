@@ -99,6 +99,11 @@ template <typename T>
 class [[nodiscard]] Result {
  public:
   Result(T value) : v_(std::move(value)) {}  // NOLINT: implicit, as a return value
+  // From anything T converts from (as absl::StatusOr): `return payload;` in a Result<Reply>.
+  template <typename U,
+            typename = std::enable_if_t<std::is_convertible_v<U&&, T> && !std::is_same_v<std::decay_t<U>, T> &&
+                                        !std::is_same_v<std::decay_t<U>, Status>>>
+  Result(U&& value) : v_(T(std::forward<U>(value))) {}  // NOLINT
   Result(Status status) : v_(std::move(status)) {  // NOLINT
     if (std::get<Status>(v_).ok()) v_ = Status::Internal("Result constructed from an OK status");
   }

@@ -1,0 +1,58 @@
+// DaemonStore: what sparsekvd serves. Bundles of opaque bytes filed per namespace under block
+// hashes, kept in a chain of offload tiers (host memory first, then SSD or RocksDB), with pins
+// and KV events per namespace.
+//
+// A namespace id is given by the server after HELLO; every method reads and writes only that
+// namespace's keys, so one namespace can neither read nor learn of another's blocks.
+// Thread safety: every method is thread-safe; methods block on tier I/O, so the server calls
+// them from its worker threads, never from its network threads.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "protocol/wire.h"
+#include "sparsekv/status.h"
+
+namespace sparsekv::server {
+
+struct DaemonStoreOptions;
+
+class DaemonStore {
+ public:
+  virtual ~DaemonStore() = default;
+
+  // Longest run of leading hashes present in some tier, and the tier of each hash.
+  virtual wire::LookupReply Lookup(uint32_t ns, std::span<const wire::WireHash> hashes) = 0;
+  virtual std::vector<wire::ItemStatus> Put(uint32_t ns, std::span<const wire::PutItem> items) = 0;
+  // Calls `sink(i, status, bytes)` once per hash, in order; `bytes` is valid during the call.
+  using GetSink = std::function<void(size_t, const Status&, std::span<const std::byte>)>;
+  virtual void Get(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) = 0;
+  // As Get, but only when every hash can be served at once from memory without blocking;
+  // returns false, having called `sink` for nothing, otherwise. Network threads call it to
+  // skip the hop to a worker thread for the common hit.
+  virtual bool TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) {
+    return false;
+  }
+  virtual std::vector<wire::ItemStatus> Pin(uint32_t ns, std::span<const wire::WireHash> hashes,
+                                            uint8_t priority) = 0;
+  virtual std::vector<wire::ItemStatus> Unpin(uint32_t ns, std::span<const wire::WireHash> hashes) = 0;
+  virtual std::vector<wire::ItemStatus> Delete(uint32_t ns, std::span<const wire::WireHash> hashes) = 0;
+  virtual std::string StatsJson(uint32_t ns) = 0;
+
+  // Events of namespace `ns` go to `sink` (from whichever thread made the change).
+  using EventSink = std::function<void(const wire::EventRecord&)>;
+  virtual uint64_t Subscribe(uint32_t ns, EventSink sink) = 0;
+  virtual void Unsubscribe(uint64_t subscription) = 0;
+
+  // Per-tier gauges and counters in Prometheus text.
+  virtual void RenderMetrics(std::string& out) = 0;
+  // Makes every acknowledged bundle durable and the tier indexes current.
+  virtual Status Flush() = 0;
+};
+
+}  // namespace sparsekv::server

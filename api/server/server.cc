@@ -1,0 +1,909 @@
+#include "server/server.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <boost/asio.hpp>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+#include <unordered_map>
+
+namespace sparsekv::server {
+namespace {
+
+namespace asio = boost::asio;
+using GenericSocket = asio::generic::stream_protocol::socket;
+using Clock = std::chrono::steady_clock;
+
+Result<asio::ip::tcp::endpoint> ParseTcp(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) {
+    return Status::InvalidArgument(fmt::format("listen address '{}' is not HOST:PORT", address));
+  }
+  std::string host = address.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+  if (host == "localhost") host = "127.0.0.1";
+  boost::system::error_code ec;
+  auto ip = asio::ip::make_address(host, ec);
+  if (ec) return Status::InvalidArgument(fmt::format("listen address '{}': '{}' is not an IP address", address, host));
+  unsigned long port = 0;
+  try {
+    port = std::stoul(address.substr(colon + 1));
+  } catch (...) {
+    port = 70000;
+  }
+  if (port > 65535) return Status::InvalidArgument(fmt::format("listen address '{}': bad port", address));
+  return asio::ip::tcp::endpoint(ip, static_cast<uint16_t>(port));
+}
+
+// Constant-time comparison, so a token cannot be guessed byte by byte from reply timing.
+bool TokenEquals(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  const size_t n = std::max(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    diff |= static_cast<unsigned char>(x ^ y);
+  }
+  return diff == 0;
+}
+
+// A handler's answer: a payload to be framed, or (Framed) a frame whose header space is
+// reserved at the front and filled in place.
+struct Reply {
+  Reply(std::vector<std::byte> payload) : data(std::move(payload)) {}  // NOLINT: implicit
+  std::vector<std::byte> data;
+  bool framed = false;
+};
+Reply Framed(std::vector<std::byte> frame) {
+  Reply r(std::move(frame));
+  r.framed = true;
+  return r;
+}
+
+std::vector<std::byte> ErrorFrame(uint64_t request_id, const Status& st) {
+  return wire::EncodeFrame(wire::Opcode::kError, wire::kFlagResponse, request_id,
+                           wire::Encode(wire::ErrorReply{st.code(), std::string(st.message())}));
+}
+
+}  // namespace
+
+class Session;
+
+class Server::Impl {
+ public:
+  Impl(ServerOptions options, DaemonStore* store)
+      : options_(std::move(options)),
+        store_(store),
+        work_(asio::make_work_guard(io_)),
+        workers_(static_cast<size_t>(std::max(1, options_.worker_threads))),
+        signals_(io_) {}
+
+  Status Bind();
+  void Run();
+  void Accept(asio::ip::tcp::acceptor& acceptor);
+  void AcceptUnix();
+  void AcceptMetrics();
+  void Admit(GenericSocket socket, bool is_unix);
+  void OnSignal(boost::system::error_code ec, int sig);
+  void Shutdown();
+  void OnSessionClosed(Session* s);
+  void FinishIfDrained();
+  Status Wait();
+
+  ServerOptions options_;
+  DaemonStore* store_;
+  Metrics metrics_;
+  asio::io_context io_;
+  asio::executor_work_guard<asio::io_context::executor_type> work_;
+  asio::thread_pool workers_;
+  asio::signal_set signals_;
+  std::unique_ptr<asio::ip::tcp::acceptor> tcp_;
+  std::unique_ptr<asio::local::stream_protocol::acceptor> unix_;
+  std::unique_ptr<asio::ip::tcp::acceptor> metrics_acceptor_;
+  std::vector<std::thread> threads_;
+  std::atomic<uint64_t> next_session_{1};
+  std::string tcp_address_;
+  uint16_t metrics_port_ = 0;
+
+  std::mutex mu_;
+  std::set<std::shared_ptr<Session>> sessions_;
+  bool draining_ = false;
+  bool stopped_ = false;
+  Status flush_status_;
+  std::condition_variable stopped_cv_;
+  std::unique_ptr<asio::steady_timer> drain_deadline_;
+};
+
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(Server::Impl& srv, GenericSocket socket, bool is_unix, uint64_t id)
+      : srv_(srv),
+        socket_(std::move(socket)),
+        strand_(asio::make_strand(srv.io_)),
+        idle_(srv.io_),
+        linger_(srv.io_),
+        is_unix_(is_unix),
+        id_(id) {}
+
+  ~Session() {
+    if (staging_) ::munmap(staging_, staging_bytes_);
+    if (staging_fd_ >= 0) ::close(staging_fd_);
+  }
+
+  void Start() {
+    asio::post(strand_, [self = shared_from_this()] { self->ReadHeader(); });
+  }
+
+  // Refuses the connection with an ERROR frame (over the connection limit).
+  void Refuse(const Status& st) {
+    asio::post(strand_, [self = shared_from_this(), st] {
+      self->closing_ = true;
+      self->QueueWrite(ErrorFrame(0, st));
+    });
+  }
+
+  void BeginDrain() {
+    asio::post(strand_, [self = shared_from_this()] {
+      self->closing_ = true;
+      boost::system::error_code ec;
+      self->socket_.shutdown(GenericSocket::shutdown_receive, ec);
+      self->MaybeClose();
+    });
+  }
+
+ private:
+  void ReadHeader() {
+    if (closing_) return MaybeClose();
+    if (inflight_bytes_ + queued_bytes_ > srv_.options_.max_inflight_bytes) {
+      paused_ = true;  // resumed by a completed reply
+      return;
+    }
+    reading_ = true;
+    ArmIdleTimer();
+    asio::async_read(socket_, asio::buffer(header_buf_),
+                     asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t) {
+                       self->OnHeader(ec);
+                     }));
+  }
+
+  void ArmIdleTimer() {
+    idle_.expires_after(std::chrono::milliseconds(srv_.options_.idle_timeout_ms));
+    idle_.async_wait(asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
+      if (ec || self->closed_) return;
+      if (self->inflight_requests_ == 0 && self->reading_) {
+        spdlog::info("session {}: idle for {} ms, closing", self->id_, self->srv_.options_.idle_timeout_ms);
+        self->closing_ = true;
+        boost::system::error_code ignored;
+        self->socket_.shutdown(GenericSocket::shutdown_both, ignored);
+        self->MaybeClose();
+      } else {
+        self->ArmIdleTimer();
+      }
+    }));
+  }
+
+  void OnHeader(boost::system::error_code ec) {
+    reading_ = false;
+    if (ec) {
+      closing_ = true;
+      return MaybeClose();
+    }
+    auto h = wire::DecodeHeader(header_buf_, srv_.options_.max_frame_bytes);
+    if (!h.ok()) return FailFrame(0, h.status());
+    header_ = *h;
+    payload_.resize(header_.payload_bytes);
+    reading_ = true;
+    asio::async_read(socket_, asio::buffer(payload_),
+                     asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec2, size_t) {
+                       self->OnPayload(ec2);
+                     }));
+  }
+
+  void OnPayload(boost::system::error_code ec) {
+    reading_ = false;
+    if (ec) {
+      closing_ = true;
+      return MaybeClose();
+    }
+    srv_.metrics_.BytesIn(wire::kHeaderBytes + payload_.size());
+    if (Status st = wire::VerifyPayload(header_, payload_); !st.ok()) return FailFrame(header_.request_id, st);
+    if (header_.flags & wire::kFlagResponse) {
+      return FailFrame(header_.request_id, Status::InvalidArgument("a client sent a frame marked as a response"));
+    }
+    const wire::Opcode op = header_.opcode;
+    if (op == wire::Opcode::kHello) return OnHello();
+    if (!authed_) {
+      srv_.metrics_.AuthFailure();
+      return FailFrame(header_.request_id,
+                       Status::PermissionDenied(fmt::format("{} before HELLO", wire::OpcodeName(op))));
+    }
+    if (op == wire::Opcode::kEvent || op == wire::Opcode::kError) {
+      return FailFrame(header_.request_id, Status::InvalidArgument(
+                                               fmt::format("{} is sent by the server only", wire::OpcodeName(op))));
+    }
+    // A payload that does not decode is a malformed frame: error, then close.
+    if (Status st = ValidateRequest(op, payload_); !st.ok()) return FailFrame(header_.request_id, st);
+    if (op == wire::Opcode::kSubscribe) {
+      Subscribe();
+    } else if (op == wire::Opcode::kPing) {
+      QueueWrite(wire::EncodeFrame(op, wire::kFlagResponse, header_.request_id, payload_));
+    } else {
+      Dispatch(header_, std::move(payload_));
+      payload_ = {};
+    }
+    ReadHeader();
+  }
+
+  Status ValidateRequest(wire::Opcode op, std::span<const std::byte> p) const {
+    switch (op) {
+      case wire::Opcode::kLookup:
+      case wire::Opcode::kGet:
+      case wire::Opcode::kUnpin:
+      case wire::Opcode::kDelete:
+      case wire::Opcode::kShmGet:
+      case wire::Opcode::kShmRelease: return wire::DecodeHashList(p).status();
+      case wire::Opcode::kPut: return wire::DecodePutRequest(p, srv_.options_.max_frame_bytes).status();
+      case wire::Opcode::kPin: return wire::DecodePinRequest(p).status();
+      case wire::Opcode::kShmPut: return wire::DecodeShmPutRequest(p).status();
+      case wire::Opcode::kStats:
+      case wire::Opcode::kSubscribe:
+        return p.empty() ? Status::OK()
+                         : Status::InvalidArgument(fmt::format("{} takes no payload", wire::OpcodeName(op)));
+      default: return Status::OK();
+    }
+  }
+
+  void OnHello() {
+    const uint64_t rid = header_.request_id;
+    if (authed_) return FailFrame(rid, Status::FailedPrecondition("HELLO sent twice on one connection"));
+    auto hello = wire::DecodeHelloRequest(payload_);
+    if (!hello.ok()) return FailFrame(rid, hello.status());
+    if (hello->protocol_version != wire::kProtocolVersion) {
+      return FailFrame(rid, Status::NotSupported(fmt::format("HELLO asks for protocol {}; this daemon speaks {}",
+                                                             hello->protocol_version, wire::kProtocolVersion)));
+    }
+    int ns = -1;
+    for (size_t i = 0; i < srv_.options_.namespaces.size(); ++i) {
+      if (srv_.options_.namespaces[i].name == hello->namespace_name) ns = static_cast<int>(i);
+    }
+    // Unknown namespace and wrong token read the same, so neither leaks which namespaces exist.
+    const std::string& expected = ns >= 0 ? srv_.options_.namespaces[ns].token : std::string();
+    if (ns < 0 || (!expected.empty() && !TokenEquals(hello->token, expected))) {
+      srv_.metrics_.AuthFailure();
+      spdlog::warn("session {}: HELLO refused for namespace '{}' (client '{}')", id_, hello->namespace_name,
+                   hello->client_name);
+      return FailFrame(rid, Status::PermissionDenied("unknown namespace or wrong token"));
+    }
+    authed_ = true;
+    ns_ = static_cast<uint32_t>(ns) + 1;  // namespace ids start at 1
+    wire::HelloReply reply;
+    reply.session_id = id_;
+    reply.max_payload_bytes = srv_.options_.max_frame_bytes;
+    reply.block_tokens = srv_.options_.block_tokens;
+    reply.server_version = "sparsekvd 0.1.0";
+    if (hello->want_shared_memory && is_unix_) {
+      if (Status st = MakeStaging(); st.ok()) {
+        reply.shm_staging_bytes = staging_bytes_;
+      } else {
+        spdlog::warn("session {}: no shared memory: {}", id_, st.ToString());
+      }
+    }
+    spdlog::info("session {}: client '{}' opened namespace '{}'{}", id_, hello->client_name, hello->namespace_name,
+                 staging_ ? " with shared memory" : "");
+    const auto frame = wire::EncodeFrame(wire::Opcode::kHello, wire::kFlagResponse, rid, wire::Encode(reply));
+    if (staging_fd_ >= 0) {
+      // The staging fd rides with the reply's first bytes; nothing else is queued yet.
+      if (!SendWithFd(frame)) {
+        closing_ = true;
+        return MaybeClose();
+      }
+      srv_.metrics_.BytesOut(frame.size());
+    } else {
+      QueueWrite(frame);
+    }
+    ReadHeader();
+  }
+
+  Status MakeStaging() {
+    staging_fd_ = ::memfd_create("sparsekv-staging", MFD_CLOEXEC);
+    if (staging_fd_ < 0) return Status::IOError("memfd_create failed");
+    staging_bytes_ = srv_.options_.staging_bytes;
+    if (::ftruncate(staging_fd_, static_cast<off_t>(staging_bytes_)) != 0) return Status::IOError("ftruncate failed");
+    void* m = ::mmap(nullptr, staging_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, staging_fd_, 0);
+    if (m == MAP_FAILED) return Status::IOError("mmap of the staging area failed");
+    staging_ = static_cast<std::byte*>(m);
+    return Status::OK();
+  }
+
+  bool SendWithFd(const std::vector<std::byte>& frame) {
+    const int fd = socket_.native_handle();
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    iovec iov{const_cast<std::byte*>(frame.data()), frame.size()};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &staging_fd_, sizeof(int));
+    size_t sent = 0;
+    while (sent < frame.size()) {
+      ssize_t k = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
+      if (k < 0 && errno == EINTR) continue;
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));  // a fresh socket: rare
+        continue;
+      }
+      if (k <= 0) return false;
+      sent += static_cast<size_t>(k);
+      iov.iov_base = const_cast<std::byte*>(frame.data()) + sent;
+      iov.iov_len = frame.size() - sent;
+      msg.msg_control = nullptr;  // the fd goes once
+      msg.msg_controllen = 0;
+    }
+    return true;
+  }
+
+  void Subscribe() {
+    const uint64_t rid = header_.request_id;
+    if (subscription_ == 0) {
+      std::weak_ptr<Session> weak = shared_from_this();
+      subscription_ = srv_.store_->Subscribe(ns_, [weak](const wire::EventRecord& e) {
+        if (auto self = weak.lock()) {
+          asio::post(self->strand_, [self, e] { self->PushEvent(e); });
+        }
+      });
+    }
+    QueueWrite(wire::EncodeFrame(wire::Opcode::kSubscribe, wire::kFlagResponse, rid, {}));
+  }
+
+  void PushEvent(const wire::EventRecord& e) {
+    if (closed_ || closing_) return;
+    if (queued_bytes_ > srv_.options_.max_inflight_bytes) {
+      // A subscriber that does not read its events must not hold memory without bound.
+      srv_.metrics_.SlowClientDropped();
+      spdlog::warn("session {}: {} bytes of replies and events unread; disconnecting", id_, queued_bytes_);
+      closing_ = true;
+      boost::system::error_code ignored;
+      socket_.shutdown(GenericSocket::shutdown_both, ignored);
+      return MaybeClose();
+    }
+    QueueWrite(wire::EncodeFrame(wire::Opcode::kEvent, 0, 0, wire::Encode(wire::EventBatch{event_seq_++, {e}})));
+  }
+
+  void Dispatch(const wire::FrameHeader& h, std::vector<std::byte> payload) {
+    // A GET that memory can answer is served here, saving two thread hops.
+    if (h.opcode == wire::Opcode::kGet || h.opcode == wire::Opcode::kShmGet) {
+      const auto t0 = Clock::now();
+      std::optional<Reply> fast = h.opcode == wire::Opcode::kGet ? FastGet(payload) : FastShmGet(payload);
+      if (fast) {
+        srv_.metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
+        QueueWrite(fast->framed ? wire::FinishFrame(h.opcode, wire::kFlagResponse, h.request_id, std::move(fast->data))
+                                : wire::EncodeFrame(h.opcode, wire::kFlagResponse, h.request_id, fast->data));
+        return;
+      }
+    }
+    const uint64_t bytes = payload.size();
+    inflight_bytes_ += bytes;
+    ++inflight_requests_;
+    auto self = shared_from_this();
+    asio::post(srv_.workers_, [self, h, bytes, payload = std::move(payload)]() mutable {
+      const auto t0 = Clock::now();
+      Result<Reply> reply = self->Handle(h, payload);
+      payload.clear();
+      payload.shrink_to_fit();
+      std::vector<std::byte> frame;
+      if (!reply.ok()) {
+        frame = ErrorFrame(h.request_id, reply.status());
+      } else if (reply->framed) {
+        frame = wire::FinishFrame(h.opcode, wire::kFlagResponse, h.request_id, std::move(reply->data));
+      } else {
+        frame = wire::EncodeFrame(h.opcode, wire::kFlagResponse, h.request_id, reply->data);
+      }
+      self->srv_.metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), !reply.ok());
+      asio::post(self->strand_, [self, bytes, frame = std::move(frame)]() mutable {
+        self->inflight_bytes_ -= bytes;
+        --self->inflight_requests_;
+        self->QueueWrite(std::move(frame));
+      });
+    });
+  }
+
+  // Runs on a worker thread: only reads the session's immutable-after-HELLO state.
+  Result<Reply> Handle(const wire::FrameHeader& h, std::span<const std::byte> p) {
+    DaemonStore& store = *srv_.store_;
+    Metrics& m = srv_.metrics_;
+    const uint32_t max_bundle = srv_.options_.max_frame_bytes;
+    switch (h.opcode) {
+      case wire::Opcode::kLookup: {
+        SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
+        wire::LookupReply r = store.Lookup(ns_, req.hashes);
+        m.Hits(r.prefix_blocks);
+        m.Misses(req.hashes.size() - r.prefix_blocks);
+        return wire::Encode(r);
+      }
+      case wire::Opcode::kPut: {
+        SPARSEKV_ASSIGN_OR_RETURN(wire::PutRequest req, wire::DecodePutRequest(p, max_bundle));
+        return wire::Encode(wire::StatusListReply{store.Put(ns_, req.items)});
+      }
+      case wire::Opcode::kGet: {
+        SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
+        return *BuildGetReply(req.hashes, [&](const DaemonStore::GetSink& sink) {
+          store.Get(ns_, req.hashes, sink);
+          return true;
+        });
+      }
+      case wire::Opcode::kPin: {
+        SPARSEKV_ASSIGN_OR_RETURN(wire::PinRequest req, wire::DecodePinRequest(p));
+        return wire::Encode(wire::StatusListReply{store.Pin(ns_, req.hashes, req.priority)});
+      }
+      case wire::Opcode::kUnpin: {
+        SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
+        return wire::Encode(wire::StatusListReply{store.Unpin(ns_, req.hashes)});
+      }
+      case wire::Opcode::kDelete: {
+        SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
+        return wire::Encode(wire::StatusListReply{store.Delete(ns_, req.hashes)});
+      }
+      case wire::Opcode::kStats: {
+        if (!p.empty()) return Status::InvalidArgument("STATS takes no payload");
+        wire::PayloadWriter w;
+        w.String(store.StatsJson(ns_));
+        return w.Take();
+      }
+      case wire::Opcode::kShmPut: return HandleShmPut(p);
+      case wire::Opcode::kShmGet: return HandleShmGet(p);
+      case wire::Opcode::kShmRelease: {
+        SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
+        return wire::Encode(wire::StatusListReply{std::vector<wire::ItemStatus>(req.hashes.size())});
+      }
+      default:
+        return Status::InvalidArgument(fmt::format("{} is not a request", wire::OpcodeName(h.opcode)));
+    }
+  }
+
+  // GET reply frame built straight from the store's bytes: one copy, no re-framing. `serve`
+  // calls the sink per item; it returns false when it served nothing (fast path declined).
+  template <typename Serve>
+  std::optional<Reply> BuildGetReply(std::span<const wire::WireHash> hashes, Serve&& serve) {
+    wire::PayloadWriter w{wire::PayloadWriter::ReserveHeader{}};
+    w.U32(static_cast<uint32_t>(hashes.size()));
+    uint64_t hits = 0;
+    const bool served = serve([&](size_t, const Status& st, std::span<const std::byte> bytes) {
+      w.Reserve(bytes.size() + 64);
+      w.U8(static_cast<uint8_t>(st.code()));
+      if (st.ok()) {
+        ++hits;
+        w.Blob(bytes);
+      } else {
+        w.String(st.message());
+      }
+    });
+    if (!served) return std::nullopt;
+    srv_.metrics_.Hits(hits);
+    srv_.metrics_.Misses(hashes.size() - hits);
+    return Framed(w.Take());
+  }
+
+  std::optional<Reply> FastGet(std::span<const std::byte> p) {
+    auto req = wire::DecodeHashList(p);
+    if (!req.ok()) return std::nullopt;
+    return BuildGetReply(req->hashes, [&](const DaemonStore::GetSink& sink) {
+      return srv_.store_->TryGetWithoutBlocking(ns_, req->hashes, sink);
+    });
+  }
+
+  std::optional<Reply> FastShmGet(std::span<const std::byte> p) {
+    auto req = wire::DecodeHashList(p);
+    if (!req.ok() || staging_ == nullptr) return std::nullopt;
+    return BuildShmGetReply(req->hashes, [&](const DaemonStore::GetSink& sink) {
+      return srv_.store_->TryGetWithoutBlocking(ns_, req->hashes, sink);
+    });
+  }
+
+  Result<Reply> HandleShmPut(std::span<const std::byte> p) {
+    if (staging_ == nullptr) return Status::FailedPrecondition("SHM_PUT on a session without shared memory");
+    SPARSEKV_ASSIGN_OR_RETURN(wire::ShmPutRequest req, wire::DecodeShmPutRequest(p));
+    const uint64_t put_area = staging_bytes_ / 2;
+    std::vector<wire::PutItem> items;
+    std::vector<size_t> index;  // request slot of each item
+    std::vector<wire::ItemStatus> out(req.slots.size());
+    for (size_t i = 0; i < req.slots.size(); ++i) {
+      const wire::ShmSlot& s = req.slots[i];
+      if (s.offset > put_area || s.bytes > put_area - s.offset) {
+        out[i] = {StatusCode::kOutOfRange,
+                  fmt::format("slot [{}, +{}) is outside the {}-byte PUT area", s.offset, s.bytes, put_area)};
+        continue;
+      }
+      items.push_back({s.hash, std::span<const std::byte>(staging_ + s.offset, s.bytes)});
+      index.push_back(i);
+    }
+    std::vector<wire::ItemStatus> stored = srv_.store_->Put(ns_, items);
+    for (size_t k = 0; k < stored.size(); ++k) out[index[k]] = std::move(stored[k]);
+    return wire::Encode(wire::StatusListReply{std::move(out)});
+  }
+
+  Result<Reply> HandleShmGet(std::span<const std::byte> p) {
+    if (staging_ == nullptr) return Status::FailedPrecondition("SHM_GET on a session without shared memory");
+    SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
+    return *BuildShmGetReply(req.hashes, [&](const DaemonStore::GetSink& sink) {
+      srv_.store_->Get(ns_, req.hashes, sink);
+      return true;
+    });
+  }
+
+  // Copies each bundle into the GET half of the staging area and answers with offsets.
+  template <typename Serve>
+  std::optional<Reply> BuildShmGetReply(std::span<const wire::WireHash> hashes, Serve&& serve) {
+    const uint64_t limit = staging_bytes_;
+    uint64_t off = staging_bytes_ / 2;
+    wire::ShmGetReply reply;
+    reply.status.resize(hashes.size());
+    uint64_t hits = 0;
+    const bool served = serve([&](size_t i, const Status& st, std::span<const std::byte> bytes) {
+      if (!st.ok()) {
+        reply.status[i] = {st.code(), std::string(st.message())};
+        return;
+      }
+      if (bytes.size() > limit - off) {
+        reply.status[i] = {StatusCode::kResourceExhausted, "bundle does not fit the shared GET area; use GET"};
+        return;
+      }
+      std::memcpy(staging_ + off, bytes.data(), bytes.size());
+      reply.slots.push_back({hashes[i], off, static_cast<uint32_t>(bytes.size())});
+      off += (bytes.size() + 63) & ~uint64_t{63};
+      ++hits;
+    });
+    if (!served) return std::nullopt;
+    srv_.metrics_.Hits(hits);
+    srv_.metrics_.Misses(hashes.size() - hits);
+    return Reply(wire::Encode(reply));
+  }
+
+  void Discard() {
+    socket_.async_read_some(asio::buffer(discard_),
+                            asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t) {
+                              if (ec) {
+                                self->reading_ = false;
+                                return self->MaybeClose();
+                              }
+                              self->Discard();
+                            }));
+  }
+
+  void FailFrame(uint64_t request_id, const Status& st) {
+    srv_.metrics_.BadFrame();
+    spdlog::warn("session {}: closing after a bad frame: {}", id_, st.ToString());
+    closing_ = true;
+    QueueWrite(ErrorFrame(request_id, st));
+    MaybeClose();
+  }
+
+  void QueueWrite(std::vector<std::byte> frame) {
+    if (closed_) return;
+    queued_bytes_ += frame.size();
+    writes_.push_back(std::move(frame));
+    if (!writing_) DoWrite();
+  }
+
+  void DoWrite() {
+    if (writes_.empty()) {
+      writing_ = false;
+      if (paused_ && !closing_) {
+        paused_ = false;
+        ReadHeader();
+      }
+      return MaybeClose();
+    }
+    writing_ = true;
+    asio::async_write(socket_, asio::buffer(writes_.front()),
+                      asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t n) {
+                        self->srv_.metrics_.BytesOut(n);
+                        self->queued_bytes_ -= self->writes_.front().size();
+                        self->writes_.pop_front();
+                        if (ec) {
+                          self->writes_.clear();
+                          self->queued_bytes_ = 0;
+                          self->closing_ = true;
+                          self->writing_ = false;
+                          return self->MaybeClose();
+                        }
+                        self->DoWrite();
+                      }));
+  }
+
+  // Closes once nothing is being read, served or written. First a lingering close: FIN after the
+  // last reply, then read and discard until the peer closes (at most 1 s), because closing a
+  // socket with unread input sends a reset that can destroy the ERROR frame before it is read.
+  void MaybeClose() {
+    if (closed_ || !closing_ || reading_ || writing_ || inflight_requests_ > 0) return;
+    if (!lingering_) {
+      lingering_ = true;
+      boost::system::error_code ignored;
+      socket_.shutdown(GenericSocket::shutdown_send, ignored);
+      reading_ = true;
+      Discard();
+      linger_.expires_after(std::chrono::seconds(1));
+      linger_.async_wait(asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
+        if (ec || self->closed_) return;
+        boost::system::error_code ignored2;
+        self->socket_.cancel(ignored2);
+      }));
+      return;
+    }
+    closed_ = true;
+    linger_.cancel();
+    idle_.cancel();
+    if (subscription_) srv_.store_->Unsubscribe(subscription_);
+    boost::system::error_code ignored;
+    socket_.close(ignored);
+    srv_.OnSessionClosed(this);
+  }
+
+  Server::Impl& srv_;
+  GenericSocket socket_;
+  asio::strand<asio::io_context::executor_type> strand_;
+  asio::steady_timer idle_;
+  asio::steady_timer linger_;
+  const bool is_unix_;
+  const uint64_t id_;
+
+  std::array<std::byte, wire::kHeaderBytes> header_buf_{};
+  wire::FrameHeader header_;
+  std::vector<std::byte> payload_;
+  std::deque<std::vector<std::byte>> writes_;
+  uint64_t queued_bytes_ = 0;
+  uint64_t inflight_bytes_ = 0;
+  int inflight_requests_ = 0;
+  bool reading_ = false, writing_ = false, paused_ = false, closing_ = false, closed_ = false;
+  bool lingering_ = false;
+  std::array<std::byte, 4096> discard_{};
+  bool authed_ = false;
+  uint32_t ns_ = 0;
+  uint64_t subscription_ = 0;
+  uint64_t event_seq_ = 1;
+  int staging_fd_ = -1;
+  std::byte* staging_ = nullptr;
+  uint64_t staging_bytes_ = 0;
+};
+
+Status Server::Impl::Bind() {
+  boost::system::error_code ec;
+  if (!options_.tcp_listen.empty()) {
+    SPARSEKV_ASSIGN_OR_RETURN(auto ep, ParseTcp(options_.tcp_listen));
+    tcp_ = std::make_unique<asio::ip::tcp::acceptor>(io_);
+    tcp_->open(ep.protocol(), ec);
+    if (!ec) tcp_->set_option(asio::socket_base::reuse_address(true), ec);
+    if (!ec) tcp_->bind(ep, ec);
+    if (!ec) tcp_->listen(asio::socket_base::max_listen_connections, ec);
+    if (ec) return Status::IOError(fmt::format("listening on {}: {}", options_.tcp_listen, ec.message()));
+    const auto bound = tcp_->local_endpoint();
+    tcp_address_ = fmt::format("{}:{}", bound.address().to_string(), bound.port());
+  }
+  if (!options_.unix_path.empty()) {
+    ::unlink(options_.unix_path.c_str());  // a stale socket from a previous run
+    unix_ = std::make_unique<asio::local::stream_protocol::acceptor>(io_);
+    asio::local::stream_protocol::endpoint ep(options_.unix_path);
+    unix_->open(ep.protocol(), ec);
+    if (!ec) unix_->bind(ep, ec);
+    if (!ec) unix_->listen(asio::socket_base::max_listen_connections, ec);
+    if (ec) return Status::IOError(fmt::format("listening on unix:{}: {}", options_.unix_path, ec.message()));
+  }
+  if (!options_.metrics_listen.empty()) {
+    SPARSEKV_ASSIGN_OR_RETURN(auto ep, ParseTcp(options_.metrics_listen));
+    metrics_acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(io_);
+    metrics_acceptor_->open(ep.protocol(), ec);
+    if (!ec) metrics_acceptor_->set_option(asio::socket_base::reuse_address(true), ec);
+    if (!ec) metrics_acceptor_->bind(ep, ec);
+    if (!ec) metrics_acceptor_->listen(64, ec);
+    if (ec) return Status::IOError(fmt::format("listening for metrics on {}: {}", options_.metrics_listen, ec.message()));
+    metrics_port_ = metrics_acceptor_->local_endpoint().port();
+  }
+  return Status::OK();
+}
+
+void Server::Impl::Run() {
+  if (tcp_) Accept(*tcp_);
+  if (unix_) AcceptUnix();
+  if (metrics_acceptor_) AcceptMetrics();
+  if (options_.handle_signals) {
+    signals_.add(SIGINT);
+    signals_.add(SIGTERM);
+    signals_.add(SIGHUP);
+    signals_.async_wait([this](boost::system::error_code e, int s) { OnSignal(e, s); });
+  }
+  const int n = std::max(1, options_.io_threads);
+  for (int i = 0; i < n; ++i) threads_.emplace_back([this] { io_.run(); });
+}
+
+void Server::Impl::OnSignal(boost::system::error_code ec, int sig) {
+  if (ec) return;
+  if (sig == SIGHUP) {
+    spdlog::info("SIGHUP: reopening logs");
+    if (options_.on_sighup) options_.on_sighup();
+    signals_.async_wait([this](boost::system::error_code e, int s) { OnSignal(e, s); });
+    return;
+  }
+  spdlog::info("signal {}: draining in-flight requests, then flushing", sig);
+  Shutdown();
+}
+
+void Server::Impl::Accept(asio::ip::tcp::acceptor& acceptor) {
+  acceptor.async_accept([this, &acceptor](boost::system::error_code ec, asio::ip::tcp::socket s) {
+    if (ec) {
+      if (ec != asio::error::operation_aborted) Accept(acceptor);
+      return;
+    }
+    boost::system::error_code ignored;
+    s.set_option(asio::ip::tcp::no_delay(true), ignored);
+    Admit(GenericSocket(std::move(s)), false);
+    Accept(acceptor);
+  });
+}
+
+void Server::Impl::AcceptUnix() {
+  unix_->async_accept([this](boost::system::error_code ec, asio::local::stream_protocol::socket s) {
+    if (ec) {
+      if (ec != asio::error::operation_aborted) AcceptUnix();
+      return;
+    }
+    Admit(GenericSocket(std::move(s)), true);
+    AcceptUnix();
+  });
+}
+
+void Server::Impl::Admit(GenericSocket socket, bool is_unix) {
+  auto s = std::make_shared<Session>(*this, std::move(socket), is_unix, next_session_.fetch_add(1));
+  bool refuse = false;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (draining_) return;  // the socket closes with `s`
+    refuse = sessions_.size() >= options_.max_connections;
+    sessions_.insert(s);
+  }
+  metrics_.ConnectionOpened();
+  if (refuse) {
+    metrics_.ConnectionRejected();
+    s->Refuse(Status::ResourceExhausted(fmt::format("sparsekvd serves at most {} connections", options_.max_connections)));
+    return;
+  }
+  s->Start();
+}
+
+void Server::Impl::AcceptMetrics() {
+  metrics_acceptor_->async_accept([this](boost::system::error_code ec, asio::ip::tcp::socket s) {
+    if (ec) {
+      if (ec != asio::error::operation_aborted) AcceptMetrics();
+      return;
+    }
+    auto sock = std::make_shared<asio::ip::tcp::socket>(std::move(s));
+    auto buf = std::make_shared<asio::streambuf>(8192);
+    asio::async_read_until(*sock, *buf, "\r\n\r\n", [this, sock, buf](boost::system::error_code e, size_t) {
+      std::string body, status = "200 OK";
+      if (e) return;
+      std::istream in(buf.get());
+      std::string method, path;
+      in >> method >> path;
+      if (method == "GET" && (path == "/metrics" || path.rfind("/metrics?", 0) == 0)) {
+        body = metrics_.Render([this](std::string& out) { store_->RenderMetrics(out); });
+      } else {
+        status = "404 Not Found";
+        body = "not found; try /metrics\n";
+      }
+      auto reply = std::make_shared<std::string>(fmt::format(
+          "HTTP/1.1 {}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
+          status, body.size(), body));
+      asio::async_write(*sock, asio::buffer(*reply), [sock, reply](boost::system::error_code, size_t) {
+        boost::system::error_code ignored;
+        sock->shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
+      });
+    });
+    AcceptMetrics();
+  });
+}
+
+void Server::Impl::Shutdown() {
+  std::vector<std::shared_ptr<Session>> sessions;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (draining_) return;
+    draining_ = true;
+    sessions.assign(sessions_.begin(), sessions_.end());
+  }
+  asio::post(io_, [this] {
+    boost::system::error_code ignored;
+    if (tcp_) tcp_->close(ignored);
+    if (unix_) unix_->close(ignored);
+    if (metrics_acceptor_) metrics_acceptor_->close(ignored);
+    signals_.cancel(ignored);
+    drain_deadline_ = std::make_unique<asio::steady_timer>(io_, std::chrono::seconds(10));
+    drain_deadline_->async_wait([this](boost::system::error_code ec) {
+      if (ec) return;
+      spdlog::warn("drain deadline passed with connections still open; stopping");
+      std::lock_guard<std::mutex> l(mu_);
+      sessions_.clear();
+      FinishIfDrained();
+    });
+  });
+  for (auto& s : sessions) s->BeginDrain();
+  std::lock_guard<std::mutex> l(mu_);
+  FinishIfDrained();
+}
+
+void Server::Impl::OnSessionClosed(Session* s) {
+  metrics_.ConnectionClosed();
+  std::lock_guard<std::mutex> l(mu_);
+  for (auto it = sessions_.begin(); it != sessions_.end(); ++it) {
+    if (it->get() == s) {
+      // The session may be running its last handler: release it after that returns.
+      asio::post(io_, [keep = *it] {});
+      sessions_.erase(it);
+      break;
+    }
+  }
+  FinishIfDrained();
+}
+
+// Called with mu_ held.
+void Server::Impl::FinishIfDrained() {
+  if (!draining_ || stopped_ || !sessions_.empty()) return;
+  stopped_ = true;
+  asio::post(io_, [this] {
+    if (drain_deadline_) drain_deadline_->cancel();
+    workers_.join();  // every store call has returned
+    Status st = store_->Flush();
+    if (!st.ok()) spdlog::error("flushing the store: {}", st.ToString());
+    work_.reset();
+    io_.stop();
+    std::lock_guard<std::mutex> l(mu_);
+    flush_status_ = st;
+    stopped_cv_.notify_all();
+  });
+}
+
+Status Server::Impl::Wait() {
+  for (auto& t : threads_) {
+    if (t.joinable()) t.join();
+  }
+  std::lock_guard<std::mutex> l(mu_);
+  return flush_status_;
+}
+
+Result<std::unique_ptr<Server>> Server::Start(ServerOptions options, DaemonStore* store) {
+  if (store == nullptr) return Status::InvalidArgument("server needs a store");
+  if (options.namespaces.empty()) return Status::InvalidArgument("server needs at least one namespace");
+  if (options.staging_bytes < 2 * 4096) return Status::InvalidArgument("staging_bytes must be at least 8 KiB");
+  auto impl = std::make_unique<Impl>(std::move(options), store);
+  SPARSEKV_RETURN_IF_ERROR(impl->Bind());
+  impl->Run();
+  return std::unique_ptr<Server>(new Server(std::move(impl)));
+}
+
+Server::Server(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Server::~Server() {
+  Shutdown();
+  Wait().IgnoreError();
+}
+
+void Server::Shutdown() { impl_->Shutdown(); }
+Status Server::Wait() { return impl_->Wait(); }
+Metrics& Server::metrics() { return impl_->metrics_; }
+
+std::string Server::tcp_address() const { return impl_->tcp_address_; }
+uint16_t Server::metrics_port() const { return impl_->metrics_port_; }
+
+}  // namespace sparsekv::server

@@ -1,0 +1,403 @@
+#include "server/tiered_store.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+namespace sparsekv::server {
+namespace {
+
+wire::ItemStatus ToItem(const Status& st) {
+  return st.ok() ? wire::ItemStatus{} : wire::ItemStatus{st.code(), std::string(st.message())};
+}
+
+}  // namespace
+
+BlockHash FromWire(const wire::WireHash& h) {
+  BlockHash b;
+  std::memcpy(&b.lo, h.data(), 8);
+  std::memcpy(&b.hi, h.data() + 8, 8);
+  return b;
+}
+
+wire::WireHash ToWire(const BlockHash& b) {
+  wire::WireHash h{};
+  std::memcpy(h.data(), &b.lo, 8);
+  std::memcpy(h.data() + 8, &b.hi, 8);
+  return h;
+}
+
+Result<std::unique_ptr<TieredStore>> TieredStore::Open(const TieredStoreOptions& options) {
+  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<TierChain> chain, OpenTierChain(options.offload));
+  return std::unique_ptr<TieredStore>(new TieredStore(options, std::move(chain)));
+}
+
+TieredStore::TieredStore(const TieredStoreOptions& options, std::unique_ptr<TierChain> chain)
+    : options_(options), chain_(std::move(chain)) {
+  for (size_t i = 0; i < chain_->tier_count(); ++i) {
+    const std::string_view n = chain_->tier(i).name();
+    wire_tiers_.push_back(n.find("host") != std::string_view::npos  ? 1
+                          : n.find("rocks") != std::string_view::npos ? 3
+                                                                       : 2);
+  }
+}
+
+TieredStore::~TieredStore() { chain_->WaitIdle(); }
+
+uint8_t TieredStore::WireTier(int chain_index) const {
+  return chain_index < 0 ? 0 : wire_tiers_[static_cast<size_t>(chain_index)];
+}
+
+wire::LookupReply TieredStore::Lookup(uint32_t ns, std::span<const wire::WireHash> hashes) {
+  std::vector<BundleKey> keys;
+  keys.reserve(hashes.size());
+  for (const auto& h : hashes) keys.push_back({ns, FromWire(h)});
+  std::vector<int> where = chain_->Locate(keys);
+  wire::LookupReply r;
+  r.tiers.resize(hashes.size());
+  {
+    MutexLock l(mu_);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      r.tiers[i] = pinned_.count(keys[i]) ? 1 : WireTier(where[i]);
+    }
+  }
+  while (r.prefix_blocks < r.tiers.size() && r.tiers[r.prefix_blocks] != 0) ++r.prefix_blocks;
+  MutexLock l(mu_);
+  NamespaceCounters& c = counters_[ns];
+  ++c.lookups;
+  c.lookup_blocks += hashes.size();
+  c.lookup_hits += r.prefix_blocks;
+  return r;
+}
+
+std::vector<wire::ItemStatus> TieredStore::Put(uint32_t ns, std::span<const wire::PutItem> items) {
+  std::vector<wire::ItemStatus> out(items.size());
+  std::vector<BundlePtr> bundles;
+  std::vector<size_t> index;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const std::span<const std::byte> segments[1] = {items[i].bundle};
+    auto b = Bundle::Make({ns, FromWire(items[i].hash)}, segments);
+    if (!b.ok()) {
+      out[i] = ToItem(b.status());
+      continue;
+    }
+    bundles.push_back(std::move(b).value());
+    index.push_back(i);
+  }
+  std::vector<Status> st = bundles.empty() ? std::vector<Status>{} : chain_->Demote(bundles).get();
+  wire::EventRecord stored{1, WireTier(0), {}};
+  uint64_t ok = 0, bytes = 0;
+  for (size_t k = 0; k < st.size(); ++k) {
+    out[index[k]] = ToItem(st[k]);
+    if (st[k].ok()) {
+      ++ok;
+      bytes += items[index[k]].bundle.size();
+      stored.hashes.push_back(items[index[k]].hash);
+    }
+  }
+  {
+    MutexLock l(mu_);
+    NamespaceCounters& c = counters_[ns];
+    c.puts += ok;
+    c.put_failures += items.size() - ok;
+    c.put_bytes += bytes;
+  }
+  if (!stored.hashes.empty()) Emit(ns, stored);
+  return out;
+}
+
+void TieredStore::Get(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) {
+  std::vector<BundlePtr> from_pins(hashes.size());
+  std::vector<BundleKey> keys;
+  std::vector<size_t> index;
+  {
+    MutexLock l(mu_);
+    for (size_t i = 0; i < hashes.size(); ++i) {
+      BundleKey key{ns, FromWire(hashes[i])};
+      auto it = pinned_.find(key);
+      if (it != pinned_.end()) {
+        from_pins[i] = it->second.bundle;
+      } else {
+        keys.push_back(key);
+        index.push_back(i);
+      }
+    }
+  }
+  std::vector<Result<BundlePtr>> got;
+  if (!keys.empty()) got = chain_->Promote(keys).get();
+  std::vector<const Result<BundlePtr>*> by_item(hashes.size(), nullptr);
+  for (size_t k = 0; k < index.size(); ++k) by_item[index[k]] = &got[k];
+  uint64_t hits = 0, bytes = 0, corrupt = 0;
+  wire::EventRecord removed{2, 0, {}};
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    if (from_pins[i]) {
+      ++hits;
+      bytes += from_pins[i]->payload().size();
+      sink(i, Status::OK(), from_pins[i]->segment(0));
+      continue;
+    }
+    const Result<BundlePtr>& r = *by_item[i];
+    if (r.ok()) {
+      ++hits;
+      bytes += (*r)->payload().size();
+      sink(i, Status::OK(), (*r)->segment(0));
+    } else {
+      if (r.status().data_loss()) {
+        ++corrupt;
+        removed.hashes.push_back(hashes[i]);
+      }
+      sink(i, r.status(), {});
+    }
+  }
+  CountGets(ns, hashes.size(), hits, bytes, corrupt);
+  if (!removed.hashes.empty()) Emit(ns, removed);
+}
+
+void TieredStore::CountGets(uint32_t ns, uint64_t asked, uint64_t hits, uint64_t bytes, uint64_t corrupt) {
+  MutexLock l(mu_);
+  NamespaceCounters& c = counters_[ns];
+  c.gets += asked;
+  c.get_hits += hits;
+  c.get_bytes += bytes;
+  c.corrupt += corrupt;
+}
+
+bool TieredStore::TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) {
+  // Only the host tier answers on the caller's thread; anything else goes to a worker.
+  if (wire_tiers_.empty() || wire_tiers_[0] != 1 || hashes.empty()) return false;
+  std::vector<BundleKey> keys;
+  keys.reserve(hashes.size());
+  for (const auto& h : hashes) keys.push_back({ns, FromWire(h)});
+  {
+    MutexLock l(mu_);
+    for (const BundleKey& k : keys) {
+      if (pinned_.count(k)) return false;  // rare: the general path knows pins
+    }
+  }
+  Tier& host = chain_->tier(0);
+  // Contains first, so a miss is not counted twice (here and again on the general path).
+  std::vector<bool> present;
+  host.ContainsAsync(keys, [&](std::vector<bool> r) { present = std::move(r); });
+  if (present.size() != keys.size()) return false;
+  for (bool p : present) {
+    if (!p) return false;
+  }
+  std::vector<Result<BundlePtr>> got;
+  host.GetAsync(keys, [&](std::vector<Result<BundlePtr>> r) { got = std::move(r); });
+  if (got.size() != keys.size()) return false;
+  for (const auto& r : got) {
+    if (!r.ok()) return false;  // evicted meanwhile, or corrupt: the general path reports it
+  }
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    bytes += (*got[i])->payload().size();
+    sink(i, Status::OK(), (*got[i])->segment(0));
+  }
+  CountGets(ns, hashes.size(), hashes.size(), bytes, 0);
+  return true;
+}
+
+std::vector<wire::ItemStatus> TieredStore::Pin(uint32_t ns, std::span<const wire::WireHash> hashes, uint8_t priority) {
+  std::vector<BundleKey> keys;
+  for (const auto& h : hashes) keys.push_back({ns, FromWire(h)});
+  std::vector<wire::ItemStatus> out(hashes.size());
+  // Blocks already pinned only change priority; the others are fetched from the chain.
+  std::vector<BundleKey> fetch;
+  std::vector<size_t> index;
+  {
+    MutexLock l(mu_);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto it = pinned_.find(keys[i]);
+      if (it != pinned_.end()) {
+        it->second.priority = std::max(it->second.priority, priority);
+      } else {
+        fetch.push_back(keys[i]);
+        index.push_back(i);
+      }
+    }
+  }
+  std::vector<Result<BundlePtr>> got;
+  if (!fetch.empty()) got = chain_->Promote(fetch).get();
+  std::vector<BundlePtr> displaced;
+  {
+    MutexLock l(mu_);
+    for (size_t k = 0; k < fetch.size(); ++k) {
+      if (!got[k].ok()) {
+        out[index[k]] = ToItem(got[k].status());
+        continue;
+      }
+      const BundlePtr& b = *got[k];
+      const uint64_t need = b->record_bytes();
+      if (pinned_.count(fetch[k])) continue;  // pinned meanwhile by another request
+      // Make room by displacing lower-priority pins, lowest first.
+      while (pinned_bytes_ + need > options_.pin_budget_bytes) {
+        auto victim = pinned_.end();
+        for (auto it = pinned_.begin(); it != pinned_.end(); ++it) {
+          if (it->second.priority < priority && (victim == pinned_.end() || it->second.priority < victim->second.priority)) {
+            victim = it;
+          }
+        }
+        if (victim == pinned_.end()) break;
+        pinned_bytes_ -= victim->second.bundle->record_bytes();
+        displaced.push_back(victim->second.bundle);
+        pinned_.erase(victim);
+      }
+      if (pinned_bytes_ + need > options_.pin_budget_bytes) {
+        out[index[k]] = {StatusCode::kResourceExhausted,
+                         fmt::format("pin budget of {} bytes is held by pins of priority {} or more",
+                                     options_.pin_budget_bytes, priority)};
+        continue;
+      }
+      pinned_.emplace(fetch[k], Pinned{b, priority});
+      pinned_bytes_ += need;
+    }
+    NamespaceCounters& c = counters_[ns];
+    ++c.pins;
+  }
+  // Displaced pins go back to the chain, where the LRU decides their fate.
+  if (!displaced.empty()) chain_->DemoteAsync(std::move(displaced), [](std::vector<Status>) {});
+  return out;
+}
+
+std::vector<wire::ItemStatus> TieredStore::Unpin(uint32_t ns, std::span<const wire::WireHash> hashes) {
+  std::vector<wire::ItemStatus> out(hashes.size());
+  std::vector<BundlePtr> back;
+  {
+    MutexLock l(mu_);
+    for (size_t i = 0; i < hashes.size(); ++i) {
+      auto it = pinned_.find({ns, FromWire(hashes[i])});
+      if (it == pinned_.end()) {
+        out[i] = {StatusCode::kNotFound, "block is not pinned"};
+        continue;
+      }
+      pinned_bytes_ -= it->second.bundle->record_bytes();
+      back.push_back(it->second.bundle);
+      pinned_.erase(it);
+    }
+  }
+  if (!back.empty()) chain_->Demote(std::move(back)).get();
+  return out;
+}
+
+std::vector<wire::ItemStatus> TieredStore::Delete(uint32_t ns, std::span<const wire::WireHash> hashes) {
+  std::vector<BundleKey> keys;
+  for (const auto& h : hashes) keys.push_back({ns, FromWire(h)});
+  {
+    MutexLock l(mu_);
+    for (const BundleKey& k : keys) {
+      auto it = pinned_.find(k);
+      if (it != pinned_.end()) {
+        pinned_bytes_ -= it->second.bundle->record_bytes();
+        pinned_.erase(it);
+      }
+    }
+    counters_[ns].deletes += keys.size();
+  }
+  std::vector<Status> st = chain_->Erase(keys).get();
+  std::vector<wire::ItemStatus> out;
+  wire::EventRecord removed{2, 0, {}};
+  for (size_t i = 0; i < st.size(); ++i) {
+    out.push_back(ToItem(st[i]));
+    if (st[i].ok()) removed.hashes.push_back(hashes[i]);
+  }
+  if (!removed.hashes.empty()) Emit(ns, removed);
+  return out;
+}
+
+std::string TieredStore::StatsJson(uint32_t ns) {
+  nlohmann::json j;
+  {
+    MutexLock l(mu_);
+    const NamespaceCounters& c = counters_[ns];
+    uint64_t pinned_blocks = 0, pinned_bytes = 0;
+    for (const auto& [k, p] : pinned_) {
+      if (k.namespace_id == ns) {
+        ++pinned_blocks;
+        pinned_bytes += p.bundle->record_bytes();
+      }
+    }
+    j["lookups"] = c.lookups;
+    j["lookup_blocks"] = c.lookup_blocks;
+    j["lookup_hit_blocks"] = c.lookup_hits;
+    j["puts"] = c.puts;
+    j["put_failures"] = c.put_failures;
+    j["put_bytes"] = c.put_bytes;
+    j["gets"] = c.gets;
+    j["get_hits"] = c.get_hits;
+    j["get_misses"] = c.gets - c.get_hits;
+    j["get_bytes"] = c.get_bytes;
+    j["hit_ratio"] = c.gets ? static_cast<double>(c.get_hits) / static_cast<double>(c.gets) : 0.0;
+    j["pinned_blocks"] = pinned_blocks;
+    j["pinned_bytes"] = pinned_bytes;
+    j["deletes"] = c.deletes;
+    j["corrupt_detected"] = c.corrupt;
+  }
+  // Tier names and capacities only: byte counts are shared by every namespace.
+  nlohmann::json tiers = nlohmann::json::array();
+  for (size_t i = 0; i < chain_->tier_count(); ++i) {
+    tiers.push_back({{"name", chain_->tier(i).name()}, {"capacity_bytes", chain_->tier(i).capacity_bytes()}});
+  }
+  j["tiers"] = std::move(tiers);
+  return j.dump();
+}
+
+uint64_t TieredStore::Subscribe(uint32_t ns, EventSink sink) {
+  MutexLock l(mu_);
+  const uint64_t id = next_subscription_++;
+  subscribers_.emplace(id, Subscriber{ns, std::move(sink)});
+  return id;
+}
+
+void TieredStore::Unsubscribe(uint64_t subscription) {
+  MutexLock l(mu_);
+  subscribers_.erase(subscription);
+}
+
+void TieredStore::Emit(uint32_t ns, const wire::EventRecord& e) {
+  std::vector<EventSink> sinks;
+  {
+    MutexLock l(mu_);
+    for (const auto& [id, s] : subscribers_) {
+      if (s.ns == ns) sinks.push_back(s.sink);
+    }
+  }
+  for (const EventSink& s : sinks) s(e);
+}
+
+void TieredStore::RenderMetrics(std::string& out) {
+  auto gauge_header = [&](const char* name, const char* help, const char* type) {
+    out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
+  };
+  std::vector<TierStats> stats;
+  for (size_t i = 0; i < chain_->tier_count(); ++i) stats.push_back(chain_->tier(i).Stats());
+  auto series = [&](const char* name, const char* help, const char* type, auto get) {
+    gauge_header(name, help, type);
+    for (const TierStats& s : stats) out += fmt::format("{}{{tier=\"{}\"}} {}\n", name, s.name, get(s));
+  };
+  series("sparsekv_tier_bytes", "Record bytes held by the tier.", "gauge", [](const TierStats& s) { return s.bytes; });
+  series("sparsekv_tier_capacity_bytes", "Tier capacity.", "gauge", [](const TierStats& s) { return s.capacity_bytes; });
+  series("sparsekv_tier_items", "Bundles held by the tier.", "gauge", [](const TierStats& s) { return s.items; });
+  series("sparsekv_tier_hits_total", "Gets the tier served.", "counter", [](const TierStats& s) { return s.hits; });
+  series("sparsekv_tier_misses_total", "Gets of keys the tier lacked.", "counter", [](const TierStats& s) { return s.misses; });
+  series("sparsekv_tier_evictions_total", "Bundles the tier evicted for room.", "counter", [](const TierStats& s) { return s.evictions; });
+  series("sparsekv_tier_corrupt_total", "Bundles that failed their checksum (erased, never served).", "counter",
+         [](const TierStats& s) { return s.corrupt; });
+  series("sparsekv_tier_io_errors_total", "Operations the device failed.", "counter", [](const TierStats& s) { return s.io_errors; });
+  const TierChainStats c = chain_->Stats();
+  gauge_header("sparsekv_chain_demote_dropped_total", "Demotes that failed; the block was dropped.", "counter");
+  out += fmt::format("sparsekv_chain_demote_dropped_total {}\n", c.demote_dropped);
+  gauge_header("sparsekv_chain_cascaded_total", "Evicted bundles moved to the next tier.", "counter");
+  out += fmt::format("sparsekv_chain_cascaded_total {}\n", c.cascaded);
+  MutexLock l(mu_);
+  gauge_header("sparsekv_pinned_bytes", "Bytes of pinned blocks held in memory.", "gauge");
+  out += fmt::format("sparsekv_pinned_bytes {}\n", pinned_bytes_);
+}
+
+Status TieredStore::Flush() {
+  chain_->WaitIdle();
+  return Status::OK();
+}
+
+}  // namespace sparsekv::server

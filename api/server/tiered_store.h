@@ -1,0 +1,86 @@
+// TieredStore: the DaemonStore over a TierChain (host memory, then SSD and/or RocksDB).
+//
+// A client's bytes for one block become one single-segment bundle filed under
+// (namespace id, block hash); its XXH3 checksum is checked on every read by every tier, so
+// corrupt bytes are reported and never served. Pinned blocks are held in memory, outside the
+// tiers' LRUs, up to a byte budget: a pin that does not fit displaces pins of lower priority
+// or is refused. Unpinning hands the block back to the chain.
+//
+// Thread safety: every method is thread-safe.
+#pragma once
+
+#include <memory>
+#include <unordered_map>
+
+#include "server/daemon_store.h"
+#include "sparsekv/offload_options.h"
+#include "sparsekv/thread_annotations.h"
+#include "sparsekv/tier_chain.h"
+
+namespace sparsekv::server {
+
+struct TieredStoreOptions {
+  // Tiers and their stacking. Default: a 1 GiB host tier only (slot_bytes must be set).
+  OffloadOptions offload;
+  // Bytes of pinned blocks held in memory. Default: 256 MiB.
+  uint64_t pin_budget_bytes = 256ull << 20;
+};
+
+class TieredStore : public DaemonStore {
+ public:
+  static Result<std::unique_ptr<TieredStore>> Open(const TieredStoreOptions& options);
+  ~TieredStore() override;
+
+  wire::LookupReply Lookup(uint32_t ns, std::span<const wire::WireHash> hashes) override;
+  std::vector<wire::ItemStatus> Put(uint32_t ns, std::span<const wire::PutItem> items) override;
+  void Get(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) override;
+  bool TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) override;
+  std::vector<wire::ItemStatus> Pin(uint32_t ns, std::span<const wire::WireHash> hashes, uint8_t priority) override;
+  std::vector<wire::ItemStatus> Unpin(uint32_t ns, std::span<const wire::WireHash> hashes) override;
+  std::vector<wire::ItemStatus> Delete(uint32_t ns, std::span<const wire::WireHash> hashes) override;
+  std::string StatsJson(uint32_t ns) override;
+  uint64_t Subscribe(uint32_t ns, EventSink sink) override;
+  void Unsubscribe(uint64_t subscription) override;
+  void RenderMetrics(std::string& out) override;
+  Status Flush() override;
+
+  TierChain& chain() { return *chain_; }
+
+ private:
+  explicit TieredStore(const TieredStoreOptions& options, std::unique_ptr<TierChain> chain);
+  uint8_t WireTier(int chain_index) const;
+  void Emit(uint32_t ns, const wire::EventRecord& e);
+  void CountGets(uint32_t ns, uint64_t asked, uint64_t hits, uint64_t bytes, uint64_t corrupt);
+
+  struct Pinned {
+    BundlePtr bundle;
+    uint8_t priority = 0;
+  };
+  struct NamespaceCounters {
+    uint64_t lookups = 0, lookup_blocks = 0, lookup_hits = 0;
+    uint64_t puts = 0, put_failures = 0, put_bytes = 0;
+    uint64_t gets = 0, get_hits = 0, get_bytes = 0;
+    uint64_t pins = 0, pinned_blocks = 0, pinned_bytes = 0, deletes = 0, corrupt = 0;
+  };
+
+  const TieredStoreOptions options_;
+  std::unique_ptr<TierChain> chain_;
+  std::vector<uint8_t> wire_tiers_;  // per chain index: the wire code of that tier's kind
+
+  Mutex mu_;
+  std::unordered_map<BundleKey, Pinned, BundleKeyHasher> pinned_ SPARSEKV_GUARDED_BY(mu_);
+  uint64_t pinned_bytes_ SPARSEKV_GUARDED_BY(mu_) = 0;
+  std::unordered_map<uint32_t, NamespaceCounters> counters_ SPARSEKV_GUARDED_BY(mu_);
+  struct Subscriber {
+    uint32_t ns;
+    EventSink sink;
+  };
+  std::unordered_map<uint64_t, Subscriber> subscribers_ SPARSEKV_GUARDED_BY(mu_);
+  uint64_t next_subscription_ SPARSEKV_GUARDED_BY(mu_) = 1;
+};
+
+// The wire's 16 hash bytes as a BlockHash (lo first, little-endian) and back.
+BlockHash FromWire(const wire::WireHash& h);
+wire::WireHash ToWire(const BlockHash& h);
+
+}  // namespace sparsekv::server

@@ -1,0 +1,265 @@
+#include "daemon_bench.h"
+
+#include <fmt/format.h>
+#include <signal.h>
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "bench_util.h"
+#include "server/server.h"
+#include "server/tiered_store.h"
+#include "sparsekv/client.h"
+
+extern char** environ;
+
+namespace sparsekv::bench {
+namespace {
+
+WireBlockHash KeyHash(int client, uint32_t key) {
+  const uint64_t id = (uint64_t(client) << 32) | key;
+  const XXH128_hash_t h = XXH3_128bits_withSeed(&id, sizeof(id), 0x5eed);
+  WireBlockHash out;
+  std::memcpy(out.data(), &h.low64, 8);
+  std::memcpy(out.data() + 8, &h.high64, 8);
+  return out;
+}
+
+void Fill(std::vector<std::byte>& v, int client, uint32_t key) {
+  uint64_t x = (uint64_t(client) << 32) ^ key ^ 0x9e3779b97f4a7c15ull;
+  for (size_t i = 0; i + 8 <= v.size(); i += 8) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    std::memcpy(&v[i], &x, 8);
+  }
+}
+
+double Percentile(std::vector<double>& v, double p) {
+  if (v.empty()) return 0;
+  const size_t k = std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())));
+  std::nth_element(v.begin(), v.begin() + static_cast<long>(k), v.end());
+  return v[k];
+}
+
+// Runs a program with arguments; returns its exit code and (optionally) stdout.
+Result<int> RunProgram(const std::vector<std::string>& argv, std::string* out) {
+  int pipefd[2];
+  if (pipe(pipefd) != 0) return Status::IOError("pipe failed");
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, pipefd[1], 1);
+  posix_spawn_file_actions_addclose(&fa, pipefd[0]);
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid;
+  const int rc = posix_spawnp(&pid, args[0], &fa, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  close(pipefd[1]);
+  if (rc != 0) {
+    close(pipefd[0]);
+    return Status::NotFound(fmt::format("cannot run {}: {}", argv[0], std::strerror(rc)));
+  }
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(pipefd[0], buf, sizeof(buf))) > 0) {
+    if (out) out->append(buf, static_cast<size_t>(n));
+  }
+  close(pipefd[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// redis-server on a loopback port, then redis-benchmark SET (to create the values) and GET.
+Result<nlohmann::json> RedisBaseline(const DaemonBenchOptions& o, double target_seconds, double our_get_rate) {
+  const int port = 16379 + static_cast<int>(getpid() % 1000);
+  std::vector<std::string> server = {"redis-server", "--port", std::to_string(port), "--bind", "127.0.0.1",
+                                     "--save", "", "--appendonly", "no", "--protected-mode", "yes"};
+  std::vector<char*> args;
+  for (auto& a : server) args.push_back(a.data());
+  args.push_back(nullptr);
+  pid_t pid;
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+  const int rc = posix_spawnp(&pid, "redis-server", &fa, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) return Status::NotFound("redis-server is not installed (apt-get install redis-server)");
+  Status result;
+  nlohmann::json j;
+  for (int i = 0; i < 100; ++i) {  // wait until it answers
+    std::string out;
+    auto ping = RunProgram({"redis-cli", "-p", std::to_string(port), "ping"}, &out);
+    if (ping.ok() && *ping == 0 && out.find("PONG") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  // Size the request count from our own rate so both runs take about as long.
+  const uint64_t n = std::max<uint64_t>(10000, static_cast<uint64_t>(our_get_rate * target_seconds));
+  std::string csv;
+  auto bench = RunProgram({"redis-benchmark", "-p", std::to_string(port), "-t", "set,get", "-d",
+                           std::to_string(o.value_bytes), "-c", std::to_string(o.clients), "-n", std::to_string(n),
+                           "--csv"},
+                          &csv);
+  kill(pid, SIGTERM);
+  waitpid(pid, nullptr, 0);
+  if (!bench.ok()) return bench.status();
+  if (*bench != 0) return Status::Internal("redis-benchmark failed");
+  // Lines: "test","rps",...  e.g. "GET","12345.67",...
+  for (const std::string name : {"SET", "GET"}) {
+    const std::string tag = "\"" + name + "\",\"";
+    const size_t at = csv.find(tag);
+    if (at == std::string::npos) return Status::Internal("cannot read redis-benchmark's CSV: " + csv.substr(0, 200));
+    j[name == "GET" ? "redis_get_ops_per_s" : "redis_set_ops_per_s"] = std::stod(csv.substr(at + tag.size()));
+  }
+  j["redis_requests"] = n;
+  j["redis_command"] = fmt::format("redis-benchmark -t set,get -d {} -c {} -n {} (redis-server on 127.0.0.1)",
+                                   o.value_bytes, o.clients, n);
+  return j;
+}
+
+}  // namespace
+
+Result<nlohmann::json> RunDaemonBench(const DaemonBenchOptions& o) {
+  if (o.clients < 1 || o.clients > 1024) return Status::InvalidArgument("--clients must be 1..1024");
+  if (o.value_bytes == 0 || o.value_bytes > (32u << 20)) return Status::InvalidArgument("--value-bytes must be 1..32 MiB");
+  std::string addr = o.addr;
+  std::unique_ptr<server::TieredStore> store;
+  std::unique_ptr<server::Server> srv;
+  std::filesystem::path dir;
+  if (o.spawn) {
+    dir = std::filesystem::temp_directory_path() / fmt::format("sparsekv-bench-{}", getpid());
+    std::filesystem::create_directories(dir);
+    server::TieredStoreOptions so;
+    so.offload.host.capacity_bytes = std::max<uint64_t>(256ull << 20, 2 * o.value_bytes * o.clients * o.keys_per_client);
+    so.offload.host.slot_bytes = BundleHeaderBytes(1) + ((o.value_bytes + 4095) & ~uint64_t{4095});
+    SPARSEKV_ASSIGN_OR_RETURN(store, server::TieredStore::Open(so));
+    server::ServerOptions opts;
+    opts.tcp_listen = "127.0.0.1:0";
+    opts.unix_path = (dir / "bench.sock").string();
+    opts.metrics_listen = "";
+    SPARSEKV_ASSIGN_OR_RETURN(srv, server::Server::Start(opts, store.get()));
+    if (o.addr == "tcp") {
+      addr = srv->tcp_address();
+    } else if (o.addr == "unix") {
+      addr = "unix:" + opts.unix_path;
+    } else {
+      return Status::InvalidArgument("with --spawn, --addr is tcp or unix");
+    }
+  }
+
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int c = 0; c < o.clients; ++c) {
+    ClientOptions co;
+    co.address = addr;
+    co.namespace_name = o.namespace_name;
+    co.token = o.token;
+    co.client_name = fmt::format("bench-{}", c);
+    SPARSEKV_ASSIGN_OR_RETURN(auto cl, Client::Connect(co));
+    clients.push_back(std::move(cl));
+  }
+  const bool shm = clients[0]->shared_memory();
+
+  std::atomic<uint64_t> errors{0};
+  // PUT phase: every client writes its keys over and over for a third of the time.
+  std::atomic<uint64_t> puts{0};
+  const double put_seconds = std::max(0.2, o.seconds / 3);
+  {
+    std::vector<std::thread> threads;
+    const double t_end = NowSeconds() + put_seconds;
+    for (int c = 0; c < o.clients; ++c) {
+      threads.emplace_back([&, c] {
+        std::vector<std::byte> value(o.value_bytes);
+        for (uint32_t k = 0; NowSeconds() < t_end || k < o.keys_per_client; ++k) {
+          const uint32_t key = k % o.keys_per_client;
+          Fill(value, c, key);
+          BundleRef ref{KeyHash(c, key), value};
+          auto r = clients[c]->Put(std::span<const BundleRef>(&ref, 1));
+          if (!r.ok() || !(*r)[0].ok()) {
+            errors.fetch_add(1);
+          } else {
+            puts.fetch_add(1, std::memory_order_relaxed);
+          }
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  const double put_elapsed = put_seconds;
+  // GET phase: random own keys; each value is copied into the client's own buffer and checked.
+  std::vector<std::vector<double>> lat(o.clients);
+  std::atomic<uint64_t> gets{0}, get_bytes{0};
+  double get_elapsed = 0;
+  {
+    std::vector<std::thread> threads;
+    const double t0 = NowSeconds();
+    const double t_end = t0 + o.seconds;
+    for (int c = 0; c < o.clients; ++c) {
+      threads.emplace_back([&, c] {
+        std::mt19937 rng(c + 1);
+        std::vector<std::byte> expect(o.value_bytes);
+        lat[c].reserve(1 << 16);
+        while (NowSeconds() < t_end) {
+          const uint32_t key = rng() % o.keys_per_client;
+          const WireBlockHash h = KeyHash(c, key);
+          const double s = NowSeconds();
+          auto r = clients[c]->Get(std::span<const WireBlockHash>(&h, 1));
+          const double e = NowSeconds();
+          if (!r.ok() || !(*r)[0].status.ok() || (*r)[0].bytes.size() != o.value_bytes) {
+            errors.fetch_add(1);
+            continue;
+          }
+          lat[c].push_back((e - s) * 1e6);
+          gets.fetch_add(1, std::memory_order_relaxed);
+          get_bytes.fetch_add(o.value_bytes, std::memory_order_relaxed);
+          if ((gets.load(std::memory_order_relaxed) & 63) == 0) {  // spot-check content
+            Fill(expect, c, key);
+            if (std::memcmp(expect.data(), (*r)[0].bytes.data(), o.value_bytes) != 0) errors.fetch_add(1);
+          }
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    get_elapsed = NowSeconds() - t0;
+  }
+  std::vector<double> all;
+  for (auto& v : lat) all.insert(all.end(), v.begin(), v.end());
+
+  nlohmann::json j;
+  j["transport"] = shm ? "shared_memory" : (addr.rfind("unix:", 0) == 0 ? "unix_socket" : "tcp");
+  j["addr"] = addr;
+  j["clients"] = o.clients;
+  j["value_bytes"] = o.value_bytes;
+  j["put_ops_per_s"] = static_cast<double>(puts.load()) / put_elapsed;
+  j["get_ops_per_s"] = static_cast<double>(gets.load()) / get_elapsed;
+  j["get_bytes_per_s"] = static_cast<double>(get_bytes.load()) / get_elapsed;
+  j["get_p50_us"] = Percentile(all, 0.50);
+  j["get_p99_us"] = Percentile(all, 0.99);
+  j["errors"] = errors.load();
+  clients.clear();
+  if (srv) {
+    srv->Shutdown();
+    srv->Wait().IgnoreError();
+    srv.reset();
+    store.reset();
+    std::filesystem::remove_all(dir);
+  }
+  if (o.redis) {
+    SPARSEKV_ASSIGN_OR_RETURN(nlohmann::json r, RedisBaseline(o, std::max(1.0, o.seconds), j["get_ops_per_s"].get<double>()));
+    j.update(r);
+    j["get_ratio_vs_redis"] = j["get_ops_per_s"].get<double>() / r["redis_get_ops_per_s"].get<double>();
+  }
+  return j;
+}
+
+}  // namespace sparsekv::bench

@@ -1,0 +1,469 @@
+// The daemon end to end in one process: a TieredStore, the Asio server and real clients over
+// TCP and the Unix socket (shared memory), plus raw sockets that send malformed frames.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "protocol/wire.h"
+#include "server/server.h"
+#include "server/tiered_store.h"
+#include "sparsekv/client.h"
+
+namespace sparsekv::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+WireBlockHash H(uint64_t i) {
+  WireBlockHash h{};
+  std::memcpy(h.data(), &i, 8);
+  h[15] = std::byte{0x5a};
+  return h;
+}
+
+std::vector<std::byte> Value(uint64_t seed, size_t n) {
+  std::vector<std::byte> v(n);
+  std::mt19937_64 rng(seed);
+  for (auto& b : v) b = std::byte(rng());
+  return v;
+}
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() / ("sparsekv_daemon_" + std::to_string(getpid()) + "_" +
+                                                      ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+    Start();
+  }
+  void TearDown() override {
+    server_.reset();
+    store_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  virtual void Configure(TieredStoreOptions& so, ServerOptions& opts) {}
+
+  void Start() {
+    TieredStoreOptions so;
+    so.offload.host.capacity_bytes = 64ull << 20;
+    so.offload.host.slot_bytes = 256 * 1024;
+    ServerOptions opts;
+    opts.tcp_listen = "127.0.0.1:0";
+    opts.unix_path = (dir_ / "d.sock").string();
+    opts.metrics_listen = "127.0.0.1:0";
+    opts.staging_bytes = 1 << 20;
+    opts.namespaces = {{"alpha", "alpha-token"}, {"beta", "beta-token"}};
+    Configure(so, opts);
+    auto store = TieredStore::Open(so);
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    store_ = std::move(store).value();
+    auto srv = Server::Start(opts, store_.get());
+    ASSERT_TRUE(srv.ok()) << srv.status().ToString();
+    server_ = std::move(srv).value();
+    unix_ = opts.unix_path;
+  }
+
+  std::unique_ptr<Client> Connect(const std::string& ns, const std::string& token, bool unix_socket,
+                                  bool shm = true) {
+    ClientOptions o;
+    o.address = unix_socket ? "unix:" + unix_ : server_->tcp_address();
+    o.namespace_name = ns;
+    o.token = token;
+    o.shared_memory = shm;
+    o.timeout = std::chrono::milliseconds(10000);
+    auto c = Client::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return c.ok() ? std::move(c).value() : nullptr;
+  }
+
+  // A raw TCP connection for hand-made frames.
+  int RawConnect() {
+    const std::string addr = server_->tcp_address();
+    const int port = std::stoi(addr.substr(addr.rfind(':') + 1));
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(static_cast<uint16_t>(port));
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+    timeval tv{5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    return fd;
+  }
+
+  // Reads one reply frame; returns its opcode and payload, or an error when the peer closed.
+  static Result<std::pair<wire::FrameHeader, std::vector<std::byte>>> ReadFrame(int fd) {
+    std::array<std::byte, wire::kHeaderBytes> hb;
+    size_t got = 0;
+    while (got < hb.size()) {
+      ssize_t k = recv(fd, hb.data() + got, hb.size() - got, 0);
+      if (k <= 0) return Status::Unavailable("closed");
+      got += static_cast<size_t>(k);
+    }
+    SPARSEKV_ASSIGN_OR_RETURN(auto h, wire::DecodeHeader(hb, wire::kMaxPayloadBytes));
+    std::vector<std::byte> p(h.payload_bytes);
+    got = 0;
+    while (got < p.size()) {
+      ssize_t k = recv(fd, p.data() + got, p.size() - got, 0);
+      if (k <= 0) return Status::Unavailable("closed");
+      got += static_cast<size_t>(k);
+    }
+    return std::make_pair(h, std::move(p));
+  }
+
+  static bool PeerClosed(int fd) {
+    char c;
+    return recv(fd, &c, 1, 0) == 0;
+  }
+
+  std::filesystem::path dir_;
+  std::string unix_;
+  std::unique_ptr<TieredStore> store_;
+  std::unique_ptr<Server> server_;
+};
+
+TEST_F(DaemonTest, PutGetLookupOverTcpAndSharedMemory) {
+  for (bool unix_socket : {false, true}) {
+    auto c = Connect("alpha", "alpha-token", unix_socket);
+    ASSERT_NE(c, nullptr);
+    EXPECT_EQ(c->shared_memory(), unix_socket);
+    const uint64_t base = unix_socket ? 100 : 0;
+    std::vector<std::vector<std::byte>> values;
+    std::vector<BundleRef> refs;
+    for (uint64_t i = 0; i < 5; ++i) values.push_back(Value(base + i, 1000 + 777 * i));
+    for (uint64_t i = 0; i < 5; ++i) refs.push_back({H(base + i), values[i]});
+    auto put = c->Put(refs);
+    ASSERT_TRUE(put.ok()) << put.status().ToString();
+    for (const Status& s : *put) EXPECT_TRUE(s.ok()) << s.ToString();
+    std::vector<WireBlockHash> hashes = {H(base + 0), H(base + 1), H(base + 2), H(base + 99), H(base + 3)};
+    auto got = c->Get(hashes);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ((*got)[0].bytes, values[0]);
+    EXPECT_EQ((*got)[2].bytes, values[2]);
+    EXPECT_EQ((*got)[3].status.code(), StatusCode::kNotFound);
+    EXPECT_EQ((*got)[4].bytes, values[3]);
+    auto lk = c->Lookup(hashes);
+    ASSERT_TRUE(lk.ok());
+    EXPECT_EQ(lk->prefix_blocks, 3u);
+    EXPECT_EQ(lk->tiers[0], BlockTier::kHost);
+    EXPECT_EQ(lk->tiers[3], BlockTier::kAbsent);
+    EXPECT_TRUE(c->Ping().ok());
+  }
+}
+
+TEST_F(DaemonTest, NamespacesIsolateAndTokensAreChecked) {
+  auto a = Connect("alpha", "alpha-token", false);
+  auto b = Connect("beta", "beta-token", true);
+  ASSERT_TRUE(a && b);
+  auto v = Value(1, 500);
+  BundleRef ref{H(7), v};
+  ASSERT_TRUE(a->Put(std::span<const BundleRef>(&ref, 1)).ok());
+  const WireBlockHash h = H(7);
+  auto from_b = b->Get(std::span<const WireBlockHash>(&h, 1));
+  ASSERT_TRUE(from_b.ok());
+  EXPECT_EQ((*from_b)[0].status.code(), StatusCode::kNotFound);  // not even "forbidden": it is not there
+  auto lk = b->Lookup(std::span<const WireBlockHash>(&h, 1));
+  ASSERT_TRUE(lk.ok());
+  EXPECT_EQ(lk->prefix_blocks, 0u);
+  auto del = b->Delete(std::span<const WireBlockHash>(&h, 1));  // cannot delete another's block
+  ASSERT_TRUE(del.ok());
+  auto still = a->Get(std::span<const WireBlockHash>(&h, 1));
+  EXPECT_EQ((*still)[0].bytes, v);
+
+  ClientOptions bad;
+  bad.address = server_->tcp_address();
+  bad.namespace_name = "alpha";
+  bad.token = "guess";
+  auto refused = Client::Connect(bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kPermissionDenied);
+  bad.namespace_name = "gamma";
+  EXPECT_EQ(Client::Connect(bad).status().code(), StatusCode::kPermissionDenied);
+}
+
+TEST_F(DaemonTest, MalformedFramesGetAnErrorAndCloseOnlyTheirConnection) {
+  auto good = Connect("alpha", "alpha-token", false);
+  ASSERT_NE(good, nullptr);
+  auto v = Value(2, 4096);
+  BundleRef ref{H(1), v};
+  ASSERT_TRUE(good->Put(std::span<const BundleRef>(&ref, 1)).ok());
+
+  auto hello = wire::EncodeFrame(wire::Opcode::kHello, 0, 1,
+                                 wire::Encode(wire::HelloRequest{1, "alpha", "alpha-token", "raw", false}));
+  std::vector<std::vector<std::byte>> corpus;
+  {
+    auto f = wire::EncodeFrame(wire::Opcode::kGet, 0, 2, wire::Encode(wire::HashList{{H(1)}}));
+    f[3] = std::byte{'X'};  // bad magic
+    corpus.push_back(f);
+  }
+  {
+    auto f = wire::EncodeFrame(wire::Opcode::kGet, 0, 2, wire::Encode(wire::HashList{{H(1)}}));
+    f[20] = std::byte{0xff};  // length changed: header checksum fails
+    corpus.push_back(f);
+  }
+  {
+    auto f = wire::EncodeFrame(wire::Opcode::kGet, 0, 2, wire::Encode(wire::HashList{{H(1)}}));
+    f.back() ^= std::byte{1};  // payload checksum fails
+    corpus.push_back(f);
+  }
+  {
+    wire::PayloadWriter w;
+    w.U32(1000000);  // a count the payload cannot hold
+    corpus.push_back(wire::EncodeFrame(wire::Opcode::kLookup, 0, 2, w.bytes()));
+  }
+  {
+    wire::FrameHeader h;  // 1 GiB payload announced: over the limit
+    h.opcode = wire::Opcode::kPut;
+    h.payload_bytes = 1u << 30;
+    auto hb = wire::EncodeHeader(h);
+    corpus.emplace_back(hb.begin(), hb.end());
+  }
+  corpus.push_back(wire::EncodeFrame(wire::Opcode::kEvent, 0, 2, {}));  // server-only opcode
+  corpus.push_back(wire::EncodeFrame(wire::Opcode::kHello, 0, 2,
+                                     wire::Encode(wire::HelloRequest{1, "alpha", "alpha-token", "again", false})));
+  for (size_t i = 0; i < corpus.size(); ++i) {
+    const int fd = RawConnect();
+    ASSERT_EQ(send(fd, hello.data(), hello.size(), 0), static_cast<ssize_t>(hello.size()));
+    auto hr = ReadFrame(fd);
+    ASSERT_TRUE(hr.ok());
+    ASSERT_EQ(hr->first.opcode, wire::Opcode::kHello);
+    send(fd, corpus[i].data(), corpus[i].size(), MSG_NOSIGNAL);
+    auto reply = ReadFrame(fd);
+    ASSERT_TRUE(reply.ok()) << "case " << i;
+    EXPECT_EQ(reply->first.opcode, wire::Opcode::kError) << "case " << i;
+    auto err = wire::DecodeErrorReply(reply->second);
+    ASSERT_TRUE(err.ok());
+    EXPECT_FALSE(err->message.empty());
+    EXPECT_TRUE(PeerClosed(fd)) << "case " << i;
+    close(fd);
+  }
+  // A request before HELLO is refused too.
+  const int fd = RawConnect();
+  auto early = wire::EncodeFrame(wire::Opcode::kGet, 0, 9, wire::Encode(wire::HashList{{H(1)}}));
+  send(fd, early.data(), early.size(), 0);
+  auto reply = ReadFrame(fd);
+  ASSERT_TRUE(reply.ok());
+  ASSERT_EQ(reply->first.opcode, wire::Opcode::kError);
+  EXPECT_EQ(wire::DecodeErrorReply(reply->second)->code, StatusCode::kPermissionDenied);
+  close(fd);
+
+  // The good client was served throughout, and its data is intact.
+  const WireBlockHash h = H(1);
+  auto got = good->Get(std::span<const WireBlockHash>(&h, 1));
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ((*got)[0].bytes, v);
+  EXPECT_GE(server_->metrics().bad_frames(), corpus.size());
+}
+
+TEST_F(DaemonTest, EventsReachSubscribersOfTheirNamespaceInOrder) {
+  auto sub = Connect("alpha", "alpha-token", false);
+  auto other = Connect("beta", "beta-token", false);
+  auto writer = Connect("alpha", "alpha-token", true);
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<EventNotice> seen, seen_other;
+  ASSERT_TRUE(sub->Subscribe([&](const EventNotice& e) {
+                   std::lock_guard<std::mutex> l(mu);
+                   seen.push_back(e);
+                   cv.notify_all();
+                 }).ok());
+  ASSERT_TRUE(other->Subscribe([&](const EventNotice& e) {
+                     std::lock_guard<std::mutex> l(mu);
+                     seen_other.push_back(e);
+                   }).ok());
+  auto v = Value(3, 100);
+  for (uint64_t i = 0; i < 3; ++i) {
+    BundleRef ref{H(i), v};
+    ASSERT_TRUE(writer->Put(std::span<const BundleRef>(&ref, 1)).ok());
+  }
+  const WireBlockHash h1 = H(1);
+  ASSERT_TRUE(writer->Delete(std::span<const WireBlockHash>(&h1, 1)).ok());
+  std::unique_lock<std::mutex> l(mu);
+  ASSERT_TRUE(cv.wait_for(l, std::chrono::seconds(5), [&] { return seen.size() >= 4; }));
+  EXPECT_EQ(seen[0].type, 1);
+  EXPECT_EQ(seen[0].hashes[0], H(0));
+  EXPECT_EQ(seen[2].hashes[0], H(2));
+  EXPECT_EQ(seen[3].type, 2);
+  EXPECT_EQ(seen[3].hashes[0], H(1));
+  for (size_t i = 1; i < seen.size(); ++i) EXPECT_EQ(seen[i].sequence, seen[i - 1].sequence + 1);
+  EXPECT_TRUE(seen_other.empty());
+}
+
+TEST_F(DaemonTest, PinsOutliveEvictionAndRespectPriority) {
+  auto c = Connect("alpha", "alpha-token", false);
+  // 64 MiB host tier of 256 KiB slots: 256 slots. Pin one block, then overfill the tier.
+  auto v = Value(4, 200000);
+  BundleRef ref{H(1000), v};
+  ASSERT_TRUE(c->Put(std::span<const BundleRef>(&ref, 1)).ok());
+  const WireBlockHash pinned = H(1000);
+  auto pin = c->Pin(std::span<const WireBlockHash>(&pinned, 1), 5);
+  ASSERT_TRUE(pin.ok());
+  EXPECT_TRUE((*pin)[0].ok()) << (*pin)[0].ToString();
+  for (uint64_t i = 0; i < 400; ++i) {
+    BundleRef r{H(i), v};
+    ASSERT_TRUE(c->Put(std::span<const BundleRef>(&r, 1)).ok());
+  }
+  const WireBlockHash first = H(0);
+  auto evicted = c->Get(std::span<const WireBlockHash>(&first, 1));
+  EXPECT_EQ((*evicted)[0].status.code(), StatusCode::kNotFound);  // pushed out by LRU
+  auto kept = c->Get(std::span<const WireBlockHash>(&pinned, 1));
+  EXPECT_EQ((*kept)[0].bytes, v);
+  auto stats = c->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_THAT(*stats, HasSubstr("\"pinned_blocks\":1"));
+  auto unpin = c->Unpin(std::span<const WireBlockHash>(&pinned, 1));
+  ASSERT_TRUE(unpin.ok());
+  EXPECT_TRUE((*unpin)[0].ok());
+  EXPECT_EQ((*c->Unpin(std::span<const WireBlockHash>(&pinned, 1)))[0].code(), StatusCode::kNotFound);
+}
+
+// 32 concurrent clients, mixed PUT/GET/LOOKUP, bounded in count and time, on loopback.
+TEST_F(DaemonTest, LoadOf32ClientsHasNoErrorsAndBoundedMemory) {
+  constexpr int kClients = 32;
+  constexpr int kOps = 150;
+  std::atomic<int> errors{0};
+  std::vector<std::thread> threads;
+  rusage before{};
+  getrusage(RUSAGE_SELF, &before);
+  for (int t = 0; t < kClients; ++t) {
+    threads.emplace_back([&, t] {
+      auto c = Connect(t % 2 ? "alpha" : "beta", t % 2 ? "alpha-token" : "beta-token", t % 4 < 2);
+      if (!c) {
+        errors.fetch_add(1);
+        return;
+      }
+      std::mt19937 rng(t);
+      for (int i = 0; i < kOps; ++i) {
+        const uint64_t key = (uint64_t(t) << 20) | (rng() % 16);
+        const int op = rng() % 3;
+        if (op == 0) {
+          auto v = Value(key, 8192);
+          BundleRef ref{H(key), v};
+          auto r = c->Put(std::span<const BundleRef>(&ref, 1));
+          if (!r.ok() || !(*r)[0].ok()) errors.fetch_add(1);
+        } else if (op == 1) {
+          const WireBlockHash h = H(key);
+          auto r = c->Get(std::span<const WireBlockHash>(&h, 1));
+          if (!r.ok()) {
+            errors.fetch_add(1);
+          } else if ((*r)[0].status.ok() && (*r)[0].bytes != Value(key, 8192)) {
+            errors.fetch_add(1);  // wrong bytes would be the worst failure
+          } else if (!(*r)[0].status.ok() && (*r)[0].status.code() != StatusCode::kNotFound) {
+            errors.fetch_add(1);
+          }
+        } else {
+          std::vector<WireBlockHash> hs = {H(key), H(key + 1)};
+          if (!c->Lookup(hs).ok()) errors.fetch_add(1);
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(errors.load(), 0);
+  rusage after{};
+  getrusage(RUSAGE_SELF, &after);
+  // Host tier 64 MiB + 16 Unix sessions x 1 MiB staging + buffers: well under 512 MiB of growth.
+  EXPECT_LT(after.ru_maxrss - before.ru_maxrss, 512 * 1024) << "KiB";
+  EXPECT_EQ(server_->metrics().bad_frames(), 0u);
+}
+
+class DaemonLimitsTest : public DaemonTest {
+ protected:
+  void Configure(TieredStoreOptions&, ServerOptions& opts) override {
+    opts.max_connections = 2;
+    opts.max_inflight_bytes = 1 << 20;
+  }
+};
+
+TEST_F(DaemonLimitsTest, ConnectionsOverTheLimitAreRefused) {
+  auto a = Connect("alpha", "alpha-token", false);
+  auto b = Connect("alpha", "alpha-token", false);
+  ASSERT_TRUE(a && b);
+  ClientOptions o;
+  o.address = server_->tcp_address();
+  o.namespace_name = "alpha";
+  o.token = "alpha-token";
+  auto third = Client::Connect(o);
+  ASSERT_FALSE(third.ok());
+  EXPECT_EQ(third.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(a->Ping().ok());
+}
+
+class DaemonSlowClientTest : public DaemonTest {
+ protected:
+  void Configure(TieredStoreOptions&, ServerOptions& opts) override { opts.max_inflight_bytes = 1 << 20; }
+};
+
+TEST_F(DaemonSlowClientTest, AClientThatDoesNotReadDoesNotStallOthers) {
+  // The raw client pipelines GETs of a 200 KB block and never reads the replies.
+  auto writer = Connect("alpha", "alpha-token", false);
+  auto v = Value(9, 200000);
+  BundleRef ref{H(5), v};
+  ASSERT_TRUE(writer->Put(std::span<const BundleRef>(&ref, 1)).ok());
+  writer.reset();
+  const int fd = RawConnect();
+  int small = 4096;
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+  auto hello = wire::EncodeFrame(wire::Opcode::kHello, 0, 1,
+                                 wire::Encode(wire::HelloRequest{1, "alpha", "alpha-token", "slow", false}));
+  send(fd, hello.data(), hello.size(), 0);
+  auto get = wire::EncodeFrame(wire::Opcode::kGet, 0, 2, wire::Encode(wire::HashList{{H(5)}}));
+  timeval tv{0, 200000};
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  for (int i = 0; i < 200; ++i) {
+    if (send(fd, get.data(), get.size(), MSG_NOSIGNAL) < 0) break;  // the daemon stopped reading us
+  }
+  // Meanwhile another client is served promptly.
+  auto other = Connect("alpha", "alpha-token", true);
+  ASSERT_NE(other, nullptr);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 20; ++i) {
+    const WireBlockHash h = H(5);
+    auto r = other->Get(std::span<const WireBlockHash>(&h, 1));
+    ASSERT_TRUE(r.ok());
+    ASSERT_EQ((*r)[0].bytes, v);
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  close(fd);
+}
+
+TEST_F(DaemonTest, MetricsEndpointServesPrometheusText) {
+  auto c = Connect("alpha", "alpha-token", false);
+  const WireBlockHash h = H(1);
+  ASSERT_TRUE(c->Get(std::span<const WireBlockHash>(&h, 1)).ok());
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(server_->metrics_port());
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  const char req[] = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+  send(fd, req, sizeof(req) - 1, 0);
+  std::string body;
+  char buf[4096];
+  ssize_t n;
+  while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) body.append(buf, static_cast<size_t>(n));
+  close(fd);
+  EXPECT_THAT(body, HasSubstr("200 OK"));
+  EXPECT_THAT(body, HasSubstr("sparsekv_requests_total{op=\"get\"} 1"));
+  EXPECT_THAT(body, HasSubstr("sparsekv_misses_total 1"));
+  EXPECT_THAT(body, HasSubstr("sparsekv_request_seconds_bucket{op=\"get\",le=\"+Inf\"} 1"));
+  EXPECT_THAT(body, HasSubstr("sparsekv_tier_bytes{tier=\"host\"}"));
+}
+
+}  // namespace
+}  // namespace sparsekv::server
