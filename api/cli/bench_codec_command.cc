@@ -1,0 +1,75 @@
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "cli/model_options.h"
+#include "cli/registry.h"
+#include "codec_bench.h"
+
+namespace sparsekv::cli {
+
+SPARSEKV_BENCH_COMMAND(codec) {
+  struct Args {
+    bench::CodecBenchOptions options;
+    std::string path;
+    bool json = false;
+  };
+  auto args = std::make_shared<Args>();
+  CLI::App* cmd = bench.add_subcommand(
+      "codec", "Encode/decode throughput of every storage format against memcpy of the same bytes");
+  cmd->add_option("--rounds", args->options.rounds, "Measured rounds per method")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  cmd->add_option("--round-seconds", args->options.round_seconds, "Seconds per round")
+      ->check(CLI::Range(0.001, 60.0))
+      ->capture_default_str();
+  cmd->add_option("--working-set-bytes", args->options.working_set_bytes,
+                  "bf16 bytes per operation (a multiple of 9216)")
+      ->capture_default_str();
+  cmd->add_option(
+      "--path", args->path,
+      "SIMD path: scalar, avx2, avx512 or avx512_bf16 (default: SPARSEKV_SIMD or the best)");
+  cmd->add_flag("--json", args->json, "Print JSON");
+  cmd->callback([args, &exit_code] {
+    if (!args->path.empty()) {
+      auto p = ParseSimdPath(args->path);
+      if (!p.ok()) {
+        exit_code = Fail(p.status());
+        return;
+      }
+      args->options.path = *p;
+    } else if (auto env = SimdPathFromEnvironment();
+               !env.ok() && !env.status().Is(StatusCode::kNotFound)) {
+      exit_code = Fail(env.status());  // a benchmark must not quietly measure another path
+      return;
+    }
+    auto r = bench::RunCodecBench(args->options);
+    if (!r.ok()) {
+      exit_code = Fail(r.status());
+      return;
+    }
+    const auto& j = *r;
+    if (args->json) {
+      std::printf("%s\n", j.dump(2).c_str());
+      return;
+    }
+    const double mc = j["memcpy_bytes_per_s"].get<double>();
+    std::printf("path %s, %llu bf16 bytes per operation, single thread\n",
+                j["path"].get<std::string>().c_str(),
+                static_cast<unsigned long long>(j["working_set_bytes"].get<uint64_t>()));
+    std::printf("memcpy %.1f GB/s\n", mc / 1e9);
+    std::printf("%-12s %12s %12s %12s %9s %9s\n", "format", "encode GB/s", "decode GB/s",
+                "dec fp32", "enc/mc", "dec/mc");
+    for (const auto& [name, f] : j["formats"].items()) {
+      std::printf(
+          "%-12s %12.1f %12.1f %12.1f %8.0f%% %8.0f%%\n", name.c_str(),
+          f["encode_bytes_per_s"].get<double>() / 1e9, f["decode_bytes_per_s"].get<double>() / 1e9,
+          f["decode_fp32_bytes_per_s"].get<double>() / 1e9,
+          100 * f["encode_vs_memcpy"].get<double>(), 100 * f["decode_vs_memcpy"].get<double>());
+    }
+    std::printf("largest spread of a method across rounds: %.0f%%\n",
+                100 * j["max_spread"].get<double>());
+  });
+}
+
+}  // namespace sparsekv::cli

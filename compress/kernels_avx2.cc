@@ -1,0 +1,372 @@
+// The AVX2 path (AVX2 + F16C; no FMA: a fused multiply-add would round once where the reference
+// rounds twice). Built with those flags only and chosen at run time. The same operations as the
+// AVX-512 path (kernels_avx512_impl.h says how each one matches scalar_math.h), 8 lanes at a
+// time, with vector compares and blends where AVX-512 has mask registers.
+#if defined(__x86_64__)
+// GCC 12 warns that the _mm*_undefined_*() placeholders inside its own intrinsics "may be" or
+// "are used uninitialized" (GCC bug 105593): a false positive in its headers, not in this code.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "compress/format_drivers.h"
+#include "compress/kernels.h"
+#include "compress/scalar_math.h"
+#include "compress/simd_plan.h"
+
+namespace sparsekv::compress {
+namespace {
+
+inline __m256i Set1(uint32_t v) {
+  return _mm256_set1_epi32(static_cast<int>(v));
+}
+
+template <bool kBf16In>
+constexpr uint32_t kInBytes = kBf16In ? 2 : 4;
+
+template <bool kBf16In>
+inline __m256 Load8(const uint8_t* p) {
+  if constexpr (kBf16In) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+}
+
+// One tile's max |x| and min |x| bits, folded to 128 bits: 8 words (bf16 input: the top halves
+// of the fp32 bits) or 4 dwords (fp32 input). The min comes back complemented, so that both
+// finish with the same max tree (simd_plan.h). n is a multiple of 16.
+template <bool kBf16In, bool kWantMin>
+inline void TileRange(const uint8_t* src, uint32_t n, __m128i& max_acc, __m128i& nmin_acc) {
+  if constexpr (kBf16In) {
+    const __m256i abs16 = _mm256_set1_epi16(0x7fff);
+    __m256i mx = _mm256_setzero_si256();
+    __m256i mn = _mm256_set1_epi16(-1);
+    for (uint32_t i = 0; i < n; i += 16) {
+      const __m256i a = _mm256_and_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * i)), abs16);
+      mx = _mm256_max_epu16(mx, a);
+      if constexpr (kWantMin) mn = _mm256_min_epu16(mn, a);
+    }
+    max_acc = _mm_max_epu16(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
+    if constexpr (kWantMin) {
+      nmin_acc =
+          _mm_xor_si128(_mm_min_epu16(_mm256_castsi256_si128(mn), _mm256_extracti128_si256(mn, 1)),
+                        _mm_set1_epi32(-1));
+    }
+  } else {
+    const __m256i abs32 = Set1(kAbsMask);
+    __m256i mx = _mm256_setzero_si256();
+    __m256i mn = Set1(0xffffffffu);
+    for (uint32_t i = 0; i < n; i += 8) {
+      const __m256i a = _mm256_and_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 4 * i)), abs32);
+      mx = _mm256_max_epu32(mx, a);
+      if constexpr (kWantMin) mn = _mm256_min_epu32(mn, a);
+    }
+    max_acc = _mm_max_epu32(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
+    if constexpr (kWantMin) {
+      nmin_acc =
+          _mm_xor_si128(_mm_min_epu32(_mm256_castsi256_si128(mn), _mm256_extracti128_si256(mn, 1)),
+                        _mm_set1_epi32(-1));
+    }
+  }
+}
+
+// Reorders packs(packs(a, b), packs(c, d)) (128-bit lanes interleaved) into a, b, c, d order.
+inline __m256i PackOrder() {
+  return _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+}
+
+// E4m3FromFloatRef for finite 2^-6 <= |v| < 464, on the signed bits (see the AVX-512 twin).
+inline __m256i E4m3NormalLanes(__m256 v) {
+  const __m256i vb = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(vb, 20), Set1(1));
+  const __m256i t = _mm256_add_epi32(_mm256_add_epi32(vb, Set1(0x7ffffu - (120u << 23))), odd);
+  return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(t, 20), Set1(0x7f)),
+                         _mm256_and_si256(_mm256_srli_epi32(vb, 24), Set1(0x80)));
+}
+
+// E4m3FromFloatRef for any finite |v| < 464: lanes below 2^-6 take the 2^14 magic addition.
+inline __m256i E4m3AnyLanes(__m256 v) {
+  const __m256i vb = _mm256_castps_si256(v);
+  const __m256i a = _mm256_and_si256(vb, Set1(kAbsMask));
+  const __m256i small = _mm256_cmpgt_epi32(Set1(kE4m3MinNormalBits), a);
+  __m256i code = E4m3NormalLanes(v);
+  if (!_mm256_testz_si256(small, small)) {
+    const __m256 sum = _mm256_add_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(16384.0f));
+    const __m256i sub =
+        _mm256_or_si256(_mm256_sub_epi32(_mm256_castps_si256(sum), Set1(0x46800000u)),
+                        _mm256_and_si256(_mm256_srli_epi32(vb, 24), Set1(0x80)));
+    code = _mm256_blendv_epi8(code, sub, small);
+  }
+  return code;
+}
+
+// Bf16FromFloatRef on 8 lanes, left in the low half of each 32-bit lane.
+inline __m256i Bf16Lanes(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i r = _mm256_add_epi32(
+      u, _mm256_add_epi32(Set1(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), Set1(1))));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_srli_epi32(_mm256_blendv_epi8(r, _mm256_or_si256(u, Set1(0x00400000)), nan), 16);
+}
+
+inline void StoreBf16x16(uint8_t* dst, __m256 lo, __m256 hi) {
+  const __m256i p = _mm256_packus_epi32(Bf16Lanes(lo), Bf16Lanes(hi));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute4x64_epi64(p, 0xD8));
+}
+
+inline void StoreBf16x8(uint8_t* dst, __m256 v) {
+  const __m256i r = Bf16Lanes(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+// Canonical quiet NaN with each code's sign, where a code (8 of them) is a NaN code.
+inline __m256 FixNaNLanes(__m256 v, __m128i codes8) {
+  const __m256i c = _mm256_cvtepi8_epi32(codes8);
+  const __m256i nan = _mm256_cmpeq_epi32(_mm256_and_si256(c, Set1(0x7f)), Set1(0x7f));
+  const __m256i canonical =
+      _mm256_or_si256(_mm256_and_si256(c, Set1(0x80000000u)), Set1(kQuietNaNBits));
+  return _mm256_blendv_ps(v, _mm256_castsi256_ps(canonical), _mm256_castsi256_ps(nan));
+}
+
+#define SPARSEKV_INLINE [[gnu::always_inline]] inline
+
+template <bool kBf16In, class LanesFn>
+SPARSEKV_INLINE void StoreCodes(const uint8_t* src, uint32_t n, __m256 inv, uint8_t* dst,
+                                LanesFn lanes) {
+  constexpr uint32_t in = kInBytes<kBf16In>;
+  auto pack = [](__m256i a, __m256i b) {
+    if constexpr (LanesFn::kSigned) {
+      return _mm256_packs_epi16(a, b);
+    } else {
+      return _mm256_packus_epi16(a, b);
+    }
+  };
+  for (uint32_t i = 0; i < n; i += 16) {
+    const __m256i c0 = lanes(_mm256_mul_ps(Load8<kBf16In>(src + i * in), inv));
+    const __m256i c1 = lanes(_mm256_mul_ps(Load8<kBf16In>(src + (i + 8) * in), inv));
+    if (i + 32 <= n) {
+      const __m256i c2 = lanes(_mm256_mul_ps(Load8<kBf16In>(src + (i + 16) * in), inv));
+      const __m256i c3 = lanes(_mm256_mul_ps(Load8<kBf16In>(src + (i + 24) * in), inv));
+      const __m256i p = pack(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                          _mm256_permutevar8x32_epi32(p, PackOrder()));
+      i += 16;
+    } else {
+      const __m256i p = pack(_mm256_packs_epi32(c0, c1), _mm256_setzero_si256());
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                       _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(p, PackOrder())));
+    }
+  }
+}
+
+struct Int8Fn {
+  static constexpr bool kSigned = true;
+  __m256i operator()(__m256 v) const { return _mm256_cvtps_epi32(v); }  // MXCSR: nearest even
+};
+struct E4m3NormalFn {
+  static constexpr bool kSigned = false;
+  __m256i operator()(__m256 v) const { return E4m3NormalLanes(v); }
+};
+struct E4m3AnyFn {
+  static constexpr bool kSigned = false;
+  __m256i operator()(__m256 v) const { return E4m3AnyLanes(v); }
+};
+
+// Whether any of n codes (n % 16 == 0 counted; the rest is the caller's scalar tail) is NaN.
+inline bool AnyNaNCode(const uint8_t* codes, uint32_t n) {
+  const __m256i m7f = _mm256_set1_epi8(0x7f);
+  __m256i any = _mm256_setzero_si256();
+  uint32_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i));
+    any = _mm256_or_si256(any, _mm256_cmpeq_epi8(_mm256_and_si256(c, m7f), m7f));
+  }
+  int mask = _mm256_movemask_epi8(any);
+  if (i + 16 <= n) {
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+    mask |= _mm_movemask_epi8(
+        _mm_cmpeq_epi8(_mm_and_si128(c, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f)));
+  }
+  return mask != 0;
+}
+
+struct Avx2Prims {
+  template <bool kBf16In>
+  SPARSEKV_INLINE static TilePlan PlanInt8(const uint8_t* src, uint32_t n) {
+    __m128i mx, unused;
+    TileRange<kBf16In, false>(src, n, mx, unused);
+    const __m128i r = kBf16In ? MaxWords4(mx, mx, mx, mx) : MaxDwords4(mx, mx, mx, mx);
+    const uint32_t amax = static_cast<uint32_t>(_mm_cvtsi128_si32(r));
+    if (amax >= kInfBits) return PlanInt8Ref<kBf16In>(src, n);
+    const TileQuant q = ComputeTileQuant(ScaleRule::kLinear127, amax);
+    TilePlan plan;
+    plan.Set(q, q.prescale == 1.0f ? TileMode::kVector : TileMode::kScalar);
+    return plan;
+  }
+
+  template <bool kBf16In>
+  SPARSEKV_INLINE static void PlanE4m3(const uint8_t* src, size_t stride, uint32_t n,
+                                       uint32_t count, ScaleRule rule, TilePlan* plans) {
+    for (uint32_t g = 0; g < count; g += 4) {
+      const uint32_t m = count - g < 4 ? count - g : 4;
+      const uint8_t* base = src + g * stride;
+      __m128i mx[4], nmn[4];
+      for (uint32_t i = 0; i < 4; ++i) {
+        mx[i] = nmn[i] = _mm_setzero_si128();
+        if (i < m) TileRange<kBf16In, true>(base + i * stride, n, mx[i], nmn[i]);
+      }
+      __m128i amax, amin;
+      if constexpr (kBf16In) {
+        amax = MaxWords4(mx[0], mx[1], mx[2], mx[3]);
+        amin = _mm_xor_si128(MaxWords4(nmn[0], nmn[1], nmn[2], nmn[3]),
+                             _mm_set1_epi32(static_cast<int>(0xffff0000u)));
+      } else {
+        amax = MaxDwords4(mx[0], mx[1], mx[2], mx[3]);
+        amin = _mm_xor_si128(MaxDwords4(nmn[0], nmn[1], nmn[2], nmn[3]), _mm_set1_epi32(-1));
+      }
+      PlanFour(amax, amin, m, rule, plans + g,
+               [&](uint32_t i) { return PlanE4m3Ref<kBf16In>(base + i * stride, n, rule); });
+    }
+  }
+
+  template <bool kBf16In>
+  SPARSEKV_INLINE static void ApplyInt8(const uint8_t* src, uint32_t n, const TilePlan& plan,
+                                        uint8_t* dst) {
+    if (plan.mode == TileMode::kVector) [[likely]] {
+      StoreCodes<kBf16In>(src, n, _mm256_set1_ps(plan.inv), dst, Int8Fn{});
+    } else {
+      ApplyInt8Ref<kBf16In>(src, n, plan, dst);
+    }
+  }
+
+  template <bool kBf16In>
+  SPARSEKV_INLINE static void ApplyE4m3(const uint8_t* src, uint32_t n, const TilePlan& plan,
+                                        uint8_t* dst) {
+    const __m256 inv = _mm256_set1_ps(plan.inv);
+    if (plan.mode == TileMode::kVector) [[likely]] {
+      StoreCodes<kBf16In>(src, n, inv, dst, E4m3NormalFn{});
+    } else if (plan.mode == TileMode::kVectorAny) {
+      StoreCodes<kBf16In>(src, n, inv, dst, E4m3AnyFn{});
+    } else {
+      ApplyE4m3Ref<kBf16In>(src, n, plan, dst);
+    }
+  }
+
+  template <bool kBf16In>
+  SPARSEKV_INLINE static void ToBf16(const uint8_t* src, uint32_t n, uint8_t* dst) {
+    if constexpr (kBf16In) {
+      __builtin_memcpy(dst, src, 2 * size_t{n});
+    } else {
+      uint32_t i = 0;
+      for (; i + 16 <= n; i += 16)
+        StoreBf16x16(dst + 2 * i, Load8<false>(src + 4 * i), Load8<false>(src + 4 * (i + 8)));
+      NarrowToBf16Ref(src + 4 * i, n - i, dst + 2 * i);
+    }
+  }
+
+  template <bool kBf16In>
+  SPARSEKV_INLINE static void ToFp32(const uint8_t* src, uint32_t n, uint8_t* dst) {
+    if constexpr (kBf16In) {
+      uint32_t i = 0;
+      for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(reinterpret_cast<float*>(dst + 4 * i), Load8<true>(src + 2 * i));
+      WidenBf16Ref(src + 2 * i, n - i, dst + 4 * i);
+    } else {
+      __builtin_memcpy(dst, src, 4 * size_t{n});
+    }
+  }
+
+  template <bool kBf16Out>
+  SPARSEKV_INLINE static void DecodeInt8(const uint8_t* q, float scale, uint32_t n, uint8_t* dst) {
+    const __m256 s = _mm256_set1_ps(scale);
+    auto lanes = [&](uint32_t i) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i));
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s);
+    };
+    uint32_t i = 0;
+    if constexpr (kBf16Out) {
+      for (; i + 16 <= n; i += 16) StoreBf16x16(dst + 2 * i, lanes(i), lanes(i + 8));
+      for (; i + 8 <= n; i += 8) StoreBf16x8(dst + 2 * i, lanes(i));
+      DecodeInt8Ref<true>(q + i, scale, n - i, dst + 2 * i);
+    } else {
+      for (; i + 8 <= n; i += 8) _mm256_storeu_ps(reinterpret_cast<float*>(dst + 4 * i), lanes(i));
+      DecodeInt8Ref<false>(q + i, scale, n - i, dst + 4 * i);
+    }
+  }
+
+  template <bool kBf16Out>
+  SPARSEKV_INLINE static void DecodeE4m3(const uint8_t* codes, float scale, uint32_t n,
+                                         uint8_t* dst) {
+    constexpr uint32_t out = kBf16Out ? 2 : 4;
+    const float scale256 = scale * 256.0f;
+    if (__builtin_isinf(scale256) && !__builtin_isinf(scale)) {  // scale >= 2^120: no fold
+      DecodeE4m3Ref<kBf16Out>(codes, scale, n, dst);
+      return;
+    }
+    const __m256 s = _mm256_set1_ps(scale256);
+    const bool has_nan = AnyNaNCode(codes, n);  // once per tile rather than in every vector
+    uint32_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+      const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(c), 7),
+                                         _mm256_set1_epi16(static_cast<short>(0xBF80)));
+      __m256 lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), s);
+      __m256 hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), s);
+      if (has_nan) [[unlikely]] {
+        lo = FixNaNLanes(lo, c);
+        hi = FixNaNLanes(hi, _mm_srli_si128(c, 8));
+      }
+      if constexpr (kBf16Out) {
+        StoreBf16x16(dst + 2 * i, lo, hi);
+      } else {
+        _mm256_storeu_ps(reinterpret_cast<float*>(dst + 4 * i), lo);
+        _mm256_storeu_ps(reinterpret_cast<float*>(dst + 4 * (i + 8)), hi);
+      }
+    }
+    DecodeE4m3Ref<kBf16Out>(codes + i, scale, n - i, dst + out * i);
+  }
+
+  template <bool kBf16Out>
+  SPARSEKV_INLINE static void FromBf16(const uint8_t* src, uint32_t n, uint8_t* dst) {
+    if constexpr (kBf16Out) {
+      __builtin_memcpy(dst, src, 2 * size_t{n});
+    } else {
+      ToFp32<true>(src, n, dst);
+    }
+  }
+
+  template <bool kBf16Out>
+  SPARSEKV_INLINE static void FromFp32(const uint8_t* src, uint32_t n, uint8_t* dst) {
+    if constexpr (kBf16Out) {
+      ToBf16<false>(src, n, dst);
+    } else {
+      __builtin_memcpy(dst, src, 4 * size_t{n});
+    }
+  }
+};
+
+constexpr PathKernels kAvx2Kernels = MakePathKernels<Avx2Prims>(SimdPath::kAvx2);
+
+}  // namespace
+
+const PathKernels* Avx2PathKernels() {
+  return &kAvx2Kernels;
+}
+
+}  // namespace sparsekv::compress
+
+#else
+#include "compress/kernels.h"
+namespace sparsekv::compress {
+const PathKernels* Avx2PathKernels() {
+  return nullptr;
+}
+}  // namespace sparsekv::compress
+#endif

@@ -1,0 +1,559 @@
+// PageCodec: every format on every SIMD path this CPU has gives the scalar path's bytes and
+// values; error bounds; NaN, infinity, zero and denormal tiles; slot isolation; errors.
+#include "sparsekv/codec.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "sparsekv/bf16.h"
+#include "sparsekv/fp8.h"
+#include "tests/compress/codec_test_util.h"
+
+namespace sparsekv {
+namespace {
+
+using codec_testing::AllShapes;
+using codec_testing::kFill;
+using codec_testing::MakeCodec;
+using codec_testing::Paths;
+using codec_testing::Rows;
+using codec_testing::Shape;
+using codec_testing::ShapeName;
+
+constexpr RowType kRowTypes[] = {RowType::kFp32, RowType::kBf16};
+const char* RowTypeName(RowType t) {
+  return t == RowType::kBf16 ? "bf16" : "fp32";
+}
+
+std::vector<uint8_t> Encode(const PageCodec& codec, const Rows& rows, RowType t,
+                            uint32_t first_slot) {
+  std::vector<uint8_t> page(codec.page_bytes(), kFill);
+  Status s = codec.WriteTokens(page.data(), first_slot, rows.View(t));
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  return page;
+}
+
+template <typename T>
+std::vector<T> Decode(const PageCodec& codec, const std::vector<uint8_t>& page, uint32_t first_slot,
+                      uint32_t count) {
+  std::vector<T> out(size_t{count} * codec.dims());
+  MutableRowsView view =
+      std::is_same_v<T, float>
+          ? MutableRowsView::Fp32(reinterpret_cast<float*>(out.data()), count, codec.dims())
+          : MutableRowsView::Bf16(reinterpret_cast<uint16_t*>(out.data()), count, codec.dims());
+  Status s = codec.ReadTokens(page.data(), first_slot, view);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  return out;
+}
+
+template <typename T>
+size_t FirstBitDifference(const std::vector<T>& a, const std::vector<T>& b) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0) return i;
+  }
+  return a.size();
+}
+
+// Encodes with every path and checks bytes against scalar; decodes the scalar page with every
+// path to fp32 and bf16 and checks the bits against scalar's.
+void ExpectAllPathsAgree(const Shape& shape, const Rows& rows, const char* what) {
+  const uint32_t first = 2, entries = rows.count + 3;
+  const PageCodec ref = MakeCodec(shape, entries, SimdPath::kScalar);
+  for (RowType t : kRowTypes) {
+    const std::vector<uint8_t> ref_page = Encode(ref, rows, t, first);
+    const auto ref_f32 = Decode<float>(ref, ref_page, first, rows.count);
+    const auto ref_b16 = Decode<uint16_t>(ref, ref_page, first, rows.count);
+    for (SimdPath path : Paths()) {
+      SCOPED_TRACE(std::string(what) + " " + ShapeName(shape) + " from " + RowTypeName(t) + " on " +
+                   std::string(SimdPathName(path)));
+      const PageCodec codec = MakeCodec(shape, entries, path);
+      const std::vector<uint8_t> page = Encode(codec, rows, t, first);
+      const size_t byte = FirstBitDifference(page, ref_page);
+      ASSERT_EQ(byte, page.size()) << "page byte " << byte << ": " << int(page[byte])
+                                   << " vs scalar " << int(ref_page[byte]);
+      const auto f32 = Decode<float>(codec, ref_page, first, rows.count);
+      const size_t i = FirstBitDifference(f32, ref_f32);
+      ASSERT_EQ(i, f32.size()) << "fp32 value " << i << ": " << f32[i] << " vs scalar "
+                               << ref_f32[i];
+      const auto b16 = Decode<uint16_t>(codec, ref_page, first, rows.count);
+      const size_t j = FirstBitDifference(b16, ref_b16);
+      ASSERT_EQ(j, b16.size()) << "bf16 value " << j << ": " << b16[j] << " vs scalar "
+                               << ref_b16[j];
+    }
+  }
+}
+
+TEST(PageCodec, EveryPathMatchesScalarBitForBit) {
+  for (const Shape& shape : AllShapes()) {
+    ExpectAllPathsAgree(shape, codec_testing::GaussianRows(67, shape.dims, 1), "gaussian");
+    ExpectAllPathsAgree(shape, codec_testing::ChaosRows(33, shape.dims, 2), "random bits");
+    ExpectAllPathsAgree(shape, codec_testing::EdgeRows(shape.dims), "edge cases");
+    ExpectAllPathsAgree(shape, codec_testing::NonFiniteRows(shape.dims), "nan and inf");
+  }
+}
+
+// Pages of random bytes: NaN, infinite, denormal, negative and huge scales, NaN codes, ...
+// Decoding them must still agree bit for bit.
+TEST(PageCodec, EveryPathDecodesArbitraryBytesLikeScalar) {
+  std::mt19937_64 rng(3);
+  for (const Shape& shape : AllShapes()) {
+    const uint32_t entries = 19;
+    const PageCodec ref = MakeCodec(shape, entries, SimdPath::kScalar);
+    for (int trial = 0; trial < 20; ++trial) {
+      std::vector<uint8_t> page(ref.page_bytes());
+      for (auto& b : page) b = static_cast<uint8_t>(rng());
+      if (trial % 4 == 1) {  // plausible scales, so the values themselves get exercised
+        for (uint32_t e = 0; e < entries; ++e) {
+          const float s = std::ldexp(1.0f, static_cast<int>(rng() % 260) - 150);
+          if (shape.format == StorageFormat::kIdxFp8 || shape.format == StorageFormat::kIdxC8) {
+            std::memcpy(page.data() + layout::IdxScaleOffset(shape.dims, entries, e), &s, 4);
+          } else if (shape.format == StorageFormat::kC8Mla ||
+                     shape.format == StorageFormat::kFp8DsMla) {
+            for (int t = 0; t < 4; ++t) std::memcpy(page.data() + e * 656 + 512 + 4 * t, &s, 4);
+          }
+        }
+      }
+      const auto ref_f32 = Decode<float>(ref, page, 0, entries);
+      const auto ref_b16 = Decode<uint16_t>(ref, page, 0, entries);
+      for (SimdPath path : Paths()) {
+        SCOPED_TRACE(ShapeName(shape) + " on " + std::string(SimdPathName(path)));
+        const PageCodec codec = MakeCodec(shape, entries, path);
+        const auto f32 = Decode<float>(codec, page, 0, entries);
+        ASSERT_EQ(FirstBitDifference(f32, ref_f32), f32.size());
+        const auto b16 = Decode<uint16_t>(codec, page, 0, entries);
+        ASSERT_EQ(FirstBitDifference(b16, ref_b16), b16.size());
+      }
+    }
+  }
+}
+
+// ---- error bounds ----
+
+struct TileRef {
+  uint32_t first;  // first dim of the tile
+  uint32_t size;
+  float scale;
+};
+
+// The tiles of entry `slot` and their scales, read from the page at the DESIGN.md offsets.
+std::vector<TileRef> Tiles(const Shape& s, const std::vector<uint8_t>& page, uint32_t entries,
+                           uint32_t slot) {
+  std::vector<TileRef> tiles;
+  auto f32_at = [&](uint64_t off) {
+    float v;
+    std::memcpy(&v, page.data() + off, 4);
+    return v;
+  };
+  switch (s.format) {
+    case StorageFormat::kC8Mla:
+    case StorageFormat::kFp8DsMla:
+      for (uint32_t t = 0; t < 4; ++t) {
+        tiles.push_back({t * 128, 128, f32_at(uint64_t{slot} * 656 + 512 + 4 * t)});
+      }
+      break;
+    case StorageFormat::kFp8V4:
+      for (uint32_t t = 0; t < 7; ++t) {
+        tiles.push_back(
+            {t * 64, 64, Ue8m0ToFloat(page[layout::Fp8V4ScaleOffset(entries, slot) + t])});
+      }
+      break;
+    case StorageFormat::kIdxFp8:
+    case StorageFormat::kIdxC8:
+      tiles.push_back({0, s.dims, f32_at(layout::IdxScaleOffset(s.dims, entries, slot))});
+      break;
+    default:
+      break;
+  }
+  return tiles;
+}
+
+uint32_t NopeDims(const Shape& s) {
+  switch (s.format) {
+    case StorageFormat::kC8Mla:
+    case StorageFormat::kFp8DsMla:
+      return 512;
+    case StorageFormat::kFp8V4:
+      return 448;
+    case StorageFormat::kIdxFp8:
+    case StorageFormat::kIdxC8:
+      return s.dims;
+    default:
+      return 0;
+  }
+}
+
+struct BoundStats {
+  double int8_max_err_over_scale = 0;     // |x - dec| / scale, int8 formats
+  double fp8_max_rel_err = 0;             // |x - dec| / |x| where |x| / scale >= 2^-6
+  double fp8_max_sub_err_over_scale = 0;  // |x - dec| / scale where |x| / scale < 2^-6
+};
+
+void CheckBounds(const Shape& shape, const Rows& rows, RowType t, BoundStats& stats) {
+  const uint32_t entries = rows.count;
+  const PageCodec codec = MakeCodec(shape, entries, ActiveSimdPath());
+  const std::vector<uint8_t> page = Encode(codec, rows, t, 0);
+  const auto dec = Decode<float>(codec, page, 0, rows.count);
+  const auto dec16 = Decode<uint16_t>(codec, page, 0, rows.count);
+  const bool fp8 = codec_testing::IsFp8(shape.format);
+  const uint32_t nope = NopeDims(shape);
+  for (uint32_t r = 0; r < rows.count; ++r) {
+    const auto tiles = Tiles(shape, page, entries, r);
+    for (const TileRef& tile : tiles) {
+      const double s = tile.scale;
+      ASSERT_TRUE(std::isfinite(s) && s >= 0) << ShapeName(shape) << " row " << r;
+      for (uint32_t i = tile.first; i < tile.first + tile.size; ++i) {
+        const double x = rows.Seen(t, r, i);
+        const double y = dec[size_t{r} * shape.dims + i];
+        const double err = std::fabs(x - y);
+        // bf16 output is the fp32 output rounded to bf16.
+        ASSERT_EQ(dec16[size_t{r} * shape.dims + i], Bf16FromFloat(static_cast<float>(y)));
+        if (!fp8) {
+          // scale/2, plus the reciprocal's and the products' fp32 roundings, plus denormal steps.
+          const double tol = 0.5 * s + 127 * s * 0x1p-22 + std::fabs(y) * 0x1p-24 + 0x1p-149;
+          ASSERT_LE(err, tol) << ShapeName(shape) << " row " << r << " dim " << i << " x " << x
+                              << " dec " << y << " scale " << s;
+          if (s > 0)
+            stats.int8_max_err_over_scale = std::max(stats.int8_max_err_over_scale, err / s);
+        } else if (std::fabs(x) >= 0x1p-6 * s && s > 0) {
+          const double rel = err / std::fabs(x);
+          ASSERT_LE(rel, 0x1p-4 * (1 + 0x1p-16) + 0x1p-149 / std::fabs(x))
+              << ShapeName(shape) << " row " << r << " dim " << i << " x " << x << " dec " << y
+              << " scale " << s;
+          stats.fp8_max_rel_err = std::max(stats.fp8_max_rel_err, rel);
+        } else {
+          // Half the least subnormal step (2^-9) of the scaled value, plus fp32 rounding.
+          const double tol = 0x1p-10 * s * (1 + 0x1p-16) + 0x1p-149;
+          ASSERT_LE(err, tol) << ShapeName(shape) << " row " << r << " dim " << i << " x " << x
+                              << " dec " << y << " scale " << s;
+          if (s > 0)
+            stats.fp8_max_sub_err_over_scale = std::max(stats.fp8_max_sub_err_over_scale, err / s);
+        }
+      }
+    }
+    // Everything past the 8-bit part is stored exactly (bf16 rope; raw formats).
+    for (uint32_t i = nope; i < shape.dims; ++i) {
+      const size_t k = size_t{r} * shape.dims + i;
+      const float expect = shape.format == StorageFormat::kFp32
+                               ? rows.Seen(t, r, i)
+                               : Bf16ToFloat(Bf16FromFloat(rows.Seen(t, r, i)));
+      ASSERT_EQ(std::bit_cast<uint32_t>(dec[k]), std::bit_cast<uint32_t>(expect))
+          << ShapeName(shape) << " row " << r << " dim " << i;
+      if (t == RowType::kBf16) {
+        ASSERT_EQ(dec16[k], rows.bf16[k]) << "bf16 passes through bit-exact";
+      }
+    }
+  }
+}
+
+TEST(PageCodec, ErrorBoundsHold) {
+  BoundStats stats;
+  for (const Shape& shape : AllShapes()) {
+    for (RowType t : kRowTypes) {
+      CheckBounds(shape, codec_testing::GaussianRows(200, shape.dims, 11), t, stats);
+      CheckBounds(shape, codec_testing::EdgeRows(shape.dims), t, stats);
+      CheckBounds(shape, codec_testing::ChaosRows(50, shape.dims, 12), t, stats);
+    }
+  }
+  std::printf(
+      "measured: int8 max |x - dec| / scale = %.6f; fp8 max relative error (normal range) = %.6f "
+      "(2^-4 = %.6f); fp8 max |x - dec| / scale below 2^-6 = %.3g (2^-10 = %.3g)\n",
+      stats.int8_max_err_over_scale, stats.fp8_max_rel_err, 0x1p-4,
+      stats.fp8_max_sub_err_over_scale, 0x1p-10);
+  RecordProperty("int8_max_err_over_scale", std::to_string(stats.int8_max_err_over_scale));
+  RecordProperty("fp8_max_rel_err", std::to_string(stats.fp8_max_rel_err));
+  RecordProperty("fp8_max_sub_err_over_scale", std::to_string(stats.fp8_max_sub_err_over_scale));
+  EXPECT_GT(stats.int8_max_err_over_scale, 0.45);  // the bound is tight, not vacuous
+  EXPECT_GT(stats.fp8_max_rel_err, 0.05);
+}
+
+// ---- NaN and infinity ----
+
+TEST(PageCodec, NonFiniteValuesStayInTheirTileOrElement) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(),
+              inf = std::numeric_limits<float>::infinity();
+  for (const Shape& shape : AllShapes()) {
+    if (!codec_testing::IsEightBit(shape.format)) continue;
+    for (RowType t : kRowTypes) {
+      SCOPED_TRACE(ShapeName(shape) + " from " + RowTypeName(t));
+      // Row 1 has NaN, -NaN, inf, -inf at dims 5..8 (the first tile); rows 0 and 2 are clean.
+      Rows rows = codec_testing::GaussianRows(3, shape.dims, 21);
+      Rows clean = rows;  // row 1 with the specials replaced by zeros
+      const float specials[] = {nan, -nan, inf, -inf};
+      for (int k = 0; k < 4; ++k) {
+        rows.at(1, 5 + k) = specials[k];
+        clean.at(1, 5 + k) = 0.0f;
+      }
+      rows.Finish();
+      clean.Finish();
+      const uint32_t entries = 3;
+      const PageCodec codec = MakeCodec(shape, entries, ActiveSimdPath());
+      const auto page = Encode(codec, rows, t, 0);
+      const auto clean_page = Encode(codec, clean, t, 0);
+      const auto dec = Decode<float>(codec, page, 0, 3);
+      const auto clean_dec = Decode<float>(codec, clean_page, 0, 3);
+      // Neighbours are untouched: identical decoded values (and so identical bytes).
+      for (uint32_t r : {0u, 2u}) {
+        for (uint32_t i = 0; i < shape.dims; ++i) {
+          const size_t k = size_t{r} * shape.dims + i;
+          ASSERT_EQ(std::bit_cast<uint32_t>(dec[k]), std::bit_cast<uint32_t>(clean_dec[k]))
+              << r << " " << i;
+        }
+      }
+      const auto tiles = Tiles(shape, page, entries, 1);
+      const auto clean_tiles = Tiles(shape, clean_page, entries, 1);
+      ASSERT_FALSE(tiles.empty());
+      for (size_t ti = 0; ti < tiles.size(); ++ti) {
+        const bool hit = tiles[ti].first <= 5 && 8 < tiles[ti].first + tiles[ti].size;
+        for (uint32_t i = tiles[ti].first; i < tiles[ti].first + tiles[ti].size; ++i) {
+          const float y = dec[shape.dims + i];
+          if (!hit) {  // other tiles of the same row: as if nothing happened
+            ASSERT_EQ(std::bit_cast<uint32_t>(y),
+                      std::bit_cast<uint32_t>(clean_dec[shape.dims + i]))
+                << i;
+          } else if (!codec_testing::IsFp8(shape.format)) {
+            ASSERT_TRUE(std::isnan(tiles[ti].scale));  // int8: the whole tile decodes as NaN
+            ASSERT_TRUE(std::isnan(y)) << i;
+          } else if (i >= 5 && i <= 8) {  // fp8: the element itself is the NaN code, sign kept
+            ASSERT_TRUE(std::isnan(y)) << i;
+            ASSERT_EQ(std::signbit(y), i == 6 || i == 8) << i;
+          } else {  // fp8: the rest of the tile encodes as if the specials were absent
+            ASSERT_EQ(tiles[ti].scale, clean_tiles[ti].scale);
+            ASSERT_EQ(std::bit_cast<uint32_t>(y),
+                      std::bit_cast<uint32_t>(clean_dec[shape.dims + i]))
+                << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(PageCodec, RopeKeepsNaNAndInfinity) {
+  for (const Shape shape : {Shape{StorageFormat::kC8Mla, 576}, Shape{StorageFormat::kFp8V4, 512}}) {
+    Rows rows = codec_testing::GaussianRows(1, shape.dims, 4);
+    rows.at(0, shape.dims - 1) = std::numeric_limits<float>::quiet_NaN();
+    rows.at(0, shape.dims - 2) = -std::numeric_limits<float>::infinity();
+    rows.Finish();
+    for (RowType t : kRowTypes) {
+      const PageCodec codec = MakeCodec(shape, 1, ActiveSimdPath());
+      const auto dec = Decode<float>(codec, Encode(codec, rows, t, 0), 0, 1);
+      EXPECT_TRUE(std::isnan(dec[shape.dims - 1]));
+      EXPECT_EQ(dec[shape.dims - 2], -std::numeric_limits<float>::infinity());
+    }
+  }
+}
+
+// ---- zero tiles ----
+
+TEST(PageCodec, ZeroTilesStoreTheDocumentedScaleAndDecodeToZero) {
+  for (const Shape& shape : AllShapes()) {
+    if (!codec_testing::IsEightBit(shape.format)) continue;
+    const Rows rows = codec_testing::EdgeRows(shape.dims);  // rows 0 and 1: +0 and -0
+    for (RowType t : kRowTypes) {
+      const PageCodec codec = MakeCodec(shape, rows.count, ActiveSimdPath());
+      const auto page = Encode(codec, rows, t, 0);
+      const auto dec = Decode<float>(codec, page, 0, rows.count);
+      for (uint32_t r = 0; r < 2; ++r) {
+        const bool pow2 =
+            shape.format == StorageFormat::kFp8DsMla || shape.format == StorageFormat::kFp8V4;
+        for (const TileRef& tile : Tiles(shape, page, rows.count, r))
+          EXPECT_EQ(tile.scale, pow2 ? 1.0f : 0.0f);
+        for (uint32_t i = 0; i < NopeDims(shape); ++i) {
+          const float y = dec[size_t{r} * shape.dims + i];
+          EXPECT_EQ(y, 0.0f);
+          // fp8 keeps the sign of zero (0x80 is -0); int8 has one zero.
+          if (codec_testing::IsFp8(shape.format)) {
+            EXPECT_EQ(std::signbit(y), r == 1);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- slots ----
+
+// Every byte of slot `slot` in a page of `entries` entries, by DESIGN.md's layouts.
+std::vector<std::pair<uint64_t, uint64_t>> SlotRanges(const Shape& s, uint32_t entries,
+                                                      uint32_t slot) {
+  const uint64_t e = FormatEntryBytes(s.format, s.dims);
+  switch (s.format) {
+    case StorageFormat::kFp8V4:
+      return {{layout::Fp8V4DataOffset(slot), 576}, {layout::Fp8V4ScaleOffset(entries, slot), 8}};
+    case StorageFormat::kIdxFp8:
+    case StorageFormat::kIdxC8:
+      return {{layout::IdxValueOffset(s.dims, slot), s.dims},
+              {layout::IdxScaleOffset(s.dims, entries, slot), 4}};
+    default:
+      return {{e * slot, e}};
+  }
+}
+
+TEST(PageCodec, WritesTouchOnlyTheirSlots) {
+  for (const Shape& shape : AllShapes()) {
+    const uint32_t entries = 16, first = 3, count = 4;
+    const Rows rows = codec_testing::GaussianRows(count, shape.dims, 8);
+    for (SimdPath path : Paths()) {
+      const PageCodec codec = MakeCodec(shape, entries, path);
+      const auto page = Encode(codec, rows, RowType::kBf16, first);
+      std::vector<bool> owned(page.size());
+      for (uint32_t slot = first; slot < first + count; ++slot) {
+        for (auto [off, len] : SlotRanges(shape, entries, slot)) {
+          for (uint64_t b = off; b < off + len; ++b) owned[b] = true;
+        }
+      }
+      size_t changed = 0;
+      for (size_t b = 0; b < page.size(); ++b) {
+        if (!owned[b]) {
+          ASSERT_EQ(page[b], kFill) << ShapeName(shape) << " byte " << b << " outside slots [3, 7)";
+        } else {
+          changed += page[b] != kFill;
+        }
+      }
+      EXPECT_GT(changed, 0u);
+    }
+  }
+}
+
+TEST(PageCodec, EntryDecodeMatchesRangeDecode) {
+  for (const Shape& shape : AllShapes()) {
+    const Rows rows = codec_testing::GaussianRows(9, shape.dims, 13);
+    for (SimdPath path : Paths()) {
+      const PageCodec codec = MakeCodec(shape, 9, path);
+      const auto page = Encode(codec, rows, RowType::kBf16, 0);
+      const auto all32 = Decode<float>(codec, page, 0, 9);
+      const auto all16 = Decode<uint16_t>(codec, page, 0, 9);
+      std::vector<float> one32(shape.dims);
+      std::vector<uint16_t> one16(shape.dims);
+      for (uint32_t slot = 0; slot < 9; ++slot) {
+        codec.DecodeEntryFp32(page.data(), slot, one32.data());
+        codec.DecodeEntryBf16(page.data(), slot, one16.data());
+        ASSERT_EQ(
+            std::memcmp(one32.data(), all32.data() + size_t{slot} * shape.dims, shape.dims * 4), 0);
+        ASSERT_EQ(
+            std::memcmp(one16.data(), all16.data() + size_t{slot} * shape.dims, shape.dims * 2), 0);
+      }
+    }
+  }
+}
+
+TEST(PageCodec, StridedRowsAndUnalignedPages) {
+  const Shape shape{StorageFormat::kC8Mla, 576};
+  const Rows rows = codec_testing::GaussianRows(5, 576, 14);
+  std::vector<uint16_t> strided(5 * 600, 0xdead);
+  for (uint32_t r = 0; r < 5; ++r) std::memcpy(&strided[r * 600], &rows.bf16[r * 576], 576 * 2);
+  const PageCodec codec = MakeCodec(shape, 5, ActiveSimdPath());
+  std::vector<uint8_t> buf(codec.page_bytes() + 1);
+  ASSERT_TRUE(
+      codec.WriteTokens(buf.data() + 1, 0, RowsView::Bf16(strided.data(), 5, 576, 1200)).ok());
+  const auto expect = Encode(codec, rows, RowType::kBf16, 0);
+  EXPECT_EQ(std::memcmp(buf.data() + 1, expect.data(), expect.size()), 0);
+  std::vector<uint16_t> out(5 * 600, 0xbeef);
+  ASSERT_TRUE(
+      codec.ReadTokens(buf.data() + 1, 0, MutableRowsView::Bf16(out.data(), 5, 576, 1200)).ok());
+  for (uint32_t r = 0; r < 5; ++r) {
+    EXPECT_EQ(out[r * 600 + 576], 0xbeef);  // the gap between rows is left alone
+  }
+}
+
+TEST(PageCodec, ThreadsMayFillDistinctSlotsOfOnePage) {
+  for (const Shape& shape : AllShapes()) {
+    const uint32_t entries = 64;
+    const Rows rows = codec_testing::GaussianRows(entries, shape.dims, 15);
+    const PageCodec codec = MakeCodec(shape, entries, ActiveSimdPath());
+    const auto expect = Encode(codec, rows, RowType::kFp32, 0);
+    std::vector<uint8_t> page(codec.page_bytes(), kFill);
+    std::vector<std::thread> threads;
+    for (uint32_t k = 0; k < 4; ++k) {
+      threads.emplace_back([&, k] {
+        for (uint32_t slot = k; slot < entries; slot += 4) {
+          const RowsView one =
+              RowsView::Fp32(rows.fp32.data() + size_t{slot} * shape.dims, 1, shape.dims);
+          EXPECT_TRUE(codec.WriteTokens(page.data(), slot, one).ok());
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    EXPECT_EQ(page, expect) << ShapeName(shape);
+  }
+}
+
+// ---- errors ----
+
+TEST(PageCodec, CreateRejectsBadShapes) {
+  EXPECT_EQ(PageCodec::Create(StorageFormat::kC8Mla, 512, 128).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(PageCodec::Create(StorageFormat::kFp8DsMla, 577, 128).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(PageCodec::Create(StorageFormat::kFp8V4, 576, 128).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(PageCodec::Create(StorageFormat::kIdxFp8, 100, 128).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(PageCodec::Create(StorageFormat::kIdxC8, 0, 128).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(PageCodec::Create(StorageFormat::kBf16, 0, 128).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(PageCodec::Create(StorageFormat::kBf16, 64, 0).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(PageCodec::Create(static_cast<StorageFormat>(42), 64, 1).status().code(),
+            StatusCode::kInvalidArgument);
+  auto msg = PageCodec::Create(StorageFormat::kC8Mla, 512, 128).status();
+  EXPECT_NE(msg.message().find("c8_mla"), std::string_view::npos);
+  EXPECT_NE(msg.message().find("576"), std::string_view::npos);
+  for (int i = 0; i < kNumSimdPaths; ++i) {
+    CodecOptions o;
+    o.simd_path = static_cast<SimdPath>(i);
+    auto c = PageCodec::Create(StorageFormat::kIdxFp8, 128, 8, o);
+    EXPECT_EQ(c.ok(), SimdPathSupported(static_cast<SimdPath>(i)));
+    if (!c.ok()) {
+      EXPECT_EQ(c.status().code(), StatusCode::kNotSupported);
+    }
+  }
+}
+
+TEST(PageCodec, CallsRejectBadArgumentsAndWriteNothing) {
+  const PageCodec codec = MakeCodec({StorageFormat::kIdxFp8, 128}, 8, ActiveSimdPath());
+  EXPECT_EQ(codec.page_bytes(), FormatPageBytes(StorageFormat::kIdxFp8, 128, 8));
+  std::vector<uint8_t> page(codec.page_bytes(), kFill);
+  std::vector<uint16_t> rows(128 * 9, 0x3f80);
+  EXPECT_EQ(codec.WriteTokens(nullptr, 0, RowsView::Bf16(rows.data(), 1, 128)).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(codec.WriteTokens(page.data(), 0, RowsView::Bf16(nullptr, 1, 128)).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(codec.WriteTokens(page.data(), 0, RowsView::Bf16(rows.data(), 1, 64)).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(codec.WriteTokens(page.data(), 0, RowsView::Bf16(rows.data(), 2, 128, 100)).code(),
+            StatusCode::kInvalidArgument);
+  Status past = codec.WriteTokens(page.data(), 5, RowsView::Bf16(rows.data(), 4, 128));
+  EXPECT_EQ(past.code(), StatusCode::kOutOfRange);
+  EXPECT_NE(past.message().find("[5, 9)"), std::string_view::npos) << past.ToString();
+  EXPECT_EQ(codec.WriteTokens(page.data(), 9, RowsView::Bf16(rows.data(), 0, 128)).code(),
+            StatusCode::kOutOfRange);
+  EXPECT_EQ(codec.WriteTokens(page.data(), UINT32_MAX, RowsView::Bf16(rows.data(), 2, 128)).code(),
+            StatusCode::kOutOfRange);
+  RowsView bad_type = RowsView::Bf16(rows.data(), 1, 128);
+  bad_type.type = static_cast<RowType>(7);
+  EXPECT_EQ(codec.WriteTokens(page.data(), 0, bad_type).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(std::all_of(page.begin(), page.end(), [](uint8_t b) { return b == kFill; }));
+  EXPECT_TRUE(
+      codec.WriteTokens(page.data(), 8, RowsView::Bf16(nullptr, 0, 128)).ok());  // empty is fine
+  std::vector<float> out(128 * 8);
+  EXPECT_EQ(codec.ReadTokens(page.data(), 7, MutableRowsView::Fp32(out.data(), 2, 128)).code(),
+            StatusCode::kOutOfRange);
+  EXPECT_EQ(codec.ReadTokens(nullptr, 0, MutableRowsView::Fp32(out.data(), 1, 128)).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_TRUE(codec.ReadTokens(page.data(), 0, MutableRowsView::Fp32(out.data(), 8, 128)).ok());
+}
+
+}  // namespace
+}  // namespace sparsekv

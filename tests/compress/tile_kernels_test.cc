@@ -1,0 +1,80 @@
+// TileKernels: every path's primitives equal the definition (value * scale, one rounding) and
+// each other bit for bit, for every length (so every SIMD tail is reached).
+#include "sparsekv/tile_kernels.h"
+
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "sparsekv/bf16.h"
+#include "sparsekv/cpu_features.h"
+#include "sparsekv/fp8.h"
+
+namespace sparsekv {
+namespace {
+
+template <typename T>
+bool SameBits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
+
+TEST(TileKernels, EveryPathEqualsTheDefinition) {
+  std::mt19937_64 rng(41);
+  const float scales[] = {1.0f, 0.0123f, 0x1p-130f, 0x1p-120f, 0x1p118f, 0x1p121f, 0.0f, -2.5f};
+  for (SimdPath path : SupportedSimdPaths()) {
+    auto k = TileKernelsFor(path);
+    ASSERT_TRUE(k.ok());
+    const TileKernels& tk = **k;
+    EXPECT_EQ(tk.path, path);
+    for (uint32_t n = 0; n <= 200; n += (n < 70 ? 1 : 13)) {
+      std::vector<int8_t> q(n);
+      std::vector<uint8_t> codes(n);
+      std::vector<uint16_t> b16(n);
+      std::vector<float> f32(n);
+      for (uint32_t i = 0; i < n; ++i) {
+        q[i] = static_cast<int8_t>(rng());
+        codes[i] = static_cast<uint8_t>(rng());
+        b16[i] = static_cast<uint16_t>(rng());
+        f32[i] = std::bit_cast<float>(static_cast<uint32_t>(rng()));
+      }
+      for (float s : scales) {
+        SCOPED_TRACE(std::string(SimdPathName(path)) + " n=" + std::to_string(n) +
+                     " scale=" + std::to_string(s));
+        std::vector<float> out(n), want(n);
+        std::vector<uint16_t> out16(n), want16(n);
+        for (uint32_t i = 0; i < n; ++i) want[i] = static_cast<float>(q[i]) * s;
+        for (uint32_t i = 0; i < n; ++i) want16[i] = Bf16FromFloat(want[i]);
+        tk.int8_to_fp32(q.data(), s, n, out.data());
+        ASSERT_TRUE(SameBits(out, want));
+        tk.int8_to_bf16(q.data(), s, n, out16.data());
+        ASSERT_TRUE(SameBits(out16, want16));
+        for (uint32_t i = 0; i < n; ++i) {
+          const bool nan = (codes[i] & 0x7f) == 0x7f;
+          want[i] = nan ? E4m3ToFloat(codes[i]) : E4m3ToFloat(codes[i]) * s;
+          want16[i] = Bf16FromFloat(want[i]);
+        }
+        tk.e4m3_to_fp32(codes.data(), s, n, out.data());
+        ASSERT_TRUE(SameBits(out, want));
+        tk.e4m3_to_bf16(codes.data(), s, n, out16.data());
+        ASSERT_TRUE(SameBits(out16, want16));
+      }
+      std::vector<float> wide(n), want_wide(n);
+      for (uint32_t i = 0; i < n; ++i) want_wide[i] = Bf16ToFloat(b16[i]);
+      tk.bf16_to_fp32(b16.data(), n, wide.data());
+      ASSERT_TRUE(SameBits(wide, want_wide));
+      std::vector<uint16_t> narrow(n), want_narrow(n);
+      for (uint32_t i = 0; i < n; ++i) want_narrow[i] = Bf16FromFloat(f32[i]);
+      tk.fp32_to_bf16(f32.data(), n, narrow.data());
+      ASSERT_TRUE(SameBits(narrow, want_narrow)) << SimdPathName(path) << " n=" << n;
+    }
+  }
+  EXPECT_EQ(ActiveTileKernels().path, ActiveSimdPath());
+}
+
+}  // namespace
+}  // namespace sparsekv
