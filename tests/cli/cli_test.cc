@@ -26,8 +26,19 @@ std::string Slurp(const std::filesystem::path& p) {
   return ss.str();
 }
 
+std::filesystem::path ExecDir() {
+  return std::filesystem::temp_directory_path() / ("sparsekv_cli_" + std::to_string(getpid()));
+}
+
+// Removes the folder the runs' output went to when the test program ends.
+class ExecDirCleanup : public ::testing::Environment {
+ public:
+  void TearDown() override { std::filesystem::remove_all(ExecDir()); }
+};
+const auto* const kCleanup = ::testing::AddGlobalTestEnvironment(new ExecDirCleanup);
+
 Outcome Exec(const std::string& binary, const std::string& args) {
-  const auto dir = std::filesystem::temp_directory_path() / ("sparsekv_cli_" + std::to_string(getpid()));
+  const auto dir = ExecDir();
   std::filesystem::create_directories(dir);
   const std::string cmd = binary + " " + args + " >" + (dir / "out").string() + " 2>" + (dir / "err").string();
   const int rc = std::system(cmd.c_str());
