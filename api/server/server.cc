@@ -86,7 +86,8 @@ class Server::Impl {
         store_(store),
         work_(asio::make_work_guard(io_)),
         workers_(static_cast<size_t>(std::max(1, options_.worker_threads))),
-        signals_(io_) {}
+        signals_(io_),
+        control_(asio::make_strand(io_)) {}
 
   Status Bind();
   void Run();
@@ -107,6 +108,8 @@ class Server::Impl {
   asio::executor_work_guard<asio::io_context::executor_type> work_;
   asio::thread_pool workers_;
   asio::signal_set signals_;
+  // Serializes the shutdown handlers (the drain deadline is touched by several of them).
+  asio::strand<asio::io_context::executor_type> control_;
   std::unique_ptr<asio::ip::tcp::acceptor> tcp_;
   std::unique_ptr<asio::local::stream_protocol::acceptor> unix_;
   std::unique_ptr<asio::ip::tcp::acceptor> metrics_acceptor_;
@@ -823,20 +826,22 @@ void Server::Impl::Shutdown() {
     draining_ = true;
     sessions.assign(sessions_.begin(), sessions_.end());
   }
-  asio::post(io_, [this] {
+  asio::post(control_, [this] {
     boost::system::error_code ignored;
     if (tcp_) tcp_->close(ignored);
     if (unix_) unix_->close(ignored);
     if (metrics_acceptor_) metrics_acceptor_->close(ignored);
     signals_.cancel(ignored);
+    std::lock_guard<std::mutex> l(mu_);  // FinishIfDrained's handler cancels it from another thread
+    if (stopped_) return;
     drain_deadline_ = std::make_unique<asio::steady_timer>(io_, std::chrono::seconds(10));
-    drain_deadline_->async_wait([this](boost::system::error_code ec) {
+    drain_deadline_->async_wait(asio::bind_executor(control_, [this](boost::system::error_code ec) {
       if (ec) return;
       spdlog::warn("drain deadline passed with connections still open; stopping");
       std::lock_guard<std::mutex> l(mu_);
       sessions_.clear();
       FinishIfDrained();
-    });
+    }));
   });
   for (auto& s : sessions) s->BeginDrain();
   std::lock_guard<std::mutex> l(mu_);
@@ -861,8 +866,11 @@ void Server::Impl::OnSessionClosed(Session* s) {
 void Server::Impl::FinishIfDrained() {
   if (!draining_ || stopped_ || !sessions_.empty()) return;
   stopped_ = true;
-  asio::post(io_, [this] {
-    if (drain_deadline_) drain_deadline_->cancel();
+  asio::post(control_, [this] {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (drain_deadline_) drain_deadline_->cancel();
+    }
     workers_.join();  // every store call has returned
     Status st = store_->Flush();
     if (!st.ok()) spdlog::error("flushing the store: {}", st.ToString());
