@@ -148,6 +148,14 @@ void PageCodec::DecodeEntryFp32(const void* page, uint32_t slot, float* out) con
   kernels_->decode[static_cast<int>(RowType::kFp32)](job);
 }
 
+void PageCodec::DecodeEntriesFp32(const void* page, uint32_t first_slot, uint32_t count,
+                                  float* out) const {
+  const compress::DecodeJob job{static_cast<const uint8_t*>(page), entries_,         dims_,
+                                first_slot,                         count,
+                                reinterpret_cast<uint8_t*>(out),   size_t{dims_} * 4};
+  kernels_->decode[static_cast<int>(RowType::kFp32)](job);
+}
+
 void PageCodec::DecodeEntryBf16(const void* page, uint32_t slot, uint16_t* out) const {
   const compress::DecodeJob job{static_cast<const uint8_t*>(page), entries_,         dims_, slot, 1,
                                 reinterpret_cast<uint8_t*>(out),   size_t{dims_} * 2};

@@ -1,43 +1,17 @@
 // `sparsekv bench codec --json`, a short run: exit code, JSON shape, path selection, errors.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
+
+#include "tests/support/run_command.h"
 
 namespace {
 
-struct Outcome {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-std::string Slurp(const std::filesystem::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using Outcome = sparsekv::testing::CommandOutcome;
 
 Outcome Cli(const std::string& env, const std::string& args) {
-  const auto dir =
-      std::filesystem::temp_directory_path() / ("sparsekv_codec_cli_" + std::to_string(getpid()));
-  std::filesystem::create_directories(dir);
-  const std::string cmd = env + " " + SPARSEKV_CLI_PATH + " " + args + " >" +
-                          (dir / "out").string() + " 2>" + (dir / "err").string();
-  const int rc = std::system(cmd.c_str());
-  Outcome r;
-  r.exit_code = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-  r.out = Slurp(dir / "out");
-  r.err = Slurp(dir / "err");
-  std::filesystem::remove_all(dir);
-  return r;
+  return sparsekv::testing::RunCommand(env + " " + SPARSEKV_CLI_PATH + " " + args, "codec_cli");
 }
 
 constexpr const char* kShort = "bench codec --json --rounds 1 --round-seconds 0.002";

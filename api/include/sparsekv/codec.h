@@ -105,6 +105,9 @@ class PageCodec {
   // Unchecked: slot < entries(), `out` holds dims() values, `page` is a page of this codec.
   void DecodeEntryFp32(const void* page, uint32_t slot, float* out) const;
   void DecodeEntryBf16(const void* page, uint32_t slot, uint16_t* out) const;
+  // Slots [first_slot, first_slot + count) into `count` rows of dims() values, back to back.
+  // Unchecked like the above: first_slot + count <= entries().
+  void DecodeEntriesFp32(const void* page, uint32_t first_slot, uint32_t count, float* out) const;
 
  private:
   PageCodec() = default;
