@@ -99,6 +99,7 @@ class CacheManager::Impl {
   Result<PinInfo> PinPrefix(const PrefixQuery& query, uint32_t priority) SPARSEKV_EXCLUDES(mu_);
   Status Unpin(PinId pin) SPARSEKV_EXCLUDES(mu_);
   Status Reset() SPARSEKV_EXCLUDES(mu_);
+  void SetBlockEvictHook(BlockEvictHook hook) SPARSEKV_EXCLUDES(mu_);
   SubscriptionId Subscribe(KvEventListener listener) SPARSEKV_EXCLUDES(mu_);
   void Unsubscribe(SubscriptionId id) SPARSEKV_EXCLUDES(mu_, delivery_mu_);
   CacheStats Stats() const SPARSEKV_EXCLUDES(mu_);
@@ -179,6 +180,8 @@ class CacheManager::Impl {
   std::vector<RecordId> free_records_ SPARSEKV_GUARDED_BY(mu_);
   std::vector<std::vector<RecordId>> owners_ SPARSEKV_GUARDED_BY(mu_);  // [pool][page]
   std::vector<std::pair<uint32_t, PageId>> evicted_ SPARSEKV_GUARDED_BY(mu_);
+  // Called under mu_, so that installing or removing it waits for a call in progress.
+  BlockEvictHook evict_hook_ SPARSEKV_GUARDED_BY(mu_);
   std::unordered_map<SequenceId, SequenceEntry> seqs_ SPARSEKV_GUARDED_BY(mu_);
   SequenceId next_seq_ SPARSEKV_GUARDED_BY(mu_) = 1;
   std::map<PinId, Pin> pins_ SPARSEKV_GUARDED_BY(mu_);
@@ -406,10 +409,19 @@ void CacheManager::Impl::ProcessEvictionsLocked() {
           Status::Internal(fmt::format("evicted page {} of pool {} belongs to no block", page, q)));
       continue;
     }
+    const PoolRole role = roles_[q];
+    if (evict_hook_) {
+      // Before any page of the block is dropped or handed out: the evicted page is in
+      // alloc_scratch_, not yet returned to the caller, and the others are cached or held.
+      EvictingBlock e;
+      e.digest = record_digest_[r];
+      e.pages = std::span<const PageId>(&record_pages_[r * P()], P());
+      e.whole_block = role == PoolRole::kFullHistory;
+      evict_hook_(e);
+    }
     owners_[q][page] = kNoRecord;
     RecPage(r, q) = kInvalidPage;
     KindSet lost = KindSet::Of(kinds_[q]);
-    const PoolRole role = roles_[q];
     // Losing a full-history page loses the block; losing a window or snapshot page loses that
     // role's pages of the block in every pool (half a snapshot resumes nothing).
     uint64_t dropped = 1;
@@ -562,6 +574,16 @@ void CacheManager::Impl::DeliverEvents() {
     }
   }
   tls_delivering.pop_back();
+}
+
+void CacheManager::Impl::SetBlockEvictHook(BlockEvictHook hook) {
+  BlockEvictHook old;
+  {
+    MutexLock l(mu_);
+    old.swap(evict_hook_);
+    evict_hook_ = std::move(hook);
+  }
+  // `old` (and what it captured) is destroyed here, outside the lock.
 }
 
 SubscriptionId CacheManager::Impl::Subscribe(KvEventListener listener) {
@@ -1158,6 +1180,9 @@ Status CacheManager::Unpin(PinId pin) {
 }
 Status CacheManager::Reset() {
   return impl_->Reset();
+}
+void CacheManager::SetBlockEvictHook(BlockEvictHook hook) {
+  impl_->SetBlockEvictHook(std::move(hook));
 }
 SubscriptionId CacheManager::Subscribe(KvEventListener listener) {
   return impl_->Subscribe(std::move(listener));

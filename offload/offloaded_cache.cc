@@ -7,6 +7,8 @@
 #include <condition_variable>
 #include <cstring>
 
+#include "worker_pool.h"
+
 namespace sparsekv {
 
 // What the wrapper knows of a sequence: enough to name its blocks' bundles.
@@ -20,19 +22,79 @@ struct OffloadedCache::SequenceState {
   uint64_t tokens = 0;
 };
 
+// Write-back: a block the eviction hook copied out, not yet a bundle: every pool's page back to
+// back, then the digest check (the bundle's segments, in order). The hook only copies; the
+// bundle (its allocation, header and checksum, several times the cost of the copy) is made on
+// the demote thread, off the manager's lock. Immutable once queued.
+//
+// Staging buffers are reused: a fresh one costs a page fault every 4 KiB, several times the copy
+// itself, under the manager's lock. A Staged gives its buffer back when its last holder lets go
+// (the shared_ptr's release orders every read of it before the next write).
+struct OffloadedCache::SparePool {
+  Mutex mu;  // a leaf: nothing else is locked while it is held
+  std::vector<std::unique_ptr<std::byte[]>> buffers SPARSEKV_GUARDED_BY(mu);
+  size_t max_buffers = 0;
+};
+
+struct OffloadedCache::Staged {
+  BlockDigest digest;
+  std::unique_ptr<std::byte[]> bytes;
+  std::shared_ptr<SparePool> spare;
+
+  Staged() = default;
+  Staged(const Staged&) = delete;
+  Staged& operator=(const Staged&) = delete;
+  ~Staged() {
+    if (!bytes || !spare) return;
+    MutexLock lock(spare->mu);
+    if (spare->buffers.size() < spare->max_buffers) spare->buffers.push_back(std::move(bytes));
+  }  // a buffer that did not fit is freed after the lock is released
+};
+
 struct OffloadedCache::Shared {
   Mutex mu;
   std::condition_variable_any idle;
+  // Blocks gathered for the chain whose demote has not finished.
   uint64_t in_flight SPARSEKV_GUARDED_BY(mu) = 0;
-  OffloadedCacheStats stats SPARSEKV_GUARDED_BY(mu);
+  // Write-back: blocks the hook copied out, waiting for the demote thread.
+  std::vector<std::shared_ptr<Staged>> queue SPARSEKV_GUARDED_BY(mu);
+  bool drain_scheduled SPARSEKV_GUARDED_BY(mu) = false;
+  // Write-back: every block copied out until the chain has answered for it, so that a lookup
+  // finds it between its eviction from L1 and its arrival in the chain: first as the staged
+  // copy, then as the bundle made of it.
+  struct Pending {
+    std::shared_ptr<Staged> staged;
+    BundlePtr bundle;
+  };
+  std::unordered_map<BundleKey, Pending, BundleKeyHasher> pending SPARSEKV_GUARDED_BY(mu);
+  OffloadedCacheStats stats SPARSEKV_GUARDED_BY(mu);  // pending_demote_bytes: see the header
 };
 
 OffloadedCache::OffloadedCache(CacheManager& manager, TierChain& chain,
                                OffloadedCacheOptions options)
-    : manager_(manager), chain_(chain), options_(options), shared_(std::make_shared<Shared>()) {}
+    : manager_(manager), chain_(chain), options_(options), shared_(std::make_shared<Shared>()) {
+  std::vector<uint64_t> sizes;
+  for (const PoolGeometry& g : manager_.geometry().pools) sizes.push_back(g.block_stride);
+  sizes.push_back(sizeof(BlockHash));
+  block_record_bytes_ = BundleRecordBytes(sizes);
+  for (uint64_t n : sizes) block_payload_bytes_ += n;
+  // Spare staging buffers kept for reuse: what the backlog may hold, at most 64 MiB of them.
+  spare_ = std::make_shared<SparePool>();
+  spare_->max_buffers = std::max<uint64_t>(
+      1, std::min<uint64_t>(options_.max_pending_demote_bytes, 64ull << 20) / block_payload_bytes_);
+  if (options_.write_policy == WritePolicy::kWriteBack) {
+    // One thread: the chain's put is asynchronous past the first tier, so it only has to keep
+    // the host tier's copies off the manager's lock; one drain per wake-up batches the puts.
+    demoter_ = std::make_unique<offload::WorkerPool>("skv-demote", 1);
+    manager_.SetBlockEvictHook([this](const EvictingBlock& b) { OnEvict(b); });
+  }
+}
 
 OffloadedCache::~OffloadedCache() {
+  // Once the hook is gone no eviction queues anything; then what is queued drains.
+  if (demoter_) manager_.SetBlockEvictHook(nullptr);
   WaitIdle();
+  demoter_.reset();
 }
 
 void OffloadedCache::WaitIdle() {
@@ -94,21 +156,196 @@ Status OffloadedCache::Free(SequenceId seq) {
 
 BundlePtr OffloadedCache::GatherBlock(SequenceId seq, uint32_t block, const BlockDigest& digest,
                                       const std::vector<std::vector<PageId>>& tables) const {
+  std::vector<PageId> pages;
+  for (const std::vector<PageId>& table : tables)
+    pages.push_back(block < table.size() ? table[block] : kInvalidPage);
+  return GatherPages(digest, pages);
+}
+
+BundlePtr OffloadedCache::GatherPages(const BlockDigest& digest,
+                                      std::span<const PageId> pages) const {
   const BlockGeometry& geo = manager_.geometry();
   std::vector<uint64_t> sizes;
   for (size_t p = 0; p < geo.pools.size(); ++p) {
-    if (block >= tables[p].size() || tables[p][block] == kInvalidPage) return nullptr;
+    if (pages[p] == kInvalidPage) return nullptr;
     sizes.push_back(geo.pools[p].block_stride);
   }
   sizes.push_back(sizeof digest.check);
   auto b = Bundle::MakeWith(KeyOf(digest), sizes, [&](uint32_t seg, std::span<std::byte> out) {
     if (seg < geo.pools.size()) {
-      std::memcpy(out.data(), manager_.pool(seg).PageData(tables[seg][block]), out.size());
+      std::memcpy(out.data(), manager_.pool(seg).PageData(pages[seg]), out.size());
     } else {
       std::memcpy(out.data(), &digest.check, sizeof digest.check);
     }
   });
   return b.ok() ? *b : nullptr;
+}
+
+void OffloadedCache::OnEvict(const EvictingBlock& block) {
+  // Runs under the manager's lock (cache_manager.h): only the lock-free pool accessors, and our
+  // own short locks, which are never held across a manager call.
+  const bool complete = std::none_of(block.pages.begin(), block.pages.end(),
+                                     [](PageId p) { return p == kInvalidPage; });
+  auto staged = std::make_shared<Staged>();
+  {
+    MutexLock lock(shared_->mu);
+    if (!complete) {
+      ++shared_->stats.evicted_incomplete;
+      return;
+    }
+    if (shared_->stats.pending_demote_bytes + block_record_bytes_ >
+        options_.max_pending_demote_bytes) {
+      ++shared_->stats.demote_backlog_drops;
+      return;
+    }
+    // Reserved before the copy, so that concurrent evictions cannot all pass the limit.
+    shared_->stats.pending_demote_bytes += block_record_bytes_;
+    ++shared_->in_flight;
+  }
+  staged->spare = spare_;
+  {
+    MutexLock lock(spare_->mu);
+    if (!spare_->buffers.empty()) {
+      staged->bytes = std::move(spare_->buffers.back());
+      spare_->buffers.pop_back();
+    }
+  }
+  staged->digest = block.digest;
+  // Not value-initialized: every byte is copied over just below.
+  if (!staged->bytes) staged->bytes.reset(new std::byte[block_payload_bytes_]);
+  const BlockGeometry& geo = manager_.geometry();
+  std::byte* out = staged->bytes.get();
+  for (size_t p = 0; p < geo.pools.size(); ++p) {
+    std::memcpy(out, manager_.pool(p).PageData(block.pages[p]), geo.pools[p].block_stride);
+    out += geo.pools[p].block_stride;
+  }
+  std::memcpy(out, &block.digest.check, sizeof block.digest.check);
+  bool schedule = false;
+  {
+    MutexLock lock(shared_->mu);
+    ++shared_->stats.evicted_demoted;
+    shared_->pending[KeyOf(block.digest)] = Shared::Pending{staged, nullptr};
+    shared_->queue.push_back(std::move(staged));
+    schedule = !shared_->drain_scheduled;
+    shared_->drain_scheduled = true;
+  }
+  if (schedule) demoter_->Submit([this](size_t) { DrainEvicted(); });
+}
+
+BundlePtr OffloadedCache::BundleOf(const Staged& staged) const {
+  const BlockGeometry& geo = manager_.geometry();
+  std::vector<uint64_t> sizes;
+  for (const PoolGeometry& g : geo.pools) sizes.push_back(g.block_stride);
+  sizes.push_back(sizeof staged.digest.check);
+  const std::byte* in = staged.bytes.get();
+  auto b = Bundle::MakeWith(KeyOf(staged.digest), sizes,
+                            [&](uint32_t, std::span<std::byte> out) {
+                              std::memcpy(out.data(), in, out.size());
+                              in += out.size();
+                            });
+  return b.ok() ? *b : nullptr;
+}
+
+void OffloadedCache::DrainEvicted() {
+  std::vector<std::shared_ptr<Staged>> batch;
+  {
+    MutexLock lock(shared_->mu);
+    batch.swap(shared_->queue);
+    shared_->drain_scheduled = false;
+  }
+  std::vector<BundlePtr> bundles;
+  std::vector<BundlePtr> made(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) made[i] = BundleOf(*batch[i]);
+  {
+    MutexLock lock(shared_->mu);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      auto it = shared_->pending.find(KeyOf(batch[i]->digest));
+      const bool current = it != shared_->pending.end() && it->second.staged == batch[i];
+      if (made[i] == nullptr) {
+        // Bundle::MakeWith refused the sizes: cannot happen for a geometry the manager took.
+        if (current) shared_->pending.erase(it);
+        shared_->stats.pending_demote_bytes -= block_record_bytes_;
+        ++shared_->stats.demote_failures;
+        if (--shared_->in_flight == 0) shared_->idle.notify_all();
+        continue;
+      }
+      // The staged copy goes once no lookup holds it; the bundle serves from now on.
+      if (current) it->second = Shared::Pending{nullptr, made[i]};
+      bundles.push_back(made[i]);
+    }
+  }
+  batch.clear();  // staged copies no lookup holds give their buffers back (~Staged)
+  if (!bundles.empty()) Demote(std::move(bundles), /*evicted=*/true);
+}
+
+void OffloadedCache::Demote(std::vector<BundlePtr> bundles, bool evicted) {
+  {
+    MutexLock lock(shared_->mu);
+    shared_->stats.demoted_blocks += bundles.size();
+  }
+  auto shared = shared_;
+  std::vector<BundlePtr> sent = evicted ? bundles : std::vector<BundlePtr>{};
+  const uint64_t n = bundles.size();
+  const uint64_t record_bytes = block_record_bytes_;
+  chain_.DemoteAsync(std::move(bundles), [shared, sent = std::move(sent), n,
+                                          record_bytes](std::vector<Status> results) {
+    uint64_t failed = 0;
+    for (const Status& s : results) {
+      if (!s.ok()) {
+        ++failed;
+        spdlog::debug("offloaded cache: demote failed, block dropped: {}", s.ToString());
+      }
+    }
+    MutexLock lock(shared->mu);
+    shared->stats.demote_failures += failed;
+    for (const BundlePtr& b : sent) {
+      // Findable in the chain from now on (or dropped); a newer copy of the key stays.
+      auto it = shared->pending.find(b->key());
+      if (it != shared->pending.end() && it->second.bundle == b) shared->pending.erase(it);
+      shared->stats.pending_demote_bytes -= record_bytes;
+    }
+    shared->in_flight -= n;
+    if (shared->in_flight == 0) shared->idle.notify_all();
+  });
+}
+
+std::vector<BundlePtr> OffloadedCache::PendingBundles(std::span<const BundleKey> keys) const {
+  std::vector<BundlePtr> out(keys.size());
+  std::vector<std::shared_ptr<Staged>> staged(keys.size());
+  {
+    MutexLock lock(shared_->mu);
+    if (shared_->pending.empty()) return out;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto it = shared_->pending.find(keys[i]);
+      if (it == shared_->pending.end()) continue;
+      out[i] = it->second.bundle;
+      staged[i] = it->second.staged;
+    }
+  }
+  // Not yet made into a bundle by the demote thread: make one here, outside the locks.
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (out[i] == nullptr && staged[i] != nullptr) out[i] = BundleOf(*staged[i]);
+  }
+  return out;
+}
+
+size_t OffloadedCache::CountLower(std::span<const BundleKey> keys) const {
+  // Pending first: a block that leaves `pending` has been answered for by the chain, so a key
+  // missed here is found by the chain below unless the chain dropped it.
+  std::vector<bool> pending(keys.size(), false);
+  bool any = false;
+  {
+    MutexLock lock(shared_->mu);
+    for (size_t i = 0; i < keys.size() && !shared_->pending.empty(); ++i) {
+      pending[i] = shared_->pending.count(keys[i]) > 0;
+      any |= pending[i];
+    }
+  }
+  if (!any) return chain_.CountPrefix(keys);
+  const std::vector<int> where = chain_.Locate(keys);
+  size_t n = 0;
+  while (n < keys.size() && (where[n] >= 0 || pending[n])) ++n;
+  return n;
 }
 
 Status OffloadedCache::CheckLayout(const Bundle& b, const BlockDigest& digest) const {
@@ -147,7 +384,7 @@ Status OffloadedCache::CommitComputed(SequenceId seq, uint64_t num_tokens) {
     st = it->second;
   }
   std::vector<BundlePtr> bundles;
-  if (options_.demote_on_commit && st->cache_blocks) {
+  if (options_.write_policy == WritePolicy::kWriteThrough && st->cache_blocks) {
     // Gather before committing: the commit releases window and snapshot pages that left the
     // sequence's window, and a bundle must hold every kind of its block.
     SPARSEKV_ASSIGN_OR_RETURN(SequenceInfo info, manager_.GetSequenceInfo(seq));
@@ -168,17 +405,9 @@ Status OffloadedCache::CommitComputed(SequenceId seq, uint64_t num_tokens) {
   if (bundles.empty()) return Status::OK();
   {
     MutexLock lock(shared_->mu);
-    ++shared_->in_flight;
-    shared_->stats.demoted_blocks += bundles.size();
+    shared_->in_flight += bundles.size();
   }
-  auto shared = shared_;
-  chain_.DemoteAsync(std::move(bundles), [shared](std::vector<Status> results) {
-    uint64_t failed = 0;
-    for (const Status& s : results) failed += !s.ok();
-    MutexLock lock(shared->mu);
-    shared->stats.demote_failures += failed;
-    if (--shared->in_flight == 0) shared->idle.notify_all();
-  });
+  Demote(std::move(bundles), /*evicted=*/false);
   return Status::OK();
 }
 
@@ -186,7 +415,12 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
                                        std::span<const BlockDigest> digests) {
   std::vector<BundleKey> keys;
   for (const BlockDigest& d : digests) keys.push_back(KeyOf(d));
+  const std::vector<BundlePtr> pending = PendingBundles(keys);
   std::vector<Result<BundlePtr>> got = chain_.Promote(keys).get();
+  for (size_t i = 0; i < got.size(); ++i) {
+    // Evicted from L1 and not yet in the chain (write-back): the gathered copy serves.
+    if (!got[i].ok() && pending[i] != nullptr) got[i] = pending[i];
+  }
   uint32_t usable = 0;
   uint64_t rejected = 0;
   for (; usable < got.size(); ++usable) {
@@ -262,9 +496,7 @@ Result<OffloadedPrefix> OffloadedCache::AcquirePrefix(SequenceId seq) {
     std::span<const BlockDigest> rest(st->digests.data() + l1.blocks, limit - l1.blocks);
     std::vector<BundleKey> keys;
     for (const BlockDigest& d : rest) keys.push_back(KeyOf(d));
-    const std::vector<int> where = chain_.Locate(keys);
-    size_t present = 0;
-    while (present < where.size() && where[present] >= 0) ++present;
+    const size_t present = CountLower(keys);
     if (present > 0) out.lower_blocks = RestoreBlocks(seq, l1.blocks, rest.first(present));
     // Prefetch what follows, so the next request of this conversation finds it in host DRAM.
     const uint32_t prefetch = options_.prefetch_blocks >= 0
@@ -296,7 +528,7 @@ Result<OffloadedPrefix> OffloadedCache::LookupPrefix(const PrefixQuery& query) {
   if (l1.blocks < limit) {
     std::vector<BundleKey> keys;
     for (uint64_t i = l1.blocks; i < limit; ++i) keys.push_back(KeyOf(digests[i]));
-    out.lower_blocks = static_cast<uint32_t>(chain_.CountPrefix(keys));
+    out.lower_blocks = static_cast<uint32_t>(CountLower(keys));
   }
   out.blocks = out.l1_blocks + out.lower_blocks;
   out.tokens = uint64_t{out.blocks} * bt;

@@ -40,14 +40,21 @@
 // page addresses (PageData, arena_base) only: allocating or releasing its pages directly breaks
 // the manager. Block tables are copied out.
 //
+// Eviction hook. An offload layer that keeps evicted blocks (offloaded_cache.h, write-back) must
+// copy a block out after the manager decides to evict it and before its pages are reused; KV
+// events come too late for that (they are delivered after the allocation returned the pages).
+// SetBlockEvictHook installs a function called at exactly that point; see BlockEvictHook.
+//
 // Thread safety. Every method is thread-safe: one annotated mutex guards the index, records,
 // tables and statistics; token hashing for AppendTokens and the query forms of LookupPrefix and
 // PinPrefix runs outside it. Calls on one sequence from several threads are safe, but their order
 // is the callers' business. Event listeners run after the lock is released, one event at a time,
-// in event order across all threads (see kv_events.h).
+// in event order across all threads (see kv_events.h). The eviction hook is the exception: it
+// runs with the lock held.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -177,6 +184,43 @@ struct CacheStats {
   std::string first_internal_error;     // what the first one was
 };
 
+// A cached block (committed and in the prefix index) that an allocation is about to evict, with
+// its pages still intact. The evicted page has no reference left; a window or snapshot page of
+// the block may still be held by a sequence that computed the block again. Either way the bytes
+// are final: committed blocks are never written again.
+struct EvictingBlock {
+  // The block's key and verification digest, as the block's sequence hashed it.
+  BlockDigest digest;
+  // The block's page in every pool, indexed like pool(i); kInvalidPage where it holds none (its
+  // window or snapshot pages were evicted earlier). Read the bytes with
+  // pool(i).PageData(pages[i]), geometry().pools[i].block_stride of them. Valid during the call
+  // only: once the allocation returns, these pages may be written by their new holder.
+  std::span<const PageId> pages;
+  // true: a full-history page is evicted and the whole block leaves the cache. false: only its
+  // window or snapshot pages go (the block stays a cached prefix, no longer a resume point
+  // there); this is often the first loss of a V4 block, since those pages are released to the
+  // cache while the sequence runs, long before the full-history pages at Free.
+  bool whole_block = true;
+};
+
+// Called once for every eviction that takes pages from a cached block: an allocation evicts the
+// LRU cached page of a pool, and the block that owns it loses that page and the pages going with
+// it (all of them for a full-history page; the window or the snapshot role's pages otherwise).
+// Never called for Reset, nor for pages that were not a cached block's (uncommitted, partial,
+// or duplicate blocks are freed, not evicted).
+//
+// Contract for the callee:
+//   - It runs on the thread whose AllocateSlots evicts, with the manager's lock held and no
+//     pool lock held, before any bookkeeping of the eviction: the block is still in the index.
+//   - It must not call any CacheManager method except the lock-free accessors geometry(),
+//     options(), hasher(), num_pools() and pool(i) (any other call deadlocks), nor any PagePool
+//     method other than PageData, arena_base and the constant accessors. It may take its own
+//     locks, provided it never holds one of them while it calls into this manager.
+//   - It should be short: every other manager call waits for it. Copying the pages out is the
+//     intended work; I/O belongs on another thread.
+//   - It must not throw, and must not keep `pages` or page pointers after it returns.
+using BlockEvictHook = std::function<void(const EvictingBlock&)>;
+
 class CacheManager {
  public:
   // Errors: an invalid spec, a block_tokens that is not a multiple of some ratio, capacity 0,
@@ -231,6 +275,15 @@ class CacheManager {
   // Forgets every cached block and pin ("all cleared" event). FailedPrecondition while a sequence
   // holds pages.
   Status Reset();
+
+  // ---- eviction hook ----
+  // Installs `hook` (see BlockEvictHook), replacing any previous one; an empty function removes
+  // it. One hook per manager: the last one set wins. The manager keeps a copy; whatever it
+  // captures must stay valid until the hook is replaced or the manager is destroyed. Once this
+  // returns, the previous hook is not running and is never called again, so its owner may go.
+  // Precondition: not called from within a hook (it takes the manager's lock). With no hook
+  // set, eviction costs what it did before (one test of an empty function per evicted page).
+  void SetBlockEvictHook(BlockEvictHook hook);
 
   // ---- events and statistics ----
   SubscriptionId Subscribe(KvEventListener listener);

@@ -1,10 +1,23 @@
 // OffloadedCache: a CacheManager (L1) with a TierChain (L2 host DRAM, L3 SSD, RocksDB) under it.
 //
-// What it does, through the manager's public API only:
-//   - Demote (write-through from L1): CommitComputed copies every block that becomes full into a
-//     bundle (all kinds of the block, plus the block's verification digest) before committing
-//     it, and hands the bundles to the chain in the background. A block evicted from L1 later is
-//     thus still in the chain, and a failed demote only means the block is not there.
+// What it does, through the manager's public API and its eviction hook:
+//   - Demote, by OffloadedCacheOptions::write_policy:
+//       write-through: CommitComputed copies every block that becomes full into a bundle (all
+//         kinds of the block, plus the block's verification digest) before committing it, and
+//         hands the bundles to the chain in the background. Every committed block reaches the
+//         chain, whether or not L1 ever evicts it.
+//       write-back: the manager's eviction hook (cache_manager.h) copies a cached block's pages
+//         out when an allocation is about to evict it, while they are intact (a memcpy under
+//         the manager's lock, nothing more), and a background thread makes bundles of them
+//         (header, checksum) and hands them to the chain.
+//         Only blocks that leave L1 are written; this covers every cached block of the manager,
+//         including those of sequences created on manager() directly. A V4 block whose window or
+//         snapshot pages are evicted first is demoted then, complete; its later eviction without
+//         them is counted (evicted_incomplete) and not demoted again. A block on its way to the
+//         chain stays findable by LookupPrefix and AcquirePrefix. manager().Reset() forgets L1
+//         blocks without evicting them: they are not demoted.
+//     A demote that cannot complete (a tier full, an I/O error, or too many bytes already
+//     waiting: max_pending_demote_bytes) drops the block and is counted; L1 is not affected.
 //   - Lookup: LookupPrefix counts the resumable prefix in L1, then the blocks after it that the
 //     chain holds.
 //   - Promote (onload): AcquirePrefix attaches the L1 prefix, then fetches the following blocks
@@ -12,16 +25,18 @@
 //     as an engine commits computed KV; then prefetches the next blocks into the chain's first
 //     tier. A bundle that is missing, corrupt (the tiers check XXH3), laid out for another
 //     geometry, or whose digest `check` differs (a hash collision) ends the restored prefix.
-// Why write-through: the manager's eviction happens inside its allocation, and neither its
-// events nor its API hand out the pages of an evicted block before they are reused, so a
-// write-back demote (on eviction) needs a hook in the cache manager (see the offload issue
-// note); the chain itself supports write-back between its own tiers.
+// Durability: under write-back, a block that is only in L1 is lost with the process; a restart
+// finds what was evicted (and acknowledged by a persistent tier) before it.
 //
 // Sequences must be created, fed and freed through this class (it keeps their tokens' digests
 // to name bundles); AllocateSlots, GetBlockTable and the rest are called on manager().
 //
-// Ownership: does not own the manager or the chain; both must outlive it. Thread safety: every
-// method is thread-safe; calls on one sequence are ordered by the caller, as with the manager.
+// Ownership: does not own the manager or the chain; both must outlive it. Under write-back it
+// installs the manager's eviction hook for its lifetime (one per manager: do not put two
+// write-back caches, or another hook, on one manager); the destructor removes the hook, then
+// waits for the demotes in flight. Thread safety: every method is thread-safe; calls on one
+// sequence are ordered by the caller, as with the manager. Lock order: the manager's lock (the
+// hook runs under it), then this class's; it never calls the manager holding its own locks.
 #pragma once
 
 #include <cstdint>
@@ -34,13 +49,22 @@
 #include "sparsekv/tier_chain.h"
 
 namespace sparsekv {
+namespace offload {
+class WorkerPool;
+}
 
 struct OffloadedCacheOptions {
   // Namespace id of the bundles this cache writes: distinct caches sharing tiers use distinct
   // ids. Default: 0.
   uint32_t namespace_id = 0;
-  // Copy each block into the chain when it is committed. Default: true.
-  bool demote_on_commit = true;
+  // When L1 blocks are copied into the chain (see the top): kWriteThrough on commit, kWriteBack
+  // on eviction. (The chain's own TierChainOptions::write_policy says how a demoted block
+  // moves between the tiers below.) Default: kWriteThrough.
+  WritePolicy write_policy = WritePolicy::kWriteThrough;
+  // Write-back: bytes of evicted blocks copied out and not yet stored by the chain. An eviction
+  // that would go past it is dropped (demote_backlog_drops), so a slow tier costs hits, not
+  // memory. Default: 256 MiB.
+  uint64_t max_pending_demote_bytes = 256ull << 20;
   // Blocks after a restored prefix to prefetch; -1 takes the chain's prefetch_blocks. Default: -1.
   int prefetch_blocks = -1;
 };
@@ -55,10 +79,18 @@ struct OffloadedPrefix {
 
 struct OffloadedCacheStats {
   uint64_t demoted_blocks = 0;   // blocks handed to the chain
-  uint64_t demote_failures = 0;  // ... that it could not keep
-  uint64_t restored_blocks = 0;  // blocks copied back into L1
-  uint64_t restore_rejected =
-      0;  // bundles found but unusable (corrupt, wrong layout, digest mismatch)
+  uint64_t demote_failures = 0;  // ... that it could not keep (tier full, I/O error): dropped
+  uint64_t evicted_demoted = 0;  // write-back: evicted blocks copied out for the chain
+  // Write-back: evictions of a block that lacked a kind (its window or snapshot pages were
+  // evicted earlier, when the complete block was demoted): not demoted again.
+  uint64_t evicted_incomplete = 0;
+  // Write-back: evicted blocks dropped because max_pending_demote_bytes were already waiting.
+  uint64_t demote_backlog_drops = 0;
+  // Write-back: record bytes of the blocks copied out and not yet stored by the chain (now).
+  uint64_t pending_demote_bytes = 0;
+  uint64_t restored_blocks = 0;       // blocks copied back into L1
+  // Bundles found but unusable (corrupt, wrong layout, digest mismatch).
+  uint64_t restore_rejected = 0;
   uint64_t restore_no_room = 0;  // restores given up for want of L1 pages
 };
 
@@ -73,13 +105,14 @@ class OffloadedCache {
   Status AppendTokens(SequenceId seq, std::span<const TokenId> tokens) SPARSEKV_EXCLUDES(mu_);
   // CacheManager::AcquireCachedPrefix, then the restore from the chain (see the top).
   Result<OffloadedPrefix> AcquirePrefix(SequenceId seq) SPARSEKV_EXCLUDES(mu_);
-  // CacheManager::CommitComputed, demoting the blocks it makes full.
+  // CacheManager::CommitComputed; under write-through, demoting the blocks it makes full.
   Status CommitComputed(SequenceId seq, uint64_t num_tokens) SPARSEKV_EXCLUDES(mu_);
   Status Free(SequenceId seq) SPARSEKV_EXCLUDES(mu_);
   // Read-only: how much of a prompt L1 and the chain hold.
   Result<OffloadedPrefix> LookupPrefix(const PrefixQuery& query);
 
-  // Blocks until background demotes and prefetches are done.
+  // Blocks until background demotes and prefetches are done (those of evictions that happen
+  // meanwhile too).
   void WaitIdle();
   OffloadedCacheStats Stats() const SPARSEKV_EXCLUDES(mu_);
   CacheManager& manager() const { return manager_; }
@@ -87,12 +120,30 @@ class OffloadedCache {
 
  private:
   struct SequenceState;
+  struct Staged;
+  struct SparePool;
   struct Shared;
   BundleKey KeyOf(const BlockDigest& d) const { return BundleKey{options_.namespace_id, d.hash}; }
   // Copies block `block` of `seq` (every pool, then the digest check) into a bundle; nullptr if
   // one of its pages is gone.
   BundlePtr GatherBlock(SequenceId seq, uint32_t block, const BlockDigest& digest,
                         const std::vector<std::vector<PageId>>& tables) const;
+  // The same from one page per pool; nullptr if one is missing.
+  BundlePtr GatherPages(const BlockDigest& digest, std::span<const PageId> pages) const;
+  // Write-back: the manager's eviction hook (runs under the manager's lock): copies the block's
+  // pages out and queues them.
+  void OnEvict(const EvictingBlock& block);
+  // Write-back: a staged block as a bundle; nullptr if Bundle refuses the sizes.
+  BundlePtr BundleOf(const Staged& staged) const;
+  // Write-back: makes bundles of what the hook queued and hands them to the chain (on the
+  // demote thread).
+  void DrainEvicted();
+  // Hands bundles to the chain; the caller has counted them in flight.
+  void Demote(std::vector<BundlePtr> bundles, bool evicted);
+  // Per key: the bundle on its way to the chain (write-back), or nullptr.
+  std::vector<BundlePtr> PendingBundles(std::span<const BundleKey> keys) const;
+  // How many leading keys the chain holds or has on the way.
+  size_t CountLower(std::span<const BundleKey> keys) const;
   Status CheckLayout(const Bundle& b, const BlockDigest& digest) const;
   uint32_t RestoreBlocks(SequenceId seq, uint32_t first_block,
                          std::span<const BlockDigest> digests);
@@ -101,6 +152,10 @@ class OffloadedCache {
   TierChain& chain_;
   const OffloadedCacheOptions options_;
   std::shared_ptr<Shared> shared_;
+  uint64_t block_record_bytes_ = 0;   // record bytes of one block's bundle
+  uint64_t block_payload_bytes_ = 0;  // its segments' bytes: every pool's page and the check
+  std::shared_ptr<SparePool> spare_;  // write-back: staging buffers kept for reuse
+  std::unique_ptr<offload::WorkerPool> demoter_;  // write-back only
   mutable Mutex mu_;
   std::unordered_map<SequenceId, std::shared_ptr<SequenceState>> sequences_
       SPARSEKV_GUARDED_BY(mu_);
