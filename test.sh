@@ -18,5 +18,7 @@ werror=OFF
 [ -n "${CI:-}" ] && werror=ON
 ./scripts/configure.sh "$dir" "$type" -DSPARSEKV_SANITIZE="$san" -DSPARSEKV_WERROR="$werror"
 cmake --build "$dir" -j2
+# Races inside uninstrumented system libraries only (see the file).
+[ "$san" = thread ] && export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp ${TSAN_OPTIONS:-}"
 cd "$dir"
 ctest --output-on-failure -j2 --timeout 600 "$@"
