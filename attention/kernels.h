@@ -8,6 +8,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 
 #include "sparsekv/codec.h"
 #include "sparsekv/paged_cache_view.h"
@@ -94,6 +96,16 @@ struct PathKernels {
 
 // Floats `data` must hold for peak_loop.
 inline constexpr uint32_t kPeakDataFloats = 64 * kMaxHeadBlock + 6 * 64;
+
+// 64-byte-aligned fp32 scratch, for the kernels' per-thread buffers.
+struct AlignedFree {
+  void operator()(float* p) const { std::free(p); }
+};
+using AlignedFloats = std::unique_ptr<float[], AlignedFree>;
+inline AlignedFloats AllocFloats(uint64_t n) {
+  return AlignedFloats(
+      static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64)));
+}
 
 // Each path's table, or nullptr where this build has no code for it.
 const PathKernels* ScalarKernels();

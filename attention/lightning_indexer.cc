@@ -19,23 +19,13 @@ namespace {
 // large enough that the transposed queries are reused a few thousand times.
 constexpr uint64_t kKeysPerItem = 4096;
 
-struct AlignedFree {
-  void operator()(float* p) const { std::free(p); }
-};
-using AlignedFloats = std::unique_ptr<float[], AlignedFree>;
-
-AlignedFloats AllocFloats(uint64_t n) {
-  const uint64_t bytes = (n * sizeof(float) + 63) / 64 * 64;
-  return AlignedFloats(static_cast<float*>(std::aligned_alloc(64, bytes)));
-}
-
 }  // namespace
 
 struct LightningIndexer::State {
   explicit State(uint32_t threads) : team(threads), scratch(threads) {}
 
   struct ThreadScratch {
-    AlignedFloats qt, tile;
+    attention::AlignedFloats qt, tile;
     uint64_t qt_floats = 0, tile_floats = 0;
     std::vector<uint32_t> selected;
   };
@@ -174,8 +164,8 @@ Status LightningIndexer::Run(const PagedCacheView& keys, const IndexerBatch& bat
   for (auto& sc : st.scratch) {
     const uint64_t qt = uint64_t{keys.dims} * batch.heads;
     const uint64_t tile = uint64_t{attention::kChunkEntries} * keys.dims;
-    if (sc.qt_floats < qt) sc.qt = AllocFloats(sc.qt_floats = qt);
-    if (sc.tile_floats < tile) sc.tile = AllocFloats(sc.tile_floats = tile);
+    if (sc.qt_floats < qt) sc.qt = attention::AllocFloats(sc.qt_floats = qt);
+    if (sc.tile_floats < tile) sc.tile = attention::AllocFloats(sc.tile_floats = tile);
     if (sc.selected.size() < options_.top_k) sc.selected.resize(options_.top_k);
   }
 

@@ -14,10 +14,6 @@ namespace sparsekv {
 
 namespace {
 
-struct AlignedFree {
-  void operator()(float* p) const { std::free(p); }
-};
-
 bool MlaFormat(StorageFormat f) {
   return f == StorageFormat::kC8Mla || f == StorageFormat::kFp8DsMla ||
          f == StorageFormat::kBf16 || f == StorageFormat::kFp8V4;
@@ -76,8 +72,8 @@ struct SparseMla::State {
                             uint64_t{attention::kChunkEntries} * attention::kMaxHeadBlock +
                             3 * attention::kMaxItemHeads;
     for (uint32_t t = 0; t < threads; ++t) {
-      float* base = static_cast<float*>(std::aligned_alloc(64, (floats * 4 + 63) / 64 * 64));
-      memory.emplace_back(base);
+      memory.push_back(attention::AllocFloats(floats));
+      float* base = memory.back().get();
       attention::MlaScratch sc;
       sc.qt = base;
       sc.ot = sc.qt + attention::kMaxMlaDims * attention::kMaxItemHeads;
@@ -91,7 +87,7 @@ struct SparseMla::State {
   }
 
   attention::ThreadTeam team;
-  std::vector<std::unique_ptr<float, AlignedFree>> memory;
+  std::vector<attention::AlignedFloats> memory;
   std::vector<attention::MlaScratch> scratch;
 
   // Per run.
