@@ -205,6 +205,10 @@ Result<BundlePtr> Bundle::AdoptRecord(RecordBuffer buffer, uint64_t record_bytes
   return FromVerified(std::move(buffer), record_bytes);
 }
 
+BundlePtr Bundle::AdoptVerifiedRecord(RecordBuffer buffer, uint64_t record_bytes) {
+  return *FromVerified(std::move(buffer), record_bytes);
+}
+
 Result<BundlePtr> Bundle::FromVerified(RecordBuffer buffer, uint64_t record_bytes) {
   auto b = std::shared_ptr<Bundle>(new Bundle());
   const std::byte* p = buffer.data();

@@ -41,7 +41,7 @@ class HostTierImpl final : public HostTier {
     PagePoolOptions po;
     po.name = options_.name;
     po.capacity = static_cast<uint32_t>(slots);
-    po.page_bytes = options_.slot_bytes;
+    po.page_bytes = (options_.slot_bytes + 4095) & ~uint64_t{4095};  // a record's 4 KiB padding fits
     po.backing = options_.backing;
     po.huge_pages = options_.huge_pages;
     SPARSEKV_ASSIGN_OR_RETURN(pool_, PagePool::Create(po));
@@ -165,8 +165,12 @@ class HostTierImpl final : public HostTier {
       }
       page = *p;
     }
-    // The page is pinned and not yet in the index: nobody else touches it.
-    std::memcpy(pool_->PageData(page), b->record().data(), b->record_bytes());
+    // The page is pinned and not yet in the index: nobody else touches it. The padding to
+    // 4 KiB is zeroed, as a RecordBuffer's is (GetPinned hands the page out as one).
+    std::byte* dst = pool_->PageData(page);
+    std::memcpy(dst, b->record().data(), b->record_bytes());
+    const uint64_t padded = (b->record_bytes() + 4095) & ~uint64_t{4095};
+    std::memset(dst + b->record_bytes(), 0, padded - b->record_bytes());
     MutexLock lock(mu_);
     auto it = index_.find(b->key());
     if (it != index_.end()) {
@@ -181,7 +185,9 @@ class HostTierImpl final : public HostTier {
     return pool_->ReleaseToCache(page);
   }
 
-  Result<BundlePtr> GetOne(const BundleKey& key) SPARSEKV_EXCLUDES(mu_) {
+  Result<BundlePtr> GetPinned(const BundleKey& key) override { return GetOne(key, /*in_place=*/true); }
+
+  Result<BundlePtr> GetOne(const BundleKey& key, bool in_place = false) SPARSEKV_EXCLUDES(mu_) {
     PageId page;
     uint64_t bytes;
     {
@@ -195,7 +201,22 @@ class HostTierImpl final : public HostTier {
       bytes = meta_[page].record_bytes;
       SPARSEKV_RETURN_IF_ERROR(pool_->Revive(page));
     }
-    Result<BundlePtr> b = Bundle::ParseRecord({pool_->PageData(page), bytes}, key);
+    std::byte* data = pool_->PageData(page);
+    if (in_place) {
+      Status v = Bundle::VerifyRecord({data, bytes}, key);
+      if (v.ok()) {
+        {
+          MutexLock lock(mu_);
+          ++stats_.hits;
+          stats_.bytes_read += bytes;
+        }
+        // The page stays pinned until the bundle's last owner lets go.
+        RecordBuffer view(data, (bytes + 4095) & ~uint64_t{4095},
+                          [this, page](std::byte*) { ReleasePinned(page).IgnoreError(); });
+        return Bundle::AdoptVerifiedRecord(std::move(view), bytes);
+      }
+    }
+    Result<BundlePtr> b = Bundle::ParseRecord({data, bytes}, key);
     MutexLock lock(mu_);
     if (!b.ok()) {
       ++stats_.corrupt;
@@ -209,12 +230,22 @@ class HostTierImpl final : public HostTier {
       ++stats_.hits;
       stats_.bytes_read += bytes;
     }
-    const bool keep = !meta_[page].orphaned;
-    if (pool_->RefCount(page) == 1) meta_[page].orphaned = false;  // the last reader
-    const Status s = keep ? pool_->ReleaseToCache(page) : pool_->Release(page);
+    const Status s = ReleaseLocked(page);
     if (!s.ok()) return s;
     if (!b.ok()) return b.status().WithContext("host tier");
     return b;
+  }
+
+  // A reader lets go of a page: back to the LRU, or freed if erased or replaced meanwhile.
+  Status ReleaseLocked(PageId page) SPARSEKV_REQUIRES(mu_) {
+    const bool keep = !meta_[page].orphaned;
+    if (pool_->RefCount(page) == 1) meta_[page].orphaned = false;  // the last reader
+    return keep ? pool_->ReleaseToCache(page) : pool_->Release(page);
+  }
+
+  Status ReleasePinned(PageId page) SPARSEKV_EXCLUDES(mu_) {
+    MutexLock lock(mu_);
+    return ReleaseLocked(page);
   }
 
   // Drops a key's page: made free now if cached, by its reader if pinned.

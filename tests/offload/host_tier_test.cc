@@ -53,6 +53,48 @@ TEST(HostTier, PutGetContainsEraseWithPerItemResults) {
   EXPECT_EQ(s.bytes, in[1]->record_bytes());
 }
 
+TEST(HostTier, GetPinnedReadsInPlaceAndHoldsThePageUntilReleased) {
+  // A slot size that is not a multiple of 4 KiB: the record's padding must still fit.
+  auto tier = OpenHost(2, 10000);
+  std::vector<BundlePtr> in = {MakeBundleOfBytes(1, 9000), MakeBundleOfBytes(2, 5000)};
+  ASSERT_TRUE(tier->Put(in).get()[0].ok());
+  auto pinned = tier->GetPinned(KeyOf(1));
+  ASSERT_TRUE(pinned.ok()) << pinned.status().ToString();
+  EXPECT_TRUE(SameBytes(**pinned, *in[0]));
+  // The padding to 4 KiB reads as zeros, as a RecordBuffer's does.
+  const auto padded = (*pinned)->padded_record();
+  EXPECT_EQ(padded.size() % 4096, 0u);
+  for (size_t i = (*pinned)->record_bytes(); i < padded.size(); ++i) ASSERT_EQ(padded[i], std::byte{0}) << i;
+  // While pinned the page is neither evicted nor reused: filling the tier evicts the other.
+  ASSERT_TRUE(tier->Put({in[1]}).get()[0].ok());
+  auto third = tier->Put({MakeBundleOfBytes(3, 4000)}).get();
+  ASSERT_TRUE(third[0].ok()) << third[0].ToString();
+  EXPECT_EQ(tier->Contains({KeyOf(1), KeyOf(2), KeyOf(3)}).get(), (std::vector<bool>{true, false, true}));
+  auto fourth = tier->Put({MakeBundleOfBytes(4, 4000)}).get();  // evicts 3: 1 is still pinned
+  EXPECT_TRUE(fourth[0].ok()) << fourth[0].ToString();
+  EXPECT_EQ(tier->Contains({KeyOf(1), KeyOf(3), KeyOf(4)}).get(), (std::vector<bool>{true, false, true}));
+  EXPECT_TRUE(SameBytes(**pinned, *in[0]));
+  // Erased while pinned: gone from the index at once, its page freed by the last owner.
+  ASSERT_TRUE(tier->Erase({KeyOf(1)}).get()[0].ok());
+  EXPECT_FALSE(tier->Contains({KeyOf(1)}).get()[0]);
+  EXPECT_TRUE(SameBytes(**pinned, *in[0]));
+  pinned = Status::Aborted("released");
+  ASSERT_TRUE(tier->Put({MakeBundleOfBytes(5, 4000)}).get()[0].ok());
+  EXPECT_EQ(tier->Contains({KeyOf(4), KeyOf(5)}).get(), (std::vector<bool>{true, true}));
+}
+
+TEST(HostTier, GetPinnedChecksTheRecordAndDropsACorruptOne) {
+  auto tier = OpenHost(2);
+  auto b = MakeBundleOfBytes(7, 3000);
+  ASSERT_TRUE(tier->Put({b}).get()[0].ok());
+  ASSERT_TRUE(tier->CorruptForTesting(KeyOf(7), b->record_bytes() - 1).ok());
+  auto got = tier->GetPinned(KeyOf(7));
+  EXPECT_TRUE(got.status().data_loss()) << got.status().ToString();
+  EXPECT_FALSE(tier->Contains({KeyOf(7)}).get()[0]);
+  EXPECT_TRUE(tier->GetPinned(KeyOf(8)).status().Is(StatusCode::kNotFound));
+  EXPECT_EQ(tier->Stats().corrupt, 1u);
+}
+
 TEST(HostTier, EvictsLeastRecentlyUsedAndHandsItOver) {
   auto tier = OpenHost(4);
   std::vector<BundlePtr> evicted;

@@ -115,6 +115,9 @@ class Bundle {
                                        const BundleKey& expected);
   static Result<BundlePtr> AdoptRecord(RecordBuffer buffer, uint64_t record_bytes,
                                        const BundleKey& expected);
+  // As AdoptRecord for a record the caller has just checked with VerifyRecord (no second
+  // checksum pass). Precondition: VerifyRecord({buffer.data(), record_bytes}, key) is OK.
+  static BundlePtr AdoptVerifiedRecord(RecordBuffer buffer, uint64_t record_bytes);
   // The checks of ParseRecord without building a bundle; OK when `record` is a good record of
   // `expected`.
   static Status VerifyRecord(std::span<const std::byte> record, const BundleKey& expected);

@@ -6,6 +6,8 @@
 // used end; a put that finds no free page evicts the least recently used bundle. With an
 // eviction listener set, evicted bundles are copied out first and handed over (write-back to
 // the next tier). Every operation completes on the caller's thread before the call returns.
+// Each slot takes `slot_bytes` rounded up to 4 KiB of memory, so a record in place can be
+// handed out as a bundle (GetPinned), padding included.
 //
 // Ownership: the tier owns its pool. Thread safety: every method is thread-safe; page copies
 // run outside the tier's lock.
@@ -38,6 +40,11 @@ class HostTier : public Tier {
  public:
   // Errors: slot_bytes of 0, a capacity below one slot, a pool that cannot be mapped.
   static Result<std::unique_ptr<HostTier>> Open(const HostTierOptions& options);
+
+  // A stored bundle without copying it: checked like any read, and its bytes are the tier's
+  // own page, pinned (neither evicted nor reused) until the last owner of the result lets go.
+  // The result must not outlive the tier. Errors: NotFound, Corruption (the bundle is dropped).
+  virtual Result<BundlePtr> GetPinned(const BundleKey& key) = 0;
 
   // Test hook: flips one bit of the stored record of `key` at `offset`.
   virtual Status CorruptForTesting(const BundleKey& key, uint64_t offset) = 0;
