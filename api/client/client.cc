@@ -4,6 +4,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -13,9 +14,12 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <condition_variable>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
+#include <variant>
 
 #include "protocol/wire.h"
 
@@ -23,10 +27,13 @@ namespace sparsekv {
 namespace {
 
 namespace w = wire;
+using Clock = std::chrono::steady_clock;
 
 struct Frame {
   w::FrameHeader header;
   std::vector<std::byte> payload;
+  // A GET reply read straight into its results (see ReadGetPayload); `payload` is then empty.
+  std::shared_ptr<std::vector<GetResult>> get_items;
 };
 
 Status Errno(const std::string& what) {
@@ -130,6 +137,12 @@ class Client::Impl {
 
   void Close() {
     if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
+    stopping_.store(true);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
     if (reader_.joinable()) reader_.join();
     if (fd_ >= 0) ::close(fd_);
     fd_ = -1;
@@ -194,7 +207,6 @@ class Client::Impl {
     }
     hello_ = *hello_reply;
     if (staging_fd >= 0) SPARSEKV_RETURN_IF_ERROR(MapStaging(staging_fd, hello_.shm_staging_bytes));
-    reader_ = std::thread([this] { ReaderLoop(); });
     return Status::OK();
   }
 
@@ -215,6 +227,7 @@ class Client::Impl {
     return Status::OK();
   }
 
+  // Reads one frame's payload after its header (HELLO only: before any reply is pipelined).
   Result<Frame> ReadFrameAfterHeader(const std::array<std::byte, w::kHeaderBytes>& hb) {
     SPARSEKV_ASSIGN_OR_RETURN(w::FrameHeader h, w::DecodeHeader(hb, w::kMaxPayloadBytes));
     Frame f;
@@ -231,49 +244,278 @@ class Client::Impl {
     return Status(e->code, e->message);
   }
 
-  void ReaderLoop() {
-    Status why;
-    for (;;) {
-      std::array<std::byte, w::kHeaderBytes> hb;
-      why = ReadAll(fd_, hb.data(), hb.size());
-      if (!why.ok()) break;
-      auto f = ReadFrameAfterHeader(hb);
-      if (!f.ok()) {
-        why = f.status().WithContext("bad frame from sparsekvd");
-        break;
+  // ---- reading replies ----
+  //
+  // Whoever needs a reply reads the socket: a synchronous caller takes the reader role, reads
+  // frames until its own reply arrives (handing other callers' replies to them) and gives the
+  // role back. That saves a thread handoff per call, which on a small machine costs more than
+  // the call itself. Asynchronous calls and event subscriptions start a reader thread, which
+  // then keeps the role; synchronous callers wait for it to hand them their reply.
+
+  // The outcome of reading one frame.
+  enum class ReadOutcome { kFrame, kIdle, kBroken };
+
+  // Copies `n` bytes from the socket, through the read-ahead buffer. When `deadline` passes
+  // before a frame's first byte (`at_boundary`) the answer is kIdle. Once a frame has begun it
+  // is read to its end within the call timeout, or the connection is broken (its framing would
+  // be lost). Waits are cut into slices of at most 500 ms so that Close is noticed.
+  ReadOutcome ReadExact(std::byte* dst, size_t n, bool& at_boundary, Clock::time_point deadline, Status* why) {
+    Clock::time_point frame_deadline = at_boundary ? Clock::time_point::max() : Clock::now() + timeout_;
+    auto begun = [&] {
+      if (at_boundary) {
+        at_boundary = false;
+        frame_deadline = Clock::now() + timeout_;
       }
-      if (f->header.opcode == w::Opcode::kEvent) {
-        DeliverEvents(f->payload);
+    };
+    while (n > 0) {
+      if (rpos_ < rend_) {
+        const size_t k = std::min(n, rend_ - rpos_);
+        std::memcpy(dst, rbuf_.data() + rpos_, k);
+        rpos_ += k;
+        dst += k;
+        n -= k;
+        begun();
         continue;
       }
-      std::promise<Result<Frame>> p;
-      {
-        std::lock_guard<std::mutex> l(mu_);
-        auto it = pending_.find(f->header.request_id);
-        if (it == pending_.end()) continue;  // a reply nobody waits for (fire-and-forget)
-        p = std::move(it->second);
-        pending_.erase(it);
+      // Within a frame, or when not waiting at all, the bytes are likely there: try first.
+      const Clock::time_point until = at_boundary ? deadline : frame_deadline;
+      if (!at_boundary || until <= Clock::now()) {
+        const int got = RecvSome(dst, n, begun, why);
+        if (got > 0) continue;
+        if (got < 0) return ReadOutcome::kBroken;
+        if (at_boundary && until <= Clock::now()) return ReadOutcome::kIdle;
       }
-      if (f->header.opcode == w::Opcode::kError) {
-        p.set_value(ErrorStatus(f->payload));
+      // Wait with poll, never asleep inside recv: on a Unix socket the daemon's reading of our
+      // request wakes every task asleep on the socket (a write-space wakeup, which recv's wait
+      // does not filter), which costs a context switch per call; poll waits for input only.
+      pollfd pfd{fd_, POLLIN, 0};
+      const auto now = Clock::now();
+      int64_t wait_ms = 500;
+      if (until != Clock::time_point::max()) {
+        wait_ms = std::min<int64_t>(
+            wait_ms, std::chrono::ceil<std::chrono::milliseconds>(std::max(until - now, Clock::duration{})).count());
+      }
+      const int pr = ::poll(&pfd, 1, static_cast<int>(wait_ms));
+      if (pr < 0 && errno != EINTR) {
+        *why = Errno("waiting for sparsekvd");
+        return ReadOutcome::kBroken;
+      }
+      if (pr <= 0) {
+        if (stopping_.load(std::memory_order_relaxed)) {
+          *why = Status::Unavailable("client closed");
+          return ReadOutcome::kBroken;
+        }
+        if (Clock::now() < until) continue;
+        if (at_boundary) return ReadOutcome::kIdle;
+        *why = Status::Unavailable("sparsekvd stopped sending in the middle of a frame");
+        return ReadOutcome::kBroken;
+      }
+      if (RecvSome(dst, n, begun, why) < 0) return ReadOutcome::kBroken;
+    }
+    return ReadOutcome::kFrame;
+  }
+
+  // One non-blocking receive: a large remainder goes straight to `dst` (advancing it and `n`),
+  // a small one refills the read-ahead buffer, which also picks up the start of the next
+  // frame. Returns 1 when bytes came, 0 when none were there, -1 when the connection failed.
+  template <typename Begun>
+  int RecvSome(std::byte*& dst, size_t& n, Begun& begun, Status* why) {
+    const bool direct = n >= rbuf_.size() / 2;
+    const ssize_t k = direct ? ::recv(fd_, dst, n, MSG_DONTWAIT) : ::recv(fd_, rbuf_.data(), rbuf_.size(), MSG_DONTWAIT);
+    if (k > 0) {
+      if (direct) {
+        dst += k;
+        n -= static_cast<size_t>(k);
+        begun();
       } else {
-        p.set_value(std::move(f).value());
+        rpos_ = 0;
+        rend_ = static_cast<size_t>(k);
+      }
+      return 1;
+    }
+    if (k == 0) {
+      *why = Status::Unavailable("sparsekvd closed the connection");
+      return -1;
+    }
+    if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+    *why = Errno("reading from sparsekvd");
+    return -1;
+  }
+
+  ReadOutcome ReadFrame(Clock::time_point deadline, Frame* f, Status* why) {
+    std::array<std::byte, w::kHeaderBytes> hb;
+    bool at_boundary = true;
+    ReadOutcome o = ReadExact(hb.data(), hb.size(), at_boundary, deadline, why);
+    if (o != ReadOutcome::kFrame) return o;
+    auto h = w::DecodeHeader(hb, w::kMaxPayloadBytes);
+    if (!h.ok()) {
+      *why = h.status().WithContext("bad frame from sparsekvd");
+      return ReadOutcome::kBroken;
+    }
+    f->header = *h;
+    if (h->opcode == w::Opcode::kGet && !(h->flags & w::kFlagPayloadChecksum)) {
+      return ReadGetPayload(h->payload_bytes, at_boundary, deadline, f, why);
+    }
+    f->payload.resize(h->payload_bytes);
+    o = ReadExact(f->payload.data(), f->payload.size(), at_boundary, deadline, why);
+    if (o != ReadOutcome::kFrame) return o;
+    if (Status st = w::VerifyPayload(*h, f->payload); !st.ok()) {
+      *why = st.WithContext("bad frame from sparsekvd");
+      return ReadOutcome::kBroken;
+    }
+    return ReadOutcome::kFrame;
+  }
+
+  // A GET reply without a payload checksum (as sparsekvd sends them): each bundle is read from
+  // the socket straight into its result's own buffer, sparing a copy of every byte. The
+  // layout is checked as DecodeGetReply checks it; anything amiss breaks the connection.
+  ReadOutcome ReadGetPayload(uint32_t payload_bytes, bool& at_boundary, Clock::time_point deadline, Frame* f,
+                             Status* why) {
+    uint64_t left = payload_bytes;
+    auto bad = [&](const std::string& what) {
+      *why = Status::Corruption("bad GET reply from sparsekvd: " + what);
+      return ReadOutcome::kBroken;
+    };
+    auto take = [&](void* dst, size_t n) {
+      if (n > left) return bad("an item runs past the end of the frame");
+      left -= n;
+      return ReadExact(static_cast<std::byte*>(dst), n, at_boundary, deadline, why);
+    };
+    auto take_u32 = [&](uint32_t* v) {
+      std::array<std::byte, 4> b;
+      const ReadOutcome o = take(b.data(), 4);
+      *v = uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24;
+      return o;
+    };
+    uint32_t count = 0;
+    if (ReadOutcome o = take_u32(&count); o != ReadOutcome::kFrame) return o;
+    if (count > w::kMaxBatchItems || count > left) return bad("item count " + std::to_string(count));
+    auto items = std::make_shared<std::vector<GetResult>>(count);
+    for (GetResult& g : *items) {
+      uint8_t code = 0;
+      if (ReadOutcome o = take(&code, 1); o != ReadOutcome::kFrame) return o;
+      if (code > static_cast<uint8_t>(StatusCode::kInternal)) return bad("unknown status code");
+      uint32_t n = 0;
+      if (ReadOutcome o = take_u32(&n); o != ReadOutcome::kFrame) return o;
+      if (n > left || (code != 0 && n > 4096)) return bad("a length past the end of the frame");
+      if (code == 0) {
+        g.bytes.resize(n);
+        if (ReadOutcome o = take(g.bytes.data(), n); o != ReadOutcome::kFrame) return o;
+      } else {
+        std::string message(n, '\0');
+        if (ReadOutcome o = take(message.data(), n); o != ReadOutcome::kFrame) return o;
+        g.status = Status(static_cast<StatusCode>(code), std::move(message));
       }
     }
-    std::map<uint64_t, std::promise<Result<Frame>>> orphans;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      broken_ = why.ok() ? Status::Unavailable("connection closed") : why;
-      orphans.swap(pending_);
+    if (left != 0) return bad("bytes left over");
+    f->get_items = std::move(items);
+    return ReadOutcome::kFrame;
+  }
+
+  // A synchronous caller's slot for its reply.
+  struct Waiter {
+    std::optional<Result<Frame>> result;
+  };
+  using FrameCallback = std::function<void(Result<Frame>)>;
+  using Pending = std::variant<Waiter*, std::promise<Result<Frame>>, FrameCallback>;
+
+  // Hands a frame to whoever waits for it. Called with mu_ held (`l`); may unlock it to run
+  // event callbacks and fulfil promises.
+  void Deliver(std::unique_lock<std::mutex>& l, Frame f) {
+    if (f.header.opcode == w::Opcode::kEvent) {
+      l.unlock();
+      DeliverEvents(f.payload);
+      l.lock();
+      return;
     }
-    for (auto& [id, p] : orphans) p.set_value(broken_);
+    auto it = pending_.find(f.header.request_id);
+    if (it == pending_.end()) return;  // a reply nobody waits for (the caller timed out)
+    Result<Frame> r = f.header.opcode == w::Opcode::kError ? Result<Frame>(ErrorStatus(f.payload))
+                                                           : Result<Frame>(std::move(f));
+    if (Waiter** w = std::get_if<Waiter*>(&it->second)) {
+      (*w)->result.emplace(std::move(r));
+      pending_.erase(it);
+      cv_.notify_all();
+      return;
+    }
+    Pending p = std::move(it->second);
+    pending_.erase(it);
+    l.unlock();
+    if (auto* promise = std::get_if<1>(&p)) {
+      promise->set_value(std::move(r));
+    } else {
+      std::get<2>(p)(std::move(r));
+    }
+    l.lock();
+  }
+
+  // The connection is unusable: every waiter gets `why`. Called with mu_ held.
+  void Break(std::unique_lock<std::mutex>& l, const Status& why) {
+    if (broken_.ok()) broken_ = why;
+    std::vector<Pending> others;
+    for (auto& [id, p] : pending_) {
+      if (Waiter** w = std::get_if<Waiter*>(&p)) {
+        (*w)->result.emplace(broken_);
+      } else {
+        others.push_back(std::move(p));
+      }
+    }
+    pending_.clear();
+    cv_.notify_all();
+    const Status why_copy = broken_;
+    l.unlock();
+    for (auto& p : others) {
+      if (auto* promise = std::get_if<1>(&p)) {
+        promise->set_value(why_copy);
+      } else {
+        std::get<2>(p)(why_copy);
+      }
+    }
+    l.lock();
+  }
+
+  // Reads frames while the role is ours. Returns with mu_ held and the role given back.
+  ReadOutcome ReadOnce(std::unique_lock<std::mutex>& l, Clock::time_point deadline) {
+    role_taken_ = true;
+    l.unlock();
+    Frame f;
+    Status why;
+    const ReadOutcome o = ReadFrame(deadline, &f, &why);
+    l.lock();
+    role_taken_ = false;
+    if (o == ReadOutcome::kFrame) {
+      Deliver(l, std::move(f));
+    } else if (o == ReadOutcome::kBroken) {
+      Break(l, why);
+    }
+    cv_.notify_all();  // someone else may need the role now
+    return o;
+  }
+
+  // The reader thread of asynchronous calls and events: once started it keeps the role.
+  void ReaderLoop() {
+    std::unique_lock<std::mutex> l(mu_);
+    while (!stop_ && broken_.ok()) {
+      if (role_taken_) {
+        cv_.wait(l);
+        continue;
+      }
+      ReadOnce(l, Clock::time_point::max());
+    }
+  }
+
+  void EnsureReaderThread() {
+    std::lock_guard<std::mutex> l(mu_);
+    if (reader_started_) return;
+    reader_started_ = true;
+    reader_ = std::thread([this] { ReaderLoop(); });
   }
 
   void DeliverEvents(std::span<const std::byte> payload) {
     auto batch = w::DecodeEventBatch(payload);
     EventCallback cb;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      std::lock_guard<std::mutex> l(cb_mu_);
       cb = on_event_;
     }
     if (!batch.ok() || !cb) return;
@@ -288,17 +530,14 @@ class Client::Impl {
     }
   }
 
-  std::future<Result<Frame>> Send(w::Opcode op, std::span<const std::byte> payload) {
-    std::promise<Result<Frame>> p;
-    auto fut = p.get_future();
+  // Registers the request, then sends it. Returns the request id, or why it was not sent (the
+  // registration is then undone).
+  Result<uint64_t> SendFrame(w::Opcode op, std::span<const std::byte> payload, Pending pending) {
     const uint64_t id = next_id_.fetch_add(1, std::memory_order_relaxed);
     {
       std::lock_guard<std::mutex> l(mu_);
-      if (!broken_.ok()) {
-        p.set_value(broken_);
-        return fut;
-      }
-      pending_.emplace(id, std::move(p));
+      if (!broken_.ok()) return broken_;
+      pending_.emplace(id, std::move(pending));
     }
     const auto frame = w::EncodeFrame(op, 0, id, payload);
     Status st;
@@ -307,24 +546,90 @@ class Client::Impl {
       st = WriteAll(fd_, frame.data(), frame.size());
     }
     if (!st.ok()) {
-      std::lock_guard<std::mutex> l(mu_);
-      auto it = pending_.find(id);
-      if (it != pending_.end()) {
-        it->second.set_value(st);
-        pending_.erase(it);
-      }
+      std::unique_lock<std::mutex> l(mu_);
+      pending_.erase(id);
+      return st;
+    }
+    return id;
+  }
+
+  std::future<Result<Frame>> Send(w::Opcode op, std::span<const std::byte> payload) {
+    EnsureReaderThread();
+    std::promise<Result<Frame>> p;
+    auto fut = p.get_future();
+    auto id = SendFrame(op, payload, std::move(p));
+    if (!id.ok()) {
+      std::promise<Result<Frame>> failed;
+      fut = failed.get_future();
+      failed.set_value(id.status());
     }
     return fut;
   }
 
-  Result<Frame> Wait(std::future<Result<Frame>> fut) {
-    if (fut.wait_for(timeout_) != std::future_status::ready) {
-      return Status::Unavailable(fmt::format("no reply from sparsekvd within {} ms", timeout_.count()));
+  // Waits with mu_ held (`l`) until `done()`, reading replies meanwhile whenever nobody else
+  // is. False when the deadline passed or the connection broke first.
+  template <typename Done>
+  bool WaitReading(std::unique_lock<std::mutex>& l, Clock::time_point deadline, Done&& done) {
+    while (!done()) {
+      if (!broken_.ok()) return false;
+      const bool idle = role_taken_ ? cv_.wait_until(l, deadline) == std::cv_status::timeout
+                                    : ReadOnce(l, deadline) == ReadOutcome::kIdle;
+      if (idle && !done() && Clock::now() >= deadline) return false;
     }
-    return fut.get();
+    return true;
   }
 
-  Result<Frame> Call(w::Opcode op, std::span<const std::byte> payload) { return Wait(Send(op, payload)); }
+  Status TimedOut() const {
+    return Status::Unavailable(fmt::format("no reply from sparsekvd within {} ms", timeout_.count()));
+  }
+
+  // A synchronous request: the calling thread reads its own reply when nobody else is reading.
+  Result<Frame> Call(w::Opcode op, std::span<const std::byte> payload) {
+    Waiter waiter;
+    SPARSEKV_ASSIGN_OR_RETURN(const uint64_t id, SendFrame(op, payload, &waiter));
+    std::unique_lock<std::mutex> l(mu_);
+    if (!WaitReading(l, Clock::now() + timeout_, [&] { return waiter.result.has_value(); })) {
+      if (waiter.result) return std::move(*waiter.result);  // broken: the reason is there
+      pending_.erase(id);
+      return TimedOut();
+    }
+    return std::move(*waiter.result);
+  }
+
+  // Reads every reply that has arrived and hands each to its waiter; for event loops.
+  Result<size_t> ProcessReplies() {
+    std::unique_lock<std::mutex> l(mu_);
+    size_t n = 0;
+    while (!role_taken_ && broken_.ok()) {
+      if (ReadOnce(l, Clock::now()) != ReadOutcome::kFrame) break;
+      ++n;
+    }
+    if (n == 0 && !broken_.ok()) return broken_;
+    return n;
+  }
+
+  // The staging area's halves: one PUT and one GET at a time use each.
+  enum Area { kPutArea = 0, kGetArea = 1 };
+  bool TryAcquire(Area a) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (area_busy_[a]) return false;
+    area_busy_[a] = true;
+    return true;
+  }
+  Status Acquire(Area a) {
+    std::unique_lock<std::mutex> l(mu_);
+    // The holder may be a callback request whose reply only a reader delivers: read meanwhile.
+    if (!WaitReading(l, Clock::now() + timeout_, [&] { return !area_busy_[a]; })) {
+      return broken_.ok() ? TimedOut() : broken_;
+    }
+    area_busy_[a] = true;
+    return Status::OK();
+  }
+  void Release(Area a) {
+    std::lock_guard<std::mutex> l(mu_);
+    area_busy_[a] = false;
+    cv_.notify_all();
+  }
 
   static Result<LookupResult> ParseLookup(Result<Frame> f) {
     if (!f.ok()) return f.status();
@@ -346,6 +651,12 @@ class Client::Impl {
 
   static Result<std::vector<GetResult>> ParseGet(Result<Frame> f, size_t expected) {
     if (!f.ok()) return f.status();
+    if (f->get_items) {
+      if (f->get_items->size() != expected) {
+        return Status::Internal(fmt::format("sparsekvd answered {} items for {}", f->get_items->size(), expected));
+      }
+      return std::move(*f->get_items);
+    }
     SPARSEKV_ASSIGN_OR_RETURN(w::GetReply r, w::DecodeGetReply(f->payload, w::kMaxPayloadBytes));
     if (r.items.size() != expected) {
       return Status::Internal(fmt::format("sparsekvd answered {} items for {}", r.items.size(), expected));
@@ -361,7 +672,11 @@ class Client::Impl {
   Result<std::vector<Status>> PutShared(std::span<const BundleRef> bundles) {
     std::vector<Status> out;
     out.reserve(bundles.size());
-    std::lock_guard<std::mutex> l(staging_mu_);
+    SPARSEKV_RETURN_IF_ERROR(Acquire(kPutArea));
+    struct ReleaseAtEnd {
+      Impl* impl;
+      ~ReleaseAtEnd() { impl->Release(kPutArea); }
+    } release{this};
     size_t i = 0;
     while (i < bundles.size()) {
       w::ShmPutRequest req;
@@ -392,42 +707,112 @@ class Client::Impl {
     return ParseStatusList(Call(w::Opcode::kPut, w::Encode(req)), bundles.size());
   }
 
+  // Copies the bundles an SHM_GET reply names out of the GET area into `out`; the indexes of
+  // items too large for the area, to be fetched with GET, go to `too_big`.
+  Status CopyOutShmGet(const Frame& f, size_t n, std::vector<GetResult>* out, std::vector<size_t>* too_big) const {
+    SPARSEKV_ASSIGN_OR_RETURN(w::ShmGetReply r, w::DecodeShmGetReply(f.payload));
+    if (r.status.size() != n) return Status::Internal("SHM_GET answered the wrong number of items");
+    out->resize(n);
+    size_t slot = 0;
+    const uint64_t half = staging_bytes_ / 2;
+    for (size_t i = 0; i < n; ++i) {
+      if (r.status[i].code == StatusCode::kResourceExhausted) {  // larger than the GET area
+        too_big->push_back(i);
+        continue;
+      }
+      GetResult& g = (*out)[i];
+      g.status = FromItem(r.status[i]);
+      if (!g.status.ok()) continue;
+      if (slot >= r.slots.size()) return Status::Internal("SHM_GET named fewer slots than OK items");
+      const w::ShmSlot& s = r.slots[slot++];
+      if (s.offset < half || s.offset > staging_bytes_ || s.bytes > staging_bytes_ - s.offset) {
+        g.status = Status::Internal("SHM_GET named bytes outside the GET area");
+        continue;
+      }
+      g.bytes.assign(staging_ + s.offset, staging_ + s.offset + s.bytes);
+    }
+    return Status::OK();
+  }
+
   Result<std::vector<GetResult>> GetShared(std::span<const WireBlockHash> hashes) {
-    std::vector<GetResult> out(hashes.size());
-    std::vector<WireBlockHash> too_big;
-    std::vector<size_t> too_big_index;
+    std::vector<GetResult> out;
+    std::vector<size_t> too_big;
     {
       // The daemon writes into the GET half; nothing else may ask for it until we copied out.
-      std::lock_guard<std::mutex> l(staging_mu_);
+      SPARSEKV_RETURN_IF_ERROR(Acquire(kGetArea));
       w::HashList req{{hashes.begin(), hashes.end()}};
       auto f = Call(w::Opcode::kShmGet, w::Encode(req));
-      if (!f.ok()) return f.status();
-      SPARSEKV_ASSIGN_OR_RETURN(w::ShmGetReply r, w::DecodeShmGetReply(f->payload));
-      if (r.status.size() != hashes.size()) return Status::Internal("SHM_GET answered the wrong number of items");
-      size_t slot = 0;
-      const uint64_t half = staging_bytes_ / 2;
-      for (size_t i = 0; i < hashes.size(); ++i) {
-        if (r.status[i].code == StatusCode::kResourceExhausted) {  // larger than the GET area
-          too_big.push_back(hashes[i]);
-          too_big_index.push_back(i);
-          continue;
-        }
-        out[i].status = FromItem(r.status[i]);
-        if (!out[i].status.ok()) continue;
-        const w::ShmSlot& s = r.slots[slot++];
-        if (s.offset < half || s.offset > staging_bytes_ || s.bytes > staging_bytes_ - s.offset) {
-          out[i].status = Status::Internal("SHM_GET named bytes outside the GET area");
-          continue;
-        }
-        out[i].bytes.assign(staging_ + s.offset, staging_ + s.offset + s.bytes);
-      }
+      Status st = f.ok() ? CopyOutShmGet(*f, hashes.size(), &out, &too_big) : f.status();
+      Release(kGetArea);
+      SPARSEKV_RETURN_IF_ERROR(st);
     }
     if (!too_big.empty()) {
-      w::HashList req{std::move(too_big)};
-      SPARSEKV_ASSIGN_OR_RETURN(auto rest, ParseGet(Call(w::Opcode::kGet, w::Encode(req)), too_big_index.size()));
-      for (size_t k = 0; k < rest.size(); ++k) out[too_big_index[k]] = std::move(rest[k]);
+      w::HashList req;
+      for (size_t i : too_big) req.hashes.push_back(hashes[i]);
+      SPARSEKV_ASSIGN_OR_RETURN(auto rest, ParseGet(Call(w::Opcode::kGet, w::Encode(req)), too_big.size()));
+      for (size_t k = 0; k < rest.size(); ++k) out[too_big[k]] = std::move(rest[k]);
     }
     return out;
+  }
+
+  // ---- callback forms ----
+
+  void SendWithCallback(w::Opcode op, std::span<const std::byte> payload, FrameCallback cb) {
+    auto shared_cb = std::make_shared<FrameCallback>(std::move(cb));
+    auto id = SendFrame(op, payload, FrameCallback([shared_cb](Result<Frame> f) { (*shared_cb)(std::move(f)); }));
+    if (!id.ok()) (*shared_cb)(id.status());
+  }
+
+  void GetWithCallback(std::vector<WireBlockHash> hashes, GetCallback done) {
+    if (!shared() || !TryAcquire(kGetArea)) {  // the GET area is in use: the socket carries it
+      const size_t n = hashes.size();
+      SendWithCallback(w::Opcode::kGet, w::Encode(w::HashList{std::move(hashes)}),
+                       [n, done = std::move(done)](Result<Frame> f) { done(ParseGet(std::move(f), n)); });
+      return;
+    }
+    auto keep = std::make_shared<std::vector<WireBlockHash>>(std::move(hashes));
+    SendWithCallback(w::Opcode::kShmGet, w::Encode(w::HashList{*keep}),
+                     [this, keep, done = std::move(done)](Result<Frame> f) mutable {
+                       std::vector<GetResult> out;
+                       std::vector<size_t> too_big;
+                       Status st = f.ok() ? CopyOutShmGet(*f, keep->size(), &out, &too_big) : f.status();
+                       Release(kGetArea);
+                       if (!st.ok()) return done(st);
+                       if (too_big.empty()) return done(std::move(out));
+                       w::HashList rest;
+                       for (size_t i : too_big) rest.hashes.push_back((*keep)[i]);
+                       SendWithCallback(w::Opcode::kGet, w::Encode(rest),
+                                        [out = std::move(out), too_big, done = std::move(done)](Result<Frame> g) mutable {
+                                          auto r = ParseGet(std::move(g), too_big.size());
+                                          if (!r.ok()) return done(r.status());
+                                          for (size_t k = 0; k < r->size(); ++k) out[too_big[k]] = std::move((*r)[k]);
+                                          done(std::move(out));
+                                        });
+                     });
+  }
+
+  void PutWithCallback(std::span<const BundleRef> bundles, StatusesCallback done) {
+    uint64_t total = 0;
+    for (const BundleRef& b : bundles) total += (b.bytes.size() + 63) & ~uint64_t{63};
+    const size_t n = bundles.size();
+    if (shared() && total <= staging_bytes_ / 2 && n <= w::kMaxBatchItems && TryAcquire(kPutArea)) {
+      w::ShmPutRequest req;
+      size_t off = 0;
+      for (const BundleRef& b : bundles) {
+        std::memcpy(staging_ + off, b.bytes.data(), b.bytes.size());
+        req.slots.push_back({b.hash, off, static_cast<uint32_t>(b.bytes.size())});
+        off += (b.bytes.size() + 63) & ~size_t{63};
+      }
+      SendWithCallback(w::Opcode::kShmPut, w::Encode(req), [this, n, done = std::move(done)](Result<Frame> f) {
+        Release(kPutArea);
+        done(ParseStatusList(std::move(f), n));
+      });
+      return;
+    }
+    w::PutRequest req;
+    for (const BundleRef& b : bundles) req.items.push_back({b.hash, b.bytes});
+    SendWithCallback(w::Opcode::kPut, w::Encode(req),
+                     [n, done = std::move(done)](Result<Frame> f) { done(ParseStatusList(std::move(f), n)); });
   }
 
   bool shared() const { return staging_ != nullptr; }
@@ -438,11 +823,20 @@ class Client::Impl {
   w::HelloReply hello_;
   std::byte* staging_ = nullptr;
   size_t staging_bytes_ = 0;
-  std::mutex staging_mu_;  // one shared-memory PUT or GET at a time owns the staging area
   std::mutex write_mu_;    // one frame at a time on the socket
-  std::mutex mu_;
-  std::map<uint64_t, std::promise<Result<Frame>>> pending_;
+  std::mutex mu_;          // guards what follows, to the read-ahead buffer
+  std::condition_variable cv_;
+  std::map<uint64_t, Pending> pending_;
+  bool role_taken_ = false;  // a thread is reading the socket
+  bool area_busy_[2] = {false, false};  // the staging area's PUT and GET halves are in use
+  bool reader_started_ = false;
+  bool stop_ = false;
   Status broken_;
+  std::atomic<bool> stopping_{false};
+  // Read-ahead, touched only by the thread holding the reader role.
+  std::array<std::byte, 16384> rbuf_{};
+  size_t rpos_ = 0, rend_ = 0;
+  std::mutex cb_mu_;
   EventCallback on_event_;
   std::atomic<uint64_t> next_id_{1};
   std::thread reader_;
@@ -507,9 +901,10 @@ Status Client::Ping() {
 
 Status Client::Subscribe(EventCallback callback) {
   {
-    std::lock_guard<std::mutex> l(impl_->mu_);
+    std::lock_guard<std::mutex> l(impl_->cb_mu_);
     impl_->on_event_ = std::move(callback);
   }
+  impl_->EnsureReaderThread();  // events arrive between calls too
   auto f = impl_->Call(w::Opcode::kSubscribe, {});
   return f.ok() ? Status::OK() : f.status();
 }
@@ -533,6 +928,17 @@ std::future<Result<std::vector<GetResult>>> Client::GetAsync(std::vector<WireBlo
   auto fut = impl_->Send(w::Opcode::kGet, w::Encode(w::HashList{std::move(hashes)}));
   return std::async(std::launch::deferred, [f = std::move(fut), n]() mutable { return Impl::ParseGet(f.get(), n); });
 }
+
+void Client::GetAsync(std::vector<WireBlockHash> hashes, GetCallback done) {
+  impl_->GetWithCallback(std::move(hashes), std::move(done));
+}
+
+void Client::PutAsync(std::span<const BundleRef> bundles, StatusesCallback done) {
+  impl_->PutWithCallback(bundles, std::move(done));
+}
+
+int Client::native_handle() const { return impl_->fd_; }
+Result<size_t> Client::ProcessReplies() { return impl_->ProcessReplies(); }
 
 bool Client::shared_memory() const { return impl_->shared(); }
 uint64_t Client::session_id() const { return impl_->hello_.session_id; }

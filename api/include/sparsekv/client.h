@@ -7,8 +7,13 @@
 // the socket and bundle bytes through shared memory (a bundle larger than half the area falls
 // back to the socket).
 //
-// Thread safety: all methods are thread-safe. One reader thread per client delivers responses;
-// event callbacks run on it and must not block.
+// Replies are read by the thread that needs them: a synchronous call reads the socket itself
+// (handing other callers' replies to them), which saves a thread handoff per call. Futures and
+// event subscriptions start one reader thread per client, which then reads every reply;
+// callback requests are completed by ProcessReplies, called from the caller's event loop.
+//
+// Thread safety: all methods are thread-safe. Callbacks and event callbacks run on the thread
+// that reads the reply and must not block.
 #pragma once
 
 #include <array>
@@ -87,9 +92,28 @@ class Client {
   // Starts event delivery to `callback` (on the reader thread).
   Status Subscribe(EventCallback callback);
 
+  // Futures: a reader thread, started by the first of these (or by Subscribe), reads every
+  // reply from then on.
   std::future<Result<LookupResult>> LookupAsync(std::vector<WireBlockHash> hashes);
   std::future<Result<std::vector<Status>>> PutAsync(std::vector<BundleRef> bundles);
   std::future<Result<std::vector<GetResult>>> GetAsync(std::vector<WireBlockHash> hashes);
+
+  // Callbacks, for event loops: the request is sent before the call returns (PUT bytes are
+  // copied or sent, so `bundles` may be reused at once) and `done` runs on whichever thread
+  // reads the reply: ProcessReplies, a synchronous call on another thread, or the reader
+  // thread once futures or events started it. A connection failure reaches `done` as its
+  // status. Over shared memory one callback GET and one callback PUT use the staging area at a
+  // time; a second one in flight goes over the socket.
+  using GetCallback = std::function<void(Result<std::vector<GetResult>>)>;
+  using StatusesCallback = std::function<void(Result<std::vector<Status>>)>;
+  void GetAsync(std::vector<WireBlockHash> hashes, GetCallback done);
+  void PutAsync(std::span<const BundleRef> bundles, StatusesCallback done);
+  // The socket, for an event loop to watch for input (poll/epoll; do not read it).
+  int native_handle() const;
+  // Handles every reply that has arrived, running callbacks, without waiting for more (a frame
+  // already begun is read to its end). Returns how many frames were handled; 0 also when
+  // another thread is reading. Errors: the connection broke.
+  Result<size_t> ProcessReplies();
 
   bool shared_memory() const;
   uint64_t session_id() const;
