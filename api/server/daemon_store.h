@@ -29,8 +29,11 @@ class DaemonStore {
   // Longest run of leading hashes present in some tier, and the tier of each hash.
   virtual wire::LookupReply Lookup(uint32_t ns, std::span<const wire::WireHash> hashes) = 0;
   virtual std::vector<wire::ItemStatus> Put(uint32_t ns, std::span<const wire::PutItem> items) = 0;
-  // Calls `sink(i, status, bytes)` once per hash, in order; `bytes` is valid during the call.
-  using GetSink = std::function<void(size_t, const Status&, std::span<const std::byte>)>;
+  // Calls `sink(i, status, bytes, keep)` once per hash, in order. `bytes` stays valid while a
+  // copy of `keep` is held (a reply can then be sent from them without copying); with a null
+  // `keep`, only during the call.
+  using Keep = std::shared_ptr<const void>;
+  using GetSink = std::function<void(size_t, const Status&, std::span<const std::byte>, const Keep&)>;
   virtual void Get(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) = 0;
   // As Get, but only when every hash can be served at once from memory without blocking;
   // returns false, having called `sink` for nothing, otherwise. Network threads call it to

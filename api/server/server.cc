@@ -57,12 +57,65 @@ bool TokenEquals(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
-// A handler's answer: a payload to be framed, or (Framed) a frame whose header space is
-// reserved at the front and filled in place.
+// A frame to send. Its bytes are `own`, except that a GET reply's bundle bytes are sent
+// straight from the store's memory (`pieces` with `ext` set), held by `keep` until written.
+struct OutFrame {
+  OutFrame() = default;
+  OutFrame(std::vector<std::byte> bytes) : own(std::move(bytes)), size(own.size()) {  // NOLINT: implicit
+    pieces.push_back({0, own.size(), {}});
+  }
+  struct Piece {
+    size_t off = 0, len = 0;          // own[off, off + len) when ext is empty
+    std::span<const std::byte> ext;   // else these bytes
+  };
+  std::vector<std::byte> own;
+  std::vector<Piece> pieces;
+  std::vector<DaemonStore::Keep> keep;
+  uint64_t size = 0;
+
+  // Ends the current run of own bytes as a piece.
+  void CloseOwn(size_t& from) {
+    if (own.size() > from) pieces.push_back({from, own.size() - from, {}});
+    from = own.size();
+  }
+  std::span<const std::byte> Bytes(const Piece& p) const {
+    return p.ext.empty() ? std::span<const std::byte>(own.data() + p.off, p.len) : p.ext;
+  }
+  // Fills in the header reserved at the front of `own`. No payload checksum: the bundle bytes
+  // were checked against their record's checksum as the store read them, and a second pass
+  // over them here and another in the client would cost more than the rest of a GET
+  // (api/PROTOCOL.md).
+  void Finish(wire::Opcode op, uint16_t flags, uint64_t request_id) {
+    size = 0;
+    for (const Piece& p : pieces) size += Bytes(p).size();
+    wire::FrameHeader h;
+    h.opcode = op;
+    h.flags = flags;
+    h.request_id = request_id;
+    h.payload_bytes = static_cast<uint32_t>(size - wire::kHeaderBytes);
+    const auto header = wire::EncodeHeader(h);
+    std::memcpy(own.data(), header.data(), wire::kHeaderBytes);
+  }
+};
+
+// A handler's answer: a payload to be framed, a frame whose header space is reserved at the
+// front and filled in place (Framed), or a gathered frame to finish (GET replies).
 struct Reply {
   Reply(std::vector<std::byte> payload) : data(std::move(payload)) {}  // NOLINT: implicit
+  Reply(OutFrame f) : gathered(std::move(f)), is_gathered(true) {}    // NOLINT: implicit
   std::vector<std::byte> data;
   bool framed = false;
+  OutFrame gathered;
+  bool is_gathered = false;
+
+  OutFrame ToFrame(wire::Opcode op, uint64_t request_id) && {
+    if (is_gathered) {
+      gathered.Finish(op, wire::kFlagResponse, request_id);
+      return std::move(gathered);
+    }
+    return framed ? wire::FinishFrame(op, wire::kFlagResponse, request_id, std::move(data))
+                  : wire::EncodeFrame(op, wire::kFlagResponse, request_id, data);
+  }
 };
 Reply Framed(std::vector<std::byte> frame) {
   Reply r(std::move(frame));
@@ -144,7 +197,11 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void Start() {
-    asio::post(strand_, [self = shared_from_this()] { self->ReadHeader(); });
+    asio::post(strand_, [self = shared_from_this()] {
+      self->last_active_ = Clock::now();
+      self->ArmIdleTimer();
+      self->ReadHeader();
+    });
   }
 
   // Refuses the connection with an ERROR frame (over the connection limit).
@@ -165,51 +222,79 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
  private:
+  // Reads and handles frames. Requests are read through a buffer, so that one receive
+  // usually brings a whole small request (often several); a payload larger than what is
+  // buffered is read straight into its own vector.
   void ReadHeader() {
-    if (closing_) return MaybeClose();
-    if (inflight_bytes_ + queued_bytes_ > srv_.options_.max_inflight_bytes) {
-      paused_ = true;  // resumed by a completed reply
-      return;
+    for (;;) {
+      if (closing_) return MaybeClose();
+      if (inflight_bytes_ + queued_bytes_ > srv_.options_.max_inflight_bytes) {
+        paused_ = true;  // resumed by a completed reply
+        return;
+      }
+      if (rend_ - rpos_ < wire::kHeaderBytes) break;
+      auto h = wire::DecodeHeader(std::span<const std::byte>(rbuf_.data() + rpos_, wire::kHeaderBytes),
+                                  srv_.options_.max_frame_bytes);
+      if (!h.ok()) {
+        FailFrame(0, h.status());
+        return;
+      }
+      rpos_ += wire::kHeaderBytes;
+      header_ = *h;
+      last_active_ = Clock::now();
+      const size_t have = std::min<size_t>(rend_ - rpos_, header_.payload_bytes);
+      payload_.resize(header_.payload_bytes);
+      if (have > 0) std::memcpy(payload_.data(), rbuf_.data() + rpos_, have);
+      rpos_ += have;
+      if (have < header_.payload_bytes) {
+        reading_ = true;
+        asio::async_read(socket_, asio::buffer(payload_.data() + have, payload_.size() - have),
+                         asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t) {
+                           self->OnPayload(ec);
+                         }));
+        return;
+      }
+      if (!HandleFrame()) return;
+    }
+    // Not a whole header buffered: keep what there is and receive more.
+    if (rpos_ > 0) {
+      std::memmove(rbuf_.data(), rbuf_.data() + rpos_, rend_ - rpos_);
+      rend_ -= rpos_;
+      rpos_ = 0;
     }
     reading_ = true;
-    ArmIdleTimer();
-    asio::async_read(socket_, asio::buffer(header_buf_),
-                     asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t) {
-                       self->OnHeader(ec);
-                     }));
+    socket_.async_read_some(asio::buffer(rbuf_.data() + rend_, rbuf_.size() - rend_),
+                            asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec,
+                                                                                     size_t n) {
+                              self->reading_ = false;
+                              if (ec) {
+                                self->closing_ = true;
+                                return self->MaybeClose();
+                              }
+                              self->rend_ += n;
+                              self->ReadHeader();
+                            }));
   }
 
+  // The idle timer is armed once and re-armed when it fires: reading a frame only stamps
+  // last_active_, which costs no timer operation per request.
   void ArmIdleTimer() {
-    idle_.expires_after(std::chrono::milliseconds(srv_.options_.idle_timeout_ms));
+    idle_.expires_at(last_active_ + std::chrono::milliseconds(srv_.options_.idle_timeout_ms));
     idle_.async_wait(asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
       if (ec || self->closed_) return;
-      if (self->inflight_requests_ == 0 && self->reading_) {
+      const auto idle_for = Clock::now() - self->last_active_;
+      if (idle_for >= std::chrono::milliseconds(self->srv_.options_.idle_timeout_ms) &&
+          self->inflight_requests_ == 0 && self->reading_) {
         spdlog::info("session {}: idle for {} ms, closing", self->id_, self->srv_.options_.idle_timeout_ms);
         self->closing_ = true;
         boost::system::error_code ignored;
         self->socket_.shutdown(GenericSocket::shutdown_both, ignored);
         self->MaybeClose();
       } else {
+        if (self->inflight_requests_ > 0 || !self->reading_) self->last_active_ = Clock::now();
         self->ArmIdleTimer();
       }
     }));
-  }
-
-  void OnHeader(boost::system::error_code ec) {
-    reading_ = false;
-    if (ec) {
-      closing_ = true;
-      return MaybeClose();
-    }
-    auto h = wire::DecodeHeader(header_buf_, srv_.options_.max_frame_bytes);
-    if (!h.ok()) return FailFrame(0, h.status());
-    header_ = *h;
-    payload_.resize(header_.payload_bytes);
-    reading_ = true;
-    asio::async_read(socket_, asio::buffer(payload_),
-                     asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec2, size_t) {
-                       self->OnPayload(ec2);
-                     }));
   }
 
   void OnPayload(boost::system::error_code ec) {
@@ -218,6 +303,12 @@ class Session : public std::enable_shared_from_this<Session> {
       closing_ = true;
       return MaybeClose();
     }
+    if (HandleFrame()) ReadHeader();
+  }
+
+  // Handles the frame in header_ and payload_. False when reading must stop (the session is
+  // closing).
+  bool HandleFrame() {
     srv_.metrics_.BytesIn(wire::kHeaderBytes + payload_.size());
     if (Status st = wire::VerifyPayload(header_, payload_); !st.ok()) return FailFrame(header_.request_id, st);
     if (header_.flags & wire::kFlagResponse) {
@@ -231,8 +322,8 @@ class Session : public std::enable_shared_from_this<Session> {
                        Status::PermissionDenied(fmt::format("{} before HELLO", wire::OpcodeName(op))));
     }
     if (op == wire::Opcode::kEvent || op == wire::Opcode::kError) {
-      return FailFrame(header_.request_id, Status::InvalidArgument(
-                                               fmt::format("{} is sent by the server only", wire::OpcodeName(op))));
+      return FailFrame(header_.request_id,
+                       Status::InvalidArgument(fmt::format("{} is sent by the server only", wire::OpcodeName(op))));
     }
     // A payload that does not decode is a malformed frame: error, then close.
     if (Status st = ValidateRequest(op, payload_); !st.ok()) return FailFrame(header_.request_id, st);
@@ -244,7 +335,7 @@ class Session : public std::enable_shared_from_this<Session> {
       Dispatch(header_, std::move(payload_));
       payload_ = {};
     }
-    ReadHeader();
+    return true;
   }
 
   Status ValidateRequest(wire::Opcode op, std::span<const std::byte> p) const {
@@ -266,7 +357,7 @@ class Session : public std::enable_shared_from_this<Session> {
     }
   }
 
-  void OnHello() {
+  bool OnHello() {
     const uint64_t rid = header_.request_id;
     if (authed_) return FailFrame(rid, Status::FailedPrecondition("HELLO sent twice on one connection"));
     auto hello = wire::DecodeHelloRequest(payload_);
@@ -308,13 +399,14 @@ class Session : public std::enable_shared_from_this<Session> {
       // The staging fd rides with the reply's first bytes; nothing else is queued yet.
       if (!SendWithFd(frame)) {
         closing_ = true;
-        return MaybeClose();
+        MaybeClose();
+        return false;
       }
       srv_.metrics_.BytesOut(frame.size());
     } else {
       QueueWrite(frame);
     }
-    ReadHeader();
+    return true;
   }
 
   Status MakeStaging() {
@@ -393,9 +485,9 @@ class Session : public std::enable_shared_from_this<Session> {
       const auto t0 = Clock::now();
       std::optional<Reply> fast = h.opcode == wire::Opcode::kGet ? FastGet(payload) : FastShmGet(payload);
       if (fast) {
+        OutFrame frame = std::move(*fast).ToFrame(h.opcode, h.request_id);
         srv_.metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
-        QueueWrite(fast->framed ? wire::FinishFrame(h.opcode, wire::kFlagResponse, h.request_id, std::move(fast->data))
-                                : wire::EncodeFrame(h.opcode, wire::kFlagResponse, h.request_id, fast->data));
+        QueueWrite(std::move(frame));
         return;
       }
     }
@@ -408,14 +500,8 @@ class Session : public std::enable_shared_from_this<Session> {
       Result<Reply> reply = self->Handle(h, payload);
       payload.clear();
       payload.shrink_to_fit();
-      std::vector<std::byte> frame;
-      if (!reply.ok()) {
-        frame = ErrorFrame(h.request_id, reply.status());
-      } else if (reply->framed) {
-        frame = wire::FinishFrame(h.opcode, wire::kFlagResponse, h.request_id, std::move(reply->data));
-      } else {
-        frame = wire::EncodeFrame(h.opcode, wire::kFlagResponse, h.request_id, reply->data);
-      }
+      OutFrame frame = reply.ok() ? std::move(*reply).ToFrame(h.opcode, h.request_id)
+                                  : OutFrame(ErrorFrame(h.request_id, reply.status()));
       self->srv_.metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), !reply.ok());
       asio::post(self->strand_, [self, bytes, frame = std::move(frame)]() mutable {
         self->inflight_bytes_ -= bytes;
@@ -478,27 +564,43 @@ class Session : public std::enable_shared_from_this<Session> {
     }
   }
 
-  // GET reply frame built straight from the store's bytes: one copy, no re-framing. `serve`
-  // calls the sink per item; it returns false when it served nothing (fast path declined).
+  // GET reply built around the store's bytes: bundles the store keeps alive (`keep`) are sent
+  // from where they lie, small ones copied. `serve` calls the sink per item; it returns false
+  // when it served nothing (fast path declined).
   template <typename Serve>
   std::optional<Reply> BuildGetReply(std::span<const wire::WireHash> hashes, Serve&& serve) {
+    static constexpr size_t kGatherAtLeast = 4096;
     wire::PayloadWriter w{wire::PayloadWriter::ReserveHeader{}};
     w.U32(static_cast<uint32_t>(hashes.size()));
+    OutFrame f;
+    size_t from = 0;
     uint64_t hits = 0;
-    const bool served = serve([&](size_t, const Status& st, std::span<const std::byte> bytes) {
-      w.Reserve(bytes.size() + 64);
+    const bool served = serve([&](size_t, const Status& st, std::span<const std::byte> bytes,
+                                  const DaemonStore::Keep& keep) {
       w.U8(static_cast<uint8_t>(st.code()));
-      if (st.ok()) {
-        ++hits;
-        w.Blob(bytes);
-      } else {
+      if (!st.ok()) {
         w.String(st.message());
+        return;
+      }
+      ++hits;
+      if (keep && bytes.size() >= kGatherAtLeast) {
+        w.U32(static_cast<uint32_t>(bytes.size()));
+        f.own = w.Take();
+        f.CloseOwn(from);
+        f.pieces.push_back({0, 0, bytes});
+        f.keep.push_back(keep);
+        w.bytes() = std::move(f.own);
+      } else {
+        w.Reserve(bytes.size() + 64);
+        w.Blob(bytes);
       }
     });
     if (!served) return std::nullopt;
+    f.own = w.Take();
+    f.CloseOwn(from);
     srv_.metrics_.Hits(hits);
     srv_.metrics_.Misses(hashes.size() - hits);
-    return Framed(w.Take());
+    return Reply(std::move(f));
   }
 
   std::optional<Reply> FastGet(std::span<const std::byte> p) {
@@ -556,7 +658,8 @@ class Session : public std::enable_shared_from_this<Session> {
     wire::ShmGetReply reply;
     reply.status.resize(hashes.size());
     uint64_t hits = 0;
-    const bool served = serve([&](size_t i, const Status& st, std::span<const std::byte> bytes) {
+    const bool served = serve([&](size_t i, const Status& st, std::span<const std::byte> bytes,
+                                  const DaemonStore::Keep&) {
       if (!st.ok()) {
         reply.status[i] = {st.code(), std::string(st.message())};
         return;
@@ -587,21 +690,24 @@ class Session : public std::enable_shared_from_this<Session> {
                             }));
   }
 
-  void FailFrame(uint64_t request_id, const Status& st) {
+  // Answers a malformed frame with an ERROR frame and closes. Returns false (stop reading).
+  bool FailFrame(uint64_t request_id, const Status& st) {
     srv_.metrics_.BadFrame();
     spdlog::warn("session {}: closing after a bad frame: {}", id_, st.ToString());
     closing_ = true;
     QueueWrite(ErrorFrame(request_id, st));
     MaybeClose();
+    return false;
   }
 
-  void QueueWrite(std::vector<std::byte> frame) {
+  void QueueWrite(OutFrame frame) {
     if (closed_) return;
-    queued_bytes_ += frame.size();
+    queued_bytes_ += frame.size;
     writes_.push_back(std::move(frame));
     if (!writing_) DoWrite();
   }
 
+  // Writes every queued frame, up to kMaxGather pieces, with one gathering write.
   void DoWrite() {
     if (writes_.empty()) {
       writing_ = false;
@@ -611,12 +717,26 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       return MaybeClose();
     }
+    static constexpr size_t kMaxGather = 64;
     writing_ = true;
-    asio::async_write(socket_, asio::buffer(writes_.front()),
-                      asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t n) {
+    gather_.clear();
+    size_t frames = 0;
+    for (const OutFrame& f : writes_) {
+      if (frames > 0 && gather_.size() + f.pieces.size() > kMaxGather) break;
+      for (const auto& p : f.pieces) {
+        const auto b = f.Bytes(p);
+        gather_.emplace_back(b.data(), b.size());
+      }
+      ++frames;
+    }
+    asio::async_write(socket_, gather_,
+                      asio::bind_executor(strand_, [self = shared_from_this(), frames](boost::system::error_code ec,
+                                                                                       size_t n) {
                         self->srv_.metrics_.BytesOut(n);
-                        self->queued_bytes_ -= self->writes_.front().size();
-                        self->writes_.pop_front();
+                        for (size_t i = 0; i < frames; ++i) {
+                          self->queued_bytes_ -= self->writes_.front().size;
+                          self->writes_.pop_front();
+                        }
                         if (ec) {
                           self->writes_.clear();
                           self->queued_bytes_ = 0;
@@ -664,10 +784,13 @@ class Session : public std::enable_shared_from_this<Session> {
   const bool is_unix_;
   const uint64_t id_;
 
-  std::array<std::byte, wire::kHeaderBytes> header_buf_{};
+  std::array<std::byte, 16384> rbuf_{};  // received, not yet handled: [rpos_, rend_)
+  size_t rpos_ = 0, rend_ = 0;
+  Clock::time_point last_active_{};
   wire::FrameHeader header_;
   std::vector<std::byte> payload_;
-  std::deque<std::vector<std::byte>> writes_;
+  std::deque<OutFrame> writes_;
+  std::vector<asio::const_buffer> gather_;  // the write in progress
   uint64_t queued_bytes_ = 0;
   uint64_t inflight_bytes_ = 0;
   int inflight_requests_ = 0;

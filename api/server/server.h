@@ -11,10 +11,12 @@
 // and Shutdown may be called from any thread.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "server/daemon_store.h"
@@ -35,8 +37,8 @@ struct ServerOptions {
   std::string unix_path;
   // HTTP address of /metrics ("" disables). Default: "127.0.0.1:7421".
   std::string metrics_listen = "127.0.0.1:7421";
-  // Threads that run the network loop. Default: 2.
-  int io_threads = 2;
+  // Threads that run the network loop. Default: one per 4 cores, at least 1.
+  int io_threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency() / 4));
   // Threads that run store calls. Default: 2.
   int worker_threads = 2;
   // Connections open at once; more are refused with an ERROR frame. Default: 256.

@@ -1,5 +1,7 @@
 #include "server/tiered_store.h"
 
+#include "sparsekv/host_tier.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -135,20 +137,20 @@ void TieredStore::Get(uint32_t ns, std::span<const wire::WireHash> hashes, const
     if (from_pins[i]) {
       ++hits;
       bytes += from_pins[i]->payload().size();
-      sink(i, Status::OK(), from_pins[i]->segment(0));
+      sink(i, Status::OK(), from_pins[i]->segment(0), from_pins[i]);
       continue;
     }
     const Result<BundlePtr>& r = *by_item[i];
     if (r.ok()) {
       ++hits;
       bytes += (*r)->payload().size();
-      sink(i, Status::OK(), (*r)->segment(0));
+      sink(i, Status::OK(), (*r)->segment(0), *r);
     } else {
       if (r.status().data_loss()) {
         ++corrupt;
         removed.hashes.push_back(hashes[i]);
       }
-      sink(i, r.status(), {});
+      sink(i, r.status(), {}, nullptr);
     }
   }
   CountGets(ns, hashes.size(), hits, bytes, corrupt);
@@ -184,8 +186,15 @@ bool TieredStore::TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireH
   for (bool p : present) {
     if (!p) return false;
   }
+  // The host tier's pages are read in place, pinned while the reply holds them.
+  auto* pinnable = dynamic_cast<HostTier*>(&host);
   std::vector<Result<BundlePtr>> got;
-  host.GetAsync(keys, [&](std::vector<Result<BundlePtr>> r) { got = std::move(r); });
+  if (pinnable != nullptr) {
+    got.reserve(keys.size());
+    for (const BundleKey& k : keys) got.push_back(pinnable->GetPinned(k));
+  } else {
+    host.GetAsync(keys, [&](std::vector<Result<BundlePtr>> r) { got = std::move(r); });
+  }
   if (got.size() != keys.size()) return false;
   for (const auto& r : got) {
     if (!r.ok()) return false;  // evicted meanwhile, or corrupt: the general path reports it
@@ -193,7 +202,7 @@ bool TieredStore::TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireH
   uint64_t bytes = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     bytes += (*got[i])->payload().size();
-    sink(i, Status::OK(), (*got[i])->segment(0));
+    sink(i, Status::OK(), (*got[i])->segment(0), *got[i]);
   }
   CountGets(ns, hashes.size(), hashes.size(), bytes, 0);
   return true;

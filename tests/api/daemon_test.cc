@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -12,7 +13,9 @@
 #include <condition_variable>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -267,6 +270,123 @@ TEST_F(DaemonTest, MalformedFramesGetAnErrorAndCloseOnlyTheirConnection) {
   ASSERT_TRUE(got.ok());
   EXPECT_EQ((*got)[0].bytes, v);
   EXPECT_GE(server_->metrics().bad_frames(), corpus.size());
+}
+
+TEST_F(DaemonTest, SeveralFramesInOneWriteAreEachAnsweredInOrder) {
+  // The server reads requests through a buffer: frames that arrive together, and a bad one
+  // after them, must each get their answer, the bad one last.
+  const int fd = RawConnect();
+  std::vector<std::byte> burst = wire::EncodeFrame(
+      wire::Opcode::kHello, 0, 1, wire::Encode(wire::HelloRequest{1, "alpha", "alpha-token", "raw", false}));
+  for (uint64_t id = 2; id <= 4; ++id) {
+    const std::byte probe[3] = {std::byte(id), std::byte{7}, std::byte{9}};
+    auto f = wire::EncodeFrame(wire::Opcode::kPing, 0, id, probe);
+    burst.insert(burst.end(), f.begin(), f.end());
+  }
+  auto bad = wire::EncodeFrame(wire::Opcode::kGet, 0, 5, wire::Encode(wire::HashList{{H(1)}}));
+  bad[3] = std::byte{'X'};
+  burst.insert(burst.end(), bad.begin(), bad.end());
+  ASSERT_EQ(send(fd, burst.data(), burst.size(), 0), static_cast<ssize_t>(burst.size()));
+  auto hr = ReadFrame(fd);
+  ASSERT_TRUE(hr.ok());
+  EXPECT_EQ(hr->first.opcode, wire::Opcode::kHello);
+  for (uint64_t id = 2; id <= 4; ++id) {
+    auto r = ReadFrame(fd);
+    ASSERT_TRUE(r.ok()) << id;
+    EXPECT_EQ(r->first.opcode, wire::Opcode::kPing);
+    EXPECT_EQ(r->first.request_id, id);
+    ASSERT_EQ(r->second.size(), 3u);
+    EXPECT_EQ(r->second[0], std::byte(id));
+  }
+  auto err = ReadFrame(fd);
+  ASSERT_TRUE(err.ok());
+  EXPECT_EQ(err->first.opcode, wire::Opcode::kError);
+  EXPECT_TRUE(PeerClosed(fd));
+  close(fd);
+}
+
+// Drives callback requests the way an event loop does: poll the socket, then ProcessReplies.
+void DriveUntil(Client& c, const std::function<bool()>& done) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!done() && std::chrono::steady_clock::now() < deadline) {
+    pollfd p{c.native_handle(), POLLIN, 0};
+    ASSERT_GE(poll(&p, 1, 100), 0);
+    ASSERT_TRUE(c.ProcessReplies().ok());
+  }
+  ASSERT_TRUE(done());
+}
+
+TEST_F(DaemonTest, CallbackRequestsCompleteInTheCallersEventLoop) {
+  for (bool unix_socket : {false, true}) {
+    auto c = Connect("alpha", "alpha-token", unix_socket);
+    ASSERT_NE(c, nullptr);
+    const uint64_t base = unix_socket ? 300 : 200;
+    std::vector<std::vector<std::byte>> values;
+    for (uint64_t i = 0; i < 4; ++i) values.push_back(Value(base + i, 5000 + 20000 * i));
+    // Four PUTs in flight at once: over shared memory the first has the PUT area, the others
+    // go over the socket.
+    int put_done = 0;
+    for (uint64_t i = 0; i < 4; ++i) {
+      BundleRef ref{H(base + i), values[i]};
+      c->PutAsync(std::span<const BundleRef>(&ref, 1), [&](Result<std::vector<Status>> r) {
+        ASSERT_TRUE(r.ok()) << r.status().ToString();
+        ASSERT_EQ(r->size(), 1u);
+        EXPECT_TRUE((*r)[0].ok()) << (*r)[0].ToString();
+        ++put_done;
+      });
+    }
+    // No reader thread: nothing completes until the loop reads.
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_EQ(put_done, 0);
+    DriveUntil(*c, [&] { return put_done == 4; });
+
+    std::vector<std::optional<Result<std::vector<GetResult>>>> got(5);
+    for (uint64_t i = 0; i < 5; ++i) {
+      c->GetAsync({H(base + (i == 4 ? 99 : i))}, [&got, i](Result<std::vector<GetResult>> r) { got[i] = std::move(r); });
+    }
+    DriveUntil(*c, [&] {
+      for (auto& g : got) {
+        if (!g) return false;
+      }
+      return true;
+    });
+    for (uint64_t i = 0; i < 4; ++i) {
+      ASSERT_TRUE(got[i]->ok()) << got[i]->status().ToString();
+      ASSERT_EQ((*got[i])->size(), 1u);
+      EXPECT_EQ((**got[i])[0].bytes, values[i]) << "value " << i;
+    }
+    ASSERT_TRUE(got[4]->ok());
+    EXPECT_EQ((**got[4])[0].status.code(), StatusCode::kNotFound);
+  }
+}
+
+TEST_F(DaemonTest, ThreadsSharingOneClientEachGetTheirOwnReplies) {
+  // Whichever thread reads the socket hands the other threads their replies.
+  for (bool unix_socket : {false, true}) {
+    auto c = Connect("alpha", "alpha-token", unix_socket);
+    ASSERT_NE(c, nullptr);
+    const uint64_t base = unix_socket ? 500 : 400;
+    std::vector<std::vector<std::byte>> values;
+    std::vector<BundleRef> refs;
+    for (uint64_t i = 0; i < 8; ++i) values.push_back(Value(base + i, 3000 + 1000 * i));
+    for (uint64_t i = 0; i < 8; ++i) refs.push_back({H(base + i), values[i]});
+    ASSERT_TRUE(c->Put(refs).ok());
+    std::atomic<int> wrong{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([&, t] {
+        for (int k = 0; k < 100; ++k) {
+          const uint64_t i = static_cast<uint64_t>((t * 3 + k) % 8);
+          const WireBlockHash h = H(base + i);
+          auto r = c->Get(std::span<const WireBlockHash>(&h, 1));
+          if (!r.ok() || (*r)[0].bytes != values[i]) wrong.fetch_add(1);
+          if (k % 10 == 0 && !c->Lookup(std::span<const WireBlockHash>(&h, 1)).ok()) wrong.fetch_add(1);
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    EXPECT_EQ(wrong.load(), 0);
+  }
 }
 
 TEST_F(DaemonTest, EventsReachSubscribersOfTheirNamespaceInOrder) {
