@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <signal.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -132,6 +133,7 @@ Result<nlohmann::json> RedisBaseline(const DaemonBenchOptions& o, double target_
 
 Result<nlohmann::json> RunDaemonBench(const DaemonBenchOptions& o) {
   if (o.clients < 1 || o.clients > 1024) return Status::InvalidArgument("--clients must be 1..1024");
+  if (o.threads < 1) return Status::InvalidArgument("--threads must be at least 1");
   if (o.value_bytes == 0 || o.value_bytes > (32u << 20)) return Status::InvalidArgument("--value-bytes must be 1..32 MiB");
   std::string addr = o.addr;
   std::unique_ptr<server::TieredStore> store;
@@ -171,67 +173,137 @@ Result<nlohmann::json> RunDaemonBench(const DaemonBenchOptions& o) {
   const bool shm = clients[0]->shared_memory();
 
   std::atomic<uint64_t> errors{0};
-  // PUT phase: every client writes its keys over and over for a third of the time.
-  std::atomic<uint64_t> puts{0};
-  const double put_seconds = std::max(0.2, o.seconds / 3);
-  {
-    std::vector<std::thread> threads;
-    const double t_end = NowSeconds() + put_seconds;
-    for (int c = 0; c < o.clients; ++c) {
-      threads.emplace_back([&, c] {
-        std::vector<std::byte> value(o.value_bytes);
-        for (uint32_t k = 0; NowSeconds() < t_end || k < o.keys_per_client; ++k) {
-          const uint32_t key = k % o.keys_per_client;
-          Fill(value, c, key);
-          BundleRef ref{KeyHash(c, key), value};
-          auto r = clients[c]->Put(std::span<const BundleRef>(&ref, 1));
-          if (!r.ok() || !(*r)[0].ok()) {
+  std::atomic<uint64_t> puts{0}, gets{0}, get_bytes{0};
+  std::vector<std::vector<double>> lat(o.clients);
+  const int threads = std::min(o.threads, o.clients);
+
+  // One client's loop state: the next key and when its request in flight began.
+  struct Slot {
+    int client = 0;
+    uint32_t k = 0;
+    uint32_t key = 0;
+    double started = 0;
+    bool busy = false;
+    std::mt19937 rng;
+    std::vector<std::byte> value;   // PUT source
+    std::vector<std::byte> expect;  // spot checks
+  };
+
+  // Runs one phase: every client of this thread issues requests back to back until `t_end`
+  // (and, for PUT, until each key was written once). With one client per thread the calls
+  // are synchronous; otherwise each thread is an event loop over its clients' sockets.
+  auto run_phase = [&](bool put, double t_end) {
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        std::vector<Slot> slots;
+        for (int c = t; c < o.clients; c += threads) {
+          Slot s;
+          s.client = c;
+          s.rng.seed(static_cast<uint32_t>(c + 1));
+          s.value.resize(put ? o.value_bytes : 0);
+          s.expect.resize(put ? 0 : o.value_bytes);
+          lat[c].reserve(1 << 16);
+          slots.push_back(std::move(s));
+        }
+        auto more = [&](const Slot& s) { return NowSeconds() < t_end || (put && s.k < o.keys_per_client); };
+        auto next_key = [&](Slot& s) {
+          s.key = put ? s.k % o.keys_per_client : s.rng() % o.keys_per_client;
+          ++s.k;
+          if (put) Fill(s.value, s.client, s.key);
+        };
+        auto check_get = [&](Slot& s, const Result<std::vector<GetResult>>& r, double end) {
+          if (!r.ok() || r->size() != 1 || !(*r)[0].status.ok() || (*r)[0].bytes.size() != o.value_bytes) {
+            errors.fetch_add(1);
+            return;
+          }
+          lat[s.client].push_back((end - s.started) * 1e6);
+          const uint64_t n = gets.fetch_add(1, std::memory_order_relaxed);
+          get_bytes.fetch_add(o.value_bytes, std::memory_order_relaxed);
+          if ((n & 63) == 0) {  // spot-check content
+            Fill(s.expect, s.client, s.key);
+            if (std::memcmp(s.expect.data(), (*r)[0].bytes.data(), o.value_bytes) != 0) errors.fetch_add(1);
+          }
+        };
+        auto check_put = [&](const Result<std::vector<Status>>& r) {
+          if (!r.ok() || r->size() != 1 || !(*r)[0].ok()) {
             errors.fetch_add(1);
           } else {
             puts.fetch_add(1, std::memory_order_relaxed);
           }
+        };
+        if (slots.size() == 1) {  // a thread of its own: blocking calls
+          Slot& s = slots[0];
+          Client& cl = *clients[s.client];
+          while (more(s)) {
+            next_key(s);
+            const WireBlockHash h = KeyHash(s.client, s.key);
+            s.started = NowSeconds();
+            if (put) {
+              BundleRef ref{h, s.value};
+              check_put(cl.Put(std::span<const BundleRef>(&ref, 1)));
+            } else {
+              auto r = cl.Get(std::span<const WireBlockHash>(&h, 1));
+              check_get(s, r, NowSeconds());
+            }
+          }
+          return;
         }
-      });
-    }
-    for (auto& t : threads) t.join();
-  }
-  const double put_elapsed = put_seconds;
-  // GET phase: random own keys; each value is copied into the client's own buffer and checked.
-  std::vector<std::vector<double>> lat(o.clients);
-  std::atomic<uint64_t> gets{0}, get_bytes{0};
-  double get_elapsed = 0;
-  {
-    std::vector<std::thread> threads;
-    const double t0 = NowSeconds();
-    const double t_end = t0 + o.seconds;
-    for (int c = 0; c < o.clients; ++c) {
-      threads.emplace_back([&, c] {
-        std::mt19937 rng(c + 1);
-        std::vector<std::byte> expect(o.value_bytes);
-        lat[c].reserve(1 << 16);
-        while (NowSeconds() < t_end) {
-          const uint32_t key = rng() % o.keys_per_client;
-          const WireBlockHash h = KeyHash(c, key);
-          const double s = NowSeconds();
-          auto r = clients[c]->Get(std::span<const WireBlockHash>(&h, 1));
-          const double e = NowSeconds();
-          if (!r.ok() || !(*r)[0].status.ok() || (*r)[0].bytes.size() != o.value_bytes) {
+        std::vector<pollfd> fds(slots.size());
+        for (;;) {
+          size_t busy = 0;
+          for (Slot& s : slots) {
+            if (!s.busy && more(s)) {
+              next_key(s);
+              const WireBlockHash h = KeyHash(s.client, s.key);
+              s.busy = true;
+              s.started = NowSeconds();
+              if (put) {
+                BundleRef ref{h, s.value};
+                clients[s.client]->PutAsync(std::span<const BundleRef>(&ref, 1), [&, sp = &s](auto r) {
+                  check_put(r);
+                  sp->busy = false;
+                });
+              } else {
+                clients[s.client]->GetAsync({h}, [&, sp = &s](Result<std::vector<GetResult>> r) {
+                  check_get(*sp, r, NowSeconds());
+                  sp->busy = false;
+                });
+              }
+            }
+            busy += s.busy ? 1 : 0;
+          }
+          if (busy == 0) break;
+          for (size_t i = 0; i < slots.size(); ++i) {
+            fds[i] = {slots[i].busy ? clients[slots[i].client]->native_handle() : -1, POLLIN, 0};
+          }
+          if (::poll(fds.data(), fds.size(), 1000) < 0 && errno != EINTR) {
             errors.fetch_add(1);
-            continue;
+            break;
           }
-          lat[c].push_back((e - s) * 1e6);
-          gets.fetch_add(1, std::memory_order_relaxed);
-          get_bytes.fetch_add(o.value_bytes, std::memory_order_relaxed);
-          if ((gets.load(std::memory_order_relaxed) & 63) == 0) {  // spot-check content
-            Fill(expect, c, key);
-            if (std::memcmp(expect.data(), (*r)[0].bytes.data(), o.value_bytes) != 0) errors.fetch_add(1);
+          for (size_t i = 0; i < slots.size(); ++i) {
+            if (fds[i].fd < 0 || fds[i].revents == 0) continue;
+            auto r = clients[slots[i].client]->ProcessReplies();
+            if (!r.ok()) {  // the callback saw the failure already
+              slots[i].busy = false;
+            }
           }
         }
       });
     }
-    for (auto& t : threads) t.join();
-    get_elapsed = NowSeconds() - t0;
-  }
+    for (auto& th : pool) th.join();
+  };
+
+  // PUT phase: every client writes its keys over and over for a third of the time.
+  const double put_seconds = std::max(0.2, o.seconds / 3);
+  const double put_t0 = NowSeconds();
+  run_phase(true, put_t0 + put_seconds);
+  const double put_elapsed = NowSeconds() - put_t0;
+  // GET phase: random own keys; each value is copied into the client's own buffer and checked.
+  for (auto& v : lat) v.clear();
+  const double t0 = NowSeconds();
+  run_phase(false, t0 + o.seconds);
+  const double get_elapsed = NowSeconds() - t0;
   std::vector<double> all;
   for (auto& v : lat) all.insert(all.end(), v.begin(), v.end());
 
@@ -239,6 +311,7 @@ Result<nlohmann::json> RunDaemonBench(const DaemonBenchOptions& o) {
   j["transport"] = shm ? "shared_memory" : (addr.rfind("unix:", 0) == 0 ? "unix_socket" : "tcp");
   j["addr"] = addr;
   j["clients"] = o.clients;
+  j["threads"] = threads;
   j["value_bytes"] = o.value_bytes;
   j["put_ops_per_s"] = static_cast<double>(puts.load()) / put_elapsed;
   j["get_ops_per_s"] = static_cast<double>(gets.load()) / get_elapsed;

@@ -1,6 +1,7 @@
-// `sparsekv bench daemon`: PUT and GET throughput and GET latency of sparsekvd from N client
-// threads, over TCP or the Unix socket's shared-memory path, with Redis measured in the same
-// run as the baseline when asked.
+// `sparsekv bench daemon`: PUT and GET throughput and GET latency of sparsekvd from N clients
+// (one connection each, one request in flight each, as redis-benchmark's clients), driven by
+// event loops on T threads, over TCP or the Unix socket's shared-memory path, with Redis
+// measured in the same run as the baseline when asked.
 #pragma once
 
 #include <cstdint>
@@ -18,8 +19,12 @@ struct DaemonBenchOptions {
   std::string addr = "127.0.0.1:7420";
   std::string namespace_name = "default";
   std::string token;
-  // Client threads, one connection each. Default: 8.
+  // Clients, one connection each, each with one request in flight. Default: 8.
   int clients = 8;
+  // Threads driving them, each an event loop over its share of the clients (1 is how
+  // redis-benchmark drives its clients; `clients` gives each client a thread of its own,
+  // making blocking calls). Default: 1.
+  int threads = 1;
   // Bytes of each value. Default: 65536.
   uint64_t value_bytes = 65536;
   // Seconds of the GET phase (the PUT phase takes a third of it). Default: 5.

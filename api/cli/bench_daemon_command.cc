@@ -19,7 +19,12 @@ SPARSEKV_BENCH_COMMAND(daemon) {
       ->capture_default_str();
   cmd->add_option("--namespace", o.namespace_name, "Namespace")->capture_default_str();
   cmd->add_option("--token", o.token, "Namespace token");
-  cmd->add_option("--clients", o.clients, "Client threads, one connection each")->capture_default_str();
+  cmd->add_option("--clients", o.clients, "Clients, one connection and one request in flight each")
+      ->capture_default_str();
+  cmd->add_option("--threads", o.threads,
+                  "Threads driving the clients, each an event loop over its share (1, as redis-benchmark; "
+                  "--clients gives every client a thread making blocking calls)")
+      ->capture_default_str();
   cmd->add_option("--value-bytes", o.value_bytes, "Bytes per value")->capture_default_str();
   cmd->add_option("--seconds", o.seconds, "Seconds of the GET phase")->check(CLI::Range(0.05, 3600.0))->capture_default_str();
   cmd->add_option("--keys-per-client", o.keys_per_client, "Keys each client writes and reads")
@@ -36,8 +41,8 @@ SPARSEKV_BENCH_COMMAND(daemon) {
       return;
     }
     const auto& j = *r;
-    std::printf("%s, %d clients, %llu-byte values\n", j["transport"].get<std::string>().c_str(), a->options.clients,
-                static_cast<unsigned long long>(a->options.value_bytes));
+    std::printf("%s, %d clients on %d threads, %llu-byte values\n", j["transport"].get<std::string>().c_str(),
+                a->options.clients, j["threads"].get<int>(), static_cast<unsigned long long>(a->options.value_bytes));
     std::printf("PUT %.0f ops/s   GET %.0f ops/s (%.2f GB/s)   p50 %.1f us   p99 %.1f us   errors %llu\n",
                 j["put_ops_per_s"].get<double>(), j["get_ops_per_s"].get<double>(),
                 j["get_bytes_per_s"].get<double>() / 1e9, j["get_p50_us"].get<double>(), j["get_p99_us"].get<double>(),

@@ -234,6 +234,15 @@ TEST(Cli, BenchDaemonShortRunOverBothTransports) {
     EXPECT_EQ(j["transport"], std::string(addr) == "tcp" ? "tcp" : "shared_memory");
     EXPECT_LE(j["get_p50_us"].get<double>(), j["get_p99_us"].get<double>());
   }
+  // A thread per client, making blocking calls, instead of one event loop.
+  Outcome r = Cli("bench daemon --spawn --addr unix --clients 3 --threads 3 --value-bytes 10000 --seconds 0.3 "
+                  "--keys-per-client 4 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["threads"], 3);
+  EXPECT_EQ(j["errors"], 0);
+  EXPECT_GT(j["get_ops_per_s"].get<double>(), 0);
+  EXPECT_EQ(Cli("bench daemon --spawn --addr unix --threads 0").exit_code == 0, false);
 }
 
 }  // namespace
