@@ -185,6 +185,10 @@ class HostTierImpl final : public HostTier {
     return pool_->ReleaseToCache(page);
   }
 
+  Arena arena() const override {
+    return {pool_->arena_fd(), pool_->PageData(0), uint64_t{pool_->capacity()} * pool_->page_bytes()};
+  }
+
   Result<BundlePtr> GetPinned(const BundleKey& key) override { return GetOne(key, /*in_place=*/true); }
 
   Result<BundlePtr> GetOne(const BundleKey& key, bool in_place = false) SPARSEKV_EXCLUDES(mu_) {

@@ -19,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <utility>
 #include <variant>
 
 #include "protocol/wire.h"
@@ -148,6 +149,8 @@ class Client::Impl {
     fd_ = -1;
     if (staging_) ::munmap(staging_, staging_bytes_);
     staging_ = nullptr;
+    if (arena_) ::munmap(const_cast<std::byte*>(arena_), arena_bytes_);
+    arena_ = nullptr;
   }
 
   Status Open(const ClientOptions& o) {
@@ -162,7 +165,7 @@ class Client::Impl {
     SPARSEKV_RETURN_IF_ERROR(WriteAll(fd_, frame.data(), frame.size()));
     // The reply's first bytes may carry the arena and staging fds (SCM_RIGHTS).
     std::array<std::byte, w::kHeaderBytes> hb;
-    int staging_fd = -1;
+    int staging_fd = -1, arena_fd = -1;
     size_t got = 0;
     {
       alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
@@ -186,6 +189,8 @@ class Client::Impl {
           for (size_t i = 0; i < n; ++i) {
             if (i == 0 && staging_fd < 0) {
               staging_fd = got_fds[i];
+            } else if (i == 1 && arena_fd < 0) {
+              arena_fd = got_fds[i];
             } else {
               ::close(got_fds[i]);  // more than the protocol passes: not ours to keep
             }
@@ -194,19 +199,26 @@ class Client::Impl {
       }
     }
     SPARSEKV_RETURN_IF_ERROR(ReadAll(fd_, hb.data() + got, hb.size() - got));
+    struct CloseFds {
+      int* a;
+      int* b;
+      ~CloseFds() {
+        if (*a >= 0) ::close(*a);
+        if (*b >= 0) ::close(*b);
+      }
+    } close_fds{&staging_fd, &arena_fd};
     auto reply = ReadFrameAfterHeader(hb);
     if (!reply.ok()) return reply.status();
-    if (reply->header.opcode == w::Opcode::kError) {
-      if (staging_fd >= 0) ::close(staging_fd);
-      return ErrorStatus(reply->payload);
-    }
+    if (reply->header.opcode == w::Opcode::kError) return ErrorStatus(reply->payload);
     auto hello_reply = w::DecodeHelloReply(reply->payload);
-    if (!hello_reply.ok()) {
-      if (staging_fd >= 0) ::close(staging_fd);
-      return hello_reply.status();
-    }
+    if (!hello_reply.ok()) return hello_reply.status();
     hello_ = *hello_reply;
-    if (staging_fd >= 0) SPARSEKV_RETURN_IF_ERROR(MapStaging(staging_fd, hello_.shm_staging_bytes));
+    if (staging_fd >= 0) {
+      SPARSEKV_RETURN_IF_ERROR(MapStaging(std::exchange(staging_fd, -1), hello_.shm_staging_bytes));
+      if (arena_fd >= 0 && hello_.shm_arena_bytes > 0) {
+        SPARSEKV_RETURN_IF_ERROR(MapArena(std::exchange(arena_fd, -1), hello_.shm_arena_bytes));
+      }
+    }
     return Status::OK();
   }
 
@@ -228,6 +240,22 @@ class Client::Impl {
   }
 
   // Reads one frame's payload after its header (HELLO only: before any reply is pipelined).
+  // The daemon's host arena, read-only: SHM_GET may name bundles in it (lent in place).
+  Status MapArena(int fd, uint64_t announced) {
+    struct stat st{};
+    const bool sized = ::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) >= announced;
+    if (sized) {
+      void* m = ::mmap(nullptr, announced, PROT_READ, MAP_SHARED, fd, 0);
+      if (m != MAP_FAILED) {
+        arena_ = static_cast<const std::byte*>(m);
+        arena_bytes_ = announced;
+      }
+    }
+    ::close(fd);
+    if (arena_ == nullptr) return Status::Unavailable("could not map the host arena sparsekvd passed");
+    return Status::OK();
+  }
+
   Result<Frame> ReadFrameAfterHeader(const std::array<std::byte, w::kHeaderBytes>& hb) {
     SPARSEKV_ASSIGN_OR_RETURN(w::FrameHeader h, w::DecodeHeader(hb, w::kMaxPayloadBytes));
     Frame f;
@@ -725,7 +753,16 @@ class Client::Impl {
       if (!g.status.ok()) continue;
       if (slot >= r.slots.size()) return Status::Internal("SHM_GET named fewer slots than OK items");
       const w::ShmSlot& s = r.slots[slot++];
-      if (s.offset < half || s.offset > staging_bytes_ || s.bytes > staging_bytes_ - s.offset) {
+      if (s.offset >= staging_bytes_) {  // lent in place from the host arena
+        const uint64_t at = s.offset - staging_bytes_;
+        if (arena_ == nullptr || at > arena_bytes_ || s.bytes > arena_bytes_ - at) {
+          g.status = Status::Internal("SHM_GET named bytes outside the host arena");
+          continue;
+        }
+        g.bytes.assign(arena_ + at, arena_ + at + s.bytes);
+        continue;
+      }
+      if (s.offset < half || s.bytes > staging_bytes_ - s.offset) {
         g.status = Status::Internal("SHM_GET named bytes outside the GET area");
         continue;
       }
@@ -823,6 +860,8 @@ class Client::Impl {
   w::HelloReply hello_;
   std::byte* staging_ = nullptr;
   size_t staging_bytes_ = 0;
+  const std::byte* arena_ = nullptr;  // the daemon's host arena, read-only (one-namespace daemons)
+  uint64_t arena_bytes_ = 0;
   std::mutex write_mu_;    // one frame at a time on the socket
   std::mutex mu_;          // guards what follows, to the read-ahead buffer
   std::condition_variable cv_;
@@ -941,6 +980,7 @@ int Client::native_handle() const { return impl_->fd_; }
 Result<size_t> Client::ProcessReplies() { return impl_->ProcessReplies(); }
 
 bool Client::shared_memory() const { return impl_->shared(); }
+bool Client::shared_arena() const { return impl_->arena_ != nullptr; }
 uint64_t Client::session_id() const { return impl_->hello_.session_id; }
 uint32_t Client::block_tokens() const { return impl_->hello_.block_tokens; }
 uint32_t Client::max_payload_bytes() const { return impl_->hello_.max_payload_bytes; }

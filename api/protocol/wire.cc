@@ -157,19 +157,6 @@ Status VerifyPayload(const FrameHeader& header, std::span<const std::byte> paylo
   return Status::OK();
 }
 
-std::vector<std::byte> FinishFrame(Opcode op, uint16_t flags, uint64_t request_id, std::vector<std::byte> frame) {
-  const std::span<const std::byte> payload(frame.data() + kHeaderBytes, frame.size() - kHeaderBytes);
-  FrameHeader h;
-  h.opcode = op;
-  h.flags = flags | kFlagPayloadChecksum;
-  h.request_id = request_id;
-  h.payload_bytes = static_cast<uint32_t>(payload.size());
-  h.payload_checksum = PayloadChecksum(payload);
-  const auto header = EncodeHeader(h);
-  std::memcpy(frame.data(), header.data(), kHeaderBytes);
-  return frame;
-}
-
 std::vector<std::byte> EncodeFrame(Opcode op, uint16_t flags, uint64_t request_id,
                                    std::span<const std::byte> payload) {
   FrameHeader h;
@@ -284,6 +271,7 @@ std::vector<std::byte> Encode(const HelloReply& m) {
   w.U32(m.block_tokens);
   w.U64(m.shm_staging_bytes);
   w.String(m.server_version);
+  w.U64(m.shm_arena_bytes);
   return w.Take();
 }
 
@@ -295,6 +283,7 @@ Result<HelloReply> DecodeHelloReply(std::span<const std::byte> p) {
   SPARSEKV_ASSIGN_OR_RETURN(m.block_tokens, r.U32("HELLO reply block tokens"));
   SPARSEKV_ASSIGN_OR_RETURN(m.shm_staging_bytes, r.U64("HELLO reply staging bytes"));
   SPARSEKV_ASSIGN_OR_RETURN(m.server_version, r.String("HELLO reply version", kMaxNameBytes));
+  SPARSEKV_ASSIGN_OR_RETURN(m.shm_arena_bytes, r.U64("HELLO reply arena bytes"));
   SPARSEKV_RETURN_IF_ERROR(r.Finish("HELLO reply"));
   return m;
 }

@@ -71,16 +71,13 @@ Status VerifyPayload(const FrameHeader& header, std::span<const std::byte> paylo
 // A whole frame: header then payload, with the payload checksum set.
 std::vector<std::byte> EncodeFrame(Opcode op, uint16_t flags, uint64_t request_id,
                                    std::span<const std::byte> payload);
-// The same for a payload already written after kHeaderBytes reserved bytes (a PayloadWriter
-// made with kReserveHeader): the header is filled in place, so the payload is not copied.
-std::vector<std::byte> FinishFrame(Opcode op, uint16_t flags, uint64_t request_id, std::vector<std::byte> frame);
 
 // ---- payload primitives ----
 
 class PayloadWriter {
  public:
   PayloadWriter() = default;
-  // Starts with kHeaderBytes zero bytes, for FinishFrame.
+  // Starts with kHeaderBytes zero bytes, for a header filled in later.
   struct ReserveHeader {};
   explicit PayloadWriter(ReserveHeader) : out_(kHeaderBytes) {}
   void Reserve(size_t more) { out_.reserve(out_.size() + more); }
@@ -142,6 +139,7 @@ struct HelloReply {
   uint32_t block_tokens = 0;
   uint64_t shm_staging_bytes = 0;  // size of the staging memfd passed with SCM_RIGHTS; 0: none
   std::string server_version;
+  uint64_t shm_arena_bytes = 0;    // size of the host arena's read-only memfd passed after it; 0: none
 };
 
 struct HashList {  // LOOKUP, GET, UNPIN, DELETE, SHM_GET requests

@@ -41,6 +41,15 @@ class DaemonStore {
   virtual bool TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) {
     return false;
   }
+  // Memory the store's GET bytes may lie in, with a memfd another process can map (the
+  // shared-memory path lends bundles in place from it). fd -1: none.
+  struct Arena {
+    int fd = -1;
+    const std::byte* base = nullptr;
+    uint64_t bytes = 0;
+  };
+  virtual Arena SharedArena() const { return {}; }
+
   virtual std::vector<wire::ItemStatus> Pin(uint32_t ns, std::span<const wire::WireHash> hashes,
                                             uint8_t priority) = 0;
   virtual std::vector<wire::ItemStatus> Unpin(uint32_t ns, std::span<const wire::WireHash> hashes) = 0;

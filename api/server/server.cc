@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -98,13 +99,11 @@ struct OutFrame {
   }
 };
 
-// A handler's answer: a payload to be framed, a frame whose header space is reserved at the
-// front and filled in place (Framed), or a gathered frame to finish (GET replies).
+// A handler's answer: a payload to be framed, or a gathered frame to finish (GET replies).
 struct Reply {
   Reply(std::vector<std::byte> payload) : data(std::move(payload)) {}  // NOLINT: implicit
   Reply(OutFrame f) : gathered(std::move(f)), is_gathered(true) {}    // NOLINT: implicit
   std::vector<std::byte> data;
-  bool framed = false;
   OutFrame gathered;
   bool is_gathered = false;
 
@@ -113,15 +112,9 @@ struct Reply {
       gathered.Finish(op, wire::kFlagResponse, request_id);
       return std::move(gathered);
     }
-    return framed ? wire::FinishFrame(op, wire::kFlagResponse, request_id, std::move(data))
-                  : wire::EncodeFrame(op, wire::kFlagResponse, request_id, data);
+    return wire::EncodeFrame(op, wire::kFlagResponse, request_id, data);
   }
 };
-Reply Framed(std::vector<std::byte> frame) {
-  Reply r(std::move(frame));
-  r.framed = true;
-  return r;
-}
 
 std::vector<std::byte> ErrorFrame(uint64_t request_id, const Status& st) {
   return wire::EncodeFrame(wire::Opcode::kError, wire::kFlagResponse, request_id,
@@ -141,9 +134,13 @@ class Server::Impl {
         workers_(static_cast<size_t>(std::max(1, options_.worker_threads))),
         signals_(io_),
         control_(asio::make_strand(io_)) {}
+  ~Impl() {
+    if (arena_ro_fd_ >= 0) ::close(arena_ro_fd_);
+  }
 
   Status Bind();
   void Run();
+  void RunLoop();
   void Accept(asio::ip::tcp::acceptor& acceptor);
   void AcceptUnix();
   void AcceptMetrics();
@@ -170,6 +167,8 @@ class Server::Impl {
   std::atomic<uint64_t> next_session_{1};
   std::string tcp_address_;
   uint16_t metrics_port_ = 0;
+  DaemonStore::Arena arena_;  // the store's arena, when lent to clients
+  int arena_ro_fd_ = -1;      // a read-only descriptor of it, passed at HELLO
 
   std::mutex mu_;
   std::set<std::shared_ptr<Session>> sessions_;
@@ -388,12 +387,18 @@ class Session : public std::enable_shared_from_this<Session> {
     if (hello->want_shared_memory && is_unix_) {
       if (Status st = MakeStaging(); st.ok()) {
         reply.shm_staging_bytes = staging_bytes_;
+        // With one namespace, every byte of the host arena is this namespace's: the client may
+        // map it (read-only) and GETs are lent in place instead of copied.
+        if (srv_.arena_ro_fd_ >= 0) {
+          lend_ = true;
+          reply.shm_arena_bytes = srv_.arena_.bytes;
+        }
       } else {
         spdlog::warn("session {}: no shared memory: {}", id_, st.ToString());
       }
     }
     spdlog::info("session {}: client '{}' opened namespace '{}'{}", id_, hello->client_name, hello->namespace_name,
-                 staging_ ? " with shared memory" : "");
+                 lend_ ? " with shared memory and the host arena" : staging_ ? " with shared memory" : "");
     const auto frame = wire::EncodeFrame(wire::Opcode::kHello, wire::kFlagResponse, rid, wire::Encode(reply));
     if (staging_fd_ >= 0) {
       // The staging fd rides with the reply's first bytes; nothing else is queued yet.
@@ -422,18 +427,20 @@ class Session : public std::enable_shared_from_this<Session> {
 
   bool SendWithFd(const std::vector<std::byte>& frame) {
     const int fd = socket_.native_handle();
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    const int fds[2] = {staging_fd_, srv_.arena_ro_fd_};
+    const size_t nfds = lend_ ? 2 : 1;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(fds))] = {};
     iovec iov{const_cast<std::byte*>(frame.data()), frame.size()};
     msghdr msg{};
     msg.msg_iov = &iov;
     msg.msg_iovlen = 1;
     msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
+    msg.msg_controllen = CMSG_SPACE(nfds * sizeof(int));
     cmsghdr* c = CMSG_FIRSTHDR(&msg);
     c->cmsg_level = SOL_SOCKET;
     c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(c), &staging_fd_, sizeof(int));
+    c->cmsg_len = CMSG_LEN(nfds * sizeof(int));
+    std::memcpy(CMSG_DATA(c), fds, nfds * sizeof(int));
     size_t sent = 0;
     while (sent < frame.size()) {
       ssize_t k = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
@@ -446,7 +453,7 @@ class Session : public std::enable_shared_from_this<Session> {
       sent += static_cast<size_t>(k);
       iov.iov_base = const_cast<std::byte*>(frame.data()) + sent;
       iov.iov_len = frame.size() - sent;
-      msg.msg_control = nullptr;  // the fd goes once
+      msg.msg_control = nullptr;  // the fds go once
       msg.msg_controllen = 0;
     }
     return true;
@@ -480,6 +487,11 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void Dispatch(const wire::FrameHeader& h, std::vector<std::byte> payload) {
+    // The client is done with what its previous SHM_GET lent it (api/PROTOCOL.md).
+    if (h.opcode == wire::Opcode::kShmGet || h.opcode == wire::Opcode::kShmRelease) {
+      lent_.clear();
+      lent_bytes_ = 0;
+    }
     // A GET that memory can answer is served here, saving two thread hops.
     if (h.opcode == wire::Opcode::kGet || h.opcode == wire::Opcode::kShmGet) {
       const auto t0 = Clock::now();
@@ -614,9 +626,10 @@ class Session : public std::enable_shared_from_this<Session> {
   std::optional<Reply> FastShmGet(std::span<const std::byte> p) {
     auto req = wire::DecodeHashList(p);
     if (!req.ok() || staging_ == nullptr) return std::nullopt;
-    return BuildShmGetReply(req->hashes, [&](const DaemonStore::GetSink& sink) {
-      return srv_.store_->TryGetWithoutBlocking(ns_, req->hashes, sink);
-    });
+    return BuildShmGetReply(
+        req->hashes,
+        [&](const DaemonStore::GetSink& sink) { return srv_.store_->TryGetWithoutBlocking(ns_, req->hashes, sink); },
+        /*may_lend=*/true);
   }
 
   Result<Reply> HandleShmPut(std::span<const std::byte> p) {
@@ -644,24 +657,39 @@ class Session : public std::enable_shared_from_this<Session> {
   Result<Reply> HandleShmGet(std::span<const std::byte> p) {
     if (staging_ == nullptr) return Status::FailedPrecondition("SHM_GET on a session without shared memory");
     SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
-    return *BuildShmGetReply(req.hashes, [&](const DaemonStore::GetSink& sink) {
-      srv_.store_->Get(ns_, req.hashes, sink);
-      return true;
-    });
+    return *BuildShmGetReply(
+        req.hashes,
+        [&](const DaemonStore::GetSink& sink) {
+          srv_.store_->Get(ns_, req.hashes, sink);
+          return true;
+        },
+        /*may_lend=*/false);  // a worker thread: lent_ belongs to the strand
   }
 
-  // Copies each bundle into the GET half of the staging area and answers with offsets.
+  // Answers with where each bundle lies: in the host arena, lent in place (the session maps it
+  // and holds the page until its next SHM_GET), or copied into the GET half of the staging area.
   template <typename Serve>
-  std::optional<Reply> BuildShmGetReply(std::span<const wire::WireHash> hashes, Serve&& serve) {
+  std::optional<Reply> BuildShmGetReply(std::span<const wire::WireHash> hashes, Serve&& serve, bool may_lend) {
+    const DaemonStore::Arena& arena = srv_.arena_;
     const uint64_t limit = staging_bytes_;
     uint64_t off = staging_bytes_ / 2;
     wire::ShmGetReply reply;
     reply.status.resize(hashes.size());
     uint64_t hits = 0;
     const bool served = serve([&](size_t i, const Status& st, std::span<const std::byte> bytes,
-                                  const DaemonStore::Keep&) {
+                                  const DaemonStore::Keep& keep) {
       if (!st.ok()) {
         reply.status[i] = {st.code(), std::string(st.message())};
+        return;
+      }
+      if (may_lend && lend_ && keep && bytes.data() >= arena.base &&
+          bytes.data() + bytes.size() <= arena.base + arena.bytes && lent_bytes_ + bytes.size() <= staging_bytes_ / 2) {
+        // Offsets at or past the staging area's size name the arena.
+        reply.slots.push_back({hashes[i], staging_bytes_ + static_cast<uint64_t>(bytes.data() - arena.base),
+                               static_cast<uint32_t>(bytes.size())});
+        lent_.push_back(keep);
+        lent_bytes_ += bytes.size();
+        ++hits;
         return;
       }
       if (bytes.size() > limit - off) {
@@ -804,10 +832,25 @@ class Session : public std::enable_shared_from_this<Session> {
   int staging_fd_ = -1;
   std::byte* staging_ = nullptr;
   uint64_t staging_bytes_ = 0;
+  bool lend_ = false;                     // the client mapped the host arena
+  std::vector<DaemonStore::Keep> lent_;  // what the last SHM_GET lent in place
+  uint64_t lent_bytes_ = 0;
 };
 
 Status Server::Impl::Bind() {
   boost::system::error_code ec;
+  if (options_.lend_from_arena && options_.namespaces.size() == 1) {
+    const DaemonStore::Arena a = store_->SharedArena();
+    if (a.fd >= 0) {
+      // A description of its own, opened read-only: a client can map it but never write it.
+      arena_ro_fd_ = ::open(fmt::format("/proc/self/fd/{}", a.fd).c_str(), O_RDONLY | O_CLOEXEC);
+      if (arena_ro_fd_ >= 0) {
+        arena_ = a;
+      } else {
+        spdlog::warn("cannot reopen the host arena read-only ({}); shared-memory GETs will copy", std::strerror(errno));
+      }
+    }
+  }
   if (!options_.tcp_listen.empty()) {
     SPARSEKV_ASSIGN_OR_RETURN(auto ep, ParseTcp(options_.tcp_listen));
     tcp_ = std::make_unique<asio::ip::tcp::acceptor>(io_);
@@ -852,7 +895,26 @@ void Server::Impl::Run() {
     signals_.async_wait([this](boost::system::error_code e, int s) { OnSignal(e, s); });
   }
   const int n = std::max(1, options_.io_threads);
-  for (int i = 0; i < n; ++i) threads_.emplace_back([this] { io_.run(); });
+  for (int i = 0; i < n; ++i) threads_.emplace_back([this] { RunLoop(); });
+}
+
+// The network loop. With busy_poll_us, a thread that runs out of work keeps polling (a
+// non-blocking epoll each time) for that long before it sleeps: a request arriving meanwhile
+// is served without the wakeup of a sleeping thread, which on a small VM costs more than
+// serving it.
+void Server::Impl::RunLoop() {
+  if (options_.busy_poll_us == 0) {
+    io_.run();
+    return;
+  }
+  const auto spin = std::chrono::microseconds(options_.busy_poll_us);
+  while (!io_.stopped()) {
+    if (io_.poll() > 0) continue;
+    const auto until = Clock::now() + spin;
+    bool ran = false;
+    while (!ran && Clock::now() < until && !io_.stopped()) ran = io_.poll() > 0;
+    if (!ran) io_.run_one();
+  }
 }
 
 void Server::Impl::OnSignal(boost::system::error_code ec, int sig) {

@@ -39,6 +39,9 @@ struct ServerOptions {
   std::string metrics_listen = "127.0.0.1:7421";
   // Threads that run the network loop. Default: one per 4 cores, at least 1.
   int io_threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency() / 4));
+  // Microseconds a network thread keeps polling for work before it sleeps (0: never).
+  // Default: 0.
+  uint32_t busy_poll_us = 0;
   // Threads that run store calls. Default: 2.
   int worker_threads = 2;
   // Connections open at once; more are refused with an ERROR frame. Default: 256.
@@ -50,6 +53,10 @@ struct ServerOptions {
   uint64_t max_inflight_bytes = 256ull << 20;
   // A connection with nothing in flight for this long is closed. Default: 300 s.
   uint32_t idle_timeout_ms = 300000;
+  // Shared-memory GETs point the client into the host arena (mapped read-only) instead of
+  // copying, when the store's arena is a memfd and there is exactly one namespace (the arena
+  // then holds nothing another namespace may not read). Default: true.
+  bool lend_from_arena = true;
   // Shared-memory staging area per Unix-socket session (half for PUT, half for GET).
   // Default: 64 MiB.
   uint64_t staging_bytes = 64ull << 20;

@@ -1,12 +1,12 @@
 #include "server/tiered_store.h"
 
-#include "sparsekv/host_tier.h"
-
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cstring>
 #include <nlohmann/json.hpp>
+
+#include "sparsekv/host_tier.h"
 
 namespace sparsekv::server {
 namespace {
@@ -164,6 +164,14 @@ void TieredStore::CountGets(uint32_t ns, uint64_t asked, uint64_t hits, uint64_t
   c.get_hits += hits;
   c.get_bytes += bytes;
   c.corrupt += corrupt;
+}
+
+DaemonStore::Arena TieredStore::SharedArena() const {
+  if (wire_tiers_.empty() || wire_tiers_[0] != 1) return {};
+  const auto* host = dynamic_cast<const HostTier*>(&chain_->tier(0));
+  if (host == nullptr) return {};
+  const HostTier::Arena a = host->arena();
+  return {a.fd, a.base, a.bytes};
 }
 
 bool TieredStore::TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) {

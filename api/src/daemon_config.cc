@@ -21,6 +21,7 @@ constexpr const char* kDefaultConfig = R"({
   "metrics_listen": "127.0.0.1:7421",
   "data_dir": "./var",
   "log_level": "info",
+  "busy_poll_us": 200,
   "namespaces": [{"name": "default", "token": ""}],
   "offload": {
     "write_policy": "write-back",
@@ -54,7 +55,7 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
   json j = json::parse(json_text, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return Status::InvalidArgument("config: not a JSON object");
   static const char* kKeys[] = {"model", "kv_format", "block_tokens", "listen", "unix_socket", "metrics_listen",
-                                "data_dir", "log_level", "log_file", "io_threads", "worker_threads",
+                                "data_dir", "log_level", "log_file", "io_threads", "worker_threads", "busy_poll_us",
                                 "max_connections", "max_frame_bytes", "max_inflight_bytes", "idle_timeout_ms",
                                 "staging_bytes", "pin_budget_bytes", "namespaces", "offload"};
   for (auto it = j.begin(); it != j.end(); ++it) {
@@ -74,6 +75,8 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
   SPARSEKV_RETURN_IF_ERROR(Read(j, "log_file", c.log_file, "a path"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "io_threads", c.io_threads, "a thread count"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "worker_threads", c.worker_threads, "a thread count"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "busy_poll_us", c.busy_poll_us, "microseconds"));
+  if (c.busy_poll_us > 10000) return Status::InvalidArgument("config key 'busy_poll_us' must be at most 10000");
   SPARSEKV_RETURN_IF_ERROR(Read(j, "max_connections", c.max_connections, "a count"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "max_frame_bytes", c.max_frame_bytes, "a byte count below 4 GiB"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "max_inflight_bytes", c.max_inflight_bytes, "a byte count"));
@@ -141,6 +144,7 @@ std::string DaemonConfigToJson(const DaemonConfig& c) {
          {"log_file", c.log_file},
          {"io_threads", c.io_threads},
          {"worker_threads", c.worker_threads},
+         {"busy_poll_us", c.busy_poll_us},
          {"max_connections", c.max_connections},
          {"max_frame_bytes", c.max_frame_bytes},
          {"max_inflight_bytes", c.max_inflight_bytes},

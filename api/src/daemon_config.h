@@ -42,6 +42,8 @@ struct DaemonConfig {
   // threads than it adds (README, "bench daemon").
   uint32_t io_threads = std::max(1u, std::thread::hardware_concurrency() / 4);
   uint32_t worker_threads = 2;
+  // Microseconds a network thread polls for work before it sleeps (0: never). Default: 0.
+  uint32_t busy_poll_us = 0;
   // Connection and per-connection limits. Defaults: 256 connections, 64 MiB frames, 256 MiB in
   // flight per connection, 300 s idle timeout, 64 MiB shared staging per Unix session.
   uint32_t max_connections = 256;

@@ -70,6 +70,9 @@ int Run(DaemonConfig config) {
   const uint64_t block_record = BundleHeaderBytes(1) + geometry->BytesPerBlock();
   if (store_options.offload.host.slot_bytes == 0) store_options.offload.host.slot_bytes = block_record;
   store_options.pin_budget_bytes = config.pin_budget_bytes;
+  // One namespace: the host arena is a memfd that shared-memory clients map read-only, so a GET
+  // is lent in place rather than copied (server.h, lend_from_arena).
+  if (config.namespaces.size() == 1) store_options.offload.host.backing = ArenaBacking::kMemfd;
 
   server::ServerOptions so;
   so.tcp_listen = config.listen;
@@ -80,6 +83,7 @@ int Run(DaemonConfig config) {
   so.metrics_listen = config.metrics_listen;
   so.io_threads = static_cast<int>(config.io_threads);
   so.worker_threads = static_cast<int>(config.worker_threads);
+  so.busy_poll_us = config.busy_poll_us;
   so.max_connections = config.max_connections;
   so.max_frame_bytes = config.max_frame_bytes;
   so.max_inflight_bytes = config.max_inflight_bytes;

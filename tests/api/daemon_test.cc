@@ -4,11 +4,13 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -499,6 +501,114 @@ TEST_F(DaemonTest, LoadOf32ClientsHasNoErrorsAndBoundedMemory) {
   // Host tier 64 MiB + 16 Unix sessions x 1 MiB staging + buffers: well under 512 MiB of growth.
   EXPECT_LT(after.ru_maxrss - before.ru_maxrss, 512 * 1024) << "KiB";
   EXPECT_EQ(server_->metrics().bad_frames(), 0u);
+}
+
+// One namespace and a memfd host arena: shared-memory GETs are lent in place.
+class DaemonArenaTest : public DaemonTest {
+  void Configure(TieredStoreOptions& so, ServerOptions& opts) override {
+    so.offload.host.backing = ArenaBacking::kMemfd;
+    so.offload.host.capacity_bytes = 3 * 256 * 1024;  // three slots
+    opts.namespaces = {{"alpha", "alpha-token"}};
+  }
+};
+
+TEST_F(DaemonArenaTest, SharedMemoryGetsAreLentInPlaceAndPinnedUntilTheNextOne) {
+  auto shm = Connect("alpha", "alpha-token", true);
+  auto tcp = Connect("alpha", "alpha-token", false);
+  ASSERT_NE(shm, nullptr);
+  ASSERT_NE(tcp, nullptr);
+  EXPECT_TRUE(shm->shared_arena());
+  EXPECT_FALSE(tcp->shared_arena());
+  std::vector<std::vector<std::byte>> v;
+  for (uint64_t i = 0; i < 9; ++i) v.push_back(Value(700 + i, 100000 + 1000 * i));
+  auto put = [&](uint64_t i) {
+    BundleRef ref{H(700 + i), v[i]};
+    auto r = tcp->Put(std::span<const BundleRef>(&ref, 1));
+    ASSERT_TRUE(r.ok() && (*r)[0].ok()) << (r.ok() ? (*r)[0].ToString() : r.status().ToString());
+  };
+  auto present = [&](uint64_t i) {
+    const WireBlockHash h = H(700 + i);
+    auto r = tcp->Lookup(std::span<const WireBlockHash>(&h, 1));
+    return r.ok() && r->tiers[0] == BlockTier::kHost;
+  };
+  for (uint64_t i = 0; i < 3; ++i) put(i);
+  const WireBlockHash h0 = H(700);
+  auto got = shm->Get(std::span<const WireBlockHash>(&h0, 1));  // lends 0's page
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ((*got)[0].bytes, v[0]);
+  // Three more bundles through a full tier: the lent page is never evicted.
+  for (uint64_t i = 3; i < 6; ++i) put(i);
+  EXPECT_TRUE(present(0));
+  EXPECT_FALSE(present(1));
+  // The next SHM_GET gives it back; then it ages out like any other.
+  const WireBlockHash h5 = H(705);
+  got = shm->Get(std::span<const WireBlockHash>(&h5, 1));
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ((*got)[0].bytes, v[5]);
+  for (uint64_t i = 6; i < 9; ++i) put(i);
+  EXPECT_FALSE(present(0));
+  // Callback GETs take the same path.
+  std::optional<Result<std::vector<GetResult>>> async;
+  shm->GetAsync({H(708)}, [&](Result<std::vector<GetResult>> r) { async = std::move(r); });
+  DriveUntil(*shm, [&] { return async.has_value(); });
+  ASSERT_TRUE(async->ok());
+  EXPECT_EQ((**async)[0].bytes, v[8]);
+}
+
+TEST_F(DaemonArenaTest, TheArenaIsPassedReadOnly) {
+  // A hand-made HELLO over the Unix socket, to hold the descriptors the daemon passes.
+  const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::memcpy(sa.sun_path, unix_.c_str(), unix_.size() + 1);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  auto hello = wire::EncodeFrame(wire::Opcode::kHello, 0, 1,
+                                 wire::Encode(wire::HelloRequest{1, "alpha", "alpha-token", "raw", true}));
+  ASSERT_EQ(send(fd, hello.data(), hello.size(), 0), static_cast<ssize_t>(hello.size()));
+  std::array<std::byte, 4096> buf;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+  iovec iov{buf.data(), buf.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ASSERT_GT(recvmsg(fd, &msg, MSG_CMSG_CLOEXEC), 0);
+  std::vector<int> fds;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    fds.resize(n);
+    std::memcpy(fds.data(), CMSG_DATA(c), n * sizeof(int));
+  }
+  ASSERT_EQ(fds.size(), 2u);  // staging area, then arena
+  const size_t bytes = 3 * 256 * 1024;
+  void* w = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1], 0);
+  EXPECT_EQ(w, MAP_FAILED);
+  EXPECT_EQ(errno, EACCES);
+  void* r = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fds[1], 0);
+  ASSERT_NE(r, MAP_FAILED);
+  munmap(r, bytes);
+  for (int f : fds) close(f);
+  close(fd);
+}
+
+class DaemonTwoNamespacesArenaTest : public DaemonTest {
+  void Configure(TieredStoreOptions& so, ServerOptions&) override { so.offload.host.backing = ArenaBacking::kMemfd; }
+};
+
+TEST_F(DaemonTwoNamespacesArenaTest, WithTwoNamespacesNothingIsLent) {
+  // The arena would hold the other namespace's bundles: it is never passed, GETs are copied.
+  auto a = Connect("alpha", "alpha-token", true);
+  ASSERT_NE(a, nullptr);
+  EXPECT_TRUE(a->shared_memory());
+  EXPECT_FALSE(a->shared_arena());
+  auto v = Value(42, 20000);
+  BundleRef ref{H(42), v};
+  ASSERT_TRUE(a->Put(std::span<const BundleRef>(&ref, 1)).ok());
+  const WireBlockHash h = H(42);
+  auto got = a->Get(std::span<const WireBlockHash>(&h, 1));
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ((*got)[0].bytes, v);
 }
 
 class DaemonLimitsTest : public DaemonTest {

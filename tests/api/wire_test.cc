@@ -68,6 +68,17 @@ TEST(Wire, MessagesRoundTrip) {
   EXPECT_EQ(hr->token, "tok");
   EXPECT_TRUE(hr->want_shared_memory);
 
+  HelloReply hreply{77, 1u << 20, 128, 64u << 20, "sparsekvd test", 3ull << 30};
+  auto hre = Encode(hreply);
+  auto hrr = DecodeHelloReply(hre);
+  ASSERT_TRUE(hrr.ok()) << hrr.status().ToString();
+  EXPECT_EQ(hrr->session_id, 77u);
+  EXPECT_EQ(hrr->shm_staging_bytes, 64u << 20);
+  EXPECT_EQ(hrr->server_version, "sparsekvd test");
+  EXPECT_EQ(hrr->shm_arena_bytes, 3ull << 30);
+  hre.pop_back();  // cut short: refused
+  EXPECT_FALSE(DecodeHelloReply(hre).ok());
+
   std::vector<std::byte> b1(10, std::byte{1}), b2(3, std::byte{2});
   PutRequest put{{PutItem{H(1), b1}, PutItem{H(2), b2}}};
   auto enc = Encode(put);

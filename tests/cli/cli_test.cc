@@ -165,6 +165,7 @@ TEST(Daemon, ServesTheCliAndStopsCleanlyOnSigterm) {
   std::filesystem::create_directories(dir);
   const int port = 20000 + getpid() % 20000;
   std::ofstream(dir / "config.json") << R"({"listen": "127.0.0.1:)" << port << R"(", "metrics_listen": "",
+    "busy_poll_us": 50,
     "unix_socket": "d.sock", "data_dir": ")" << (dir / "var").string() << R"(",
     "offload": {"host": {"capacity_bytes": "256MiB"},
                 "ssd": {"enabled": true, "capacity_bytes": "256MiB", "slab_grow_bytes": "16MiB"}}})";
@@ -188,6 +189,9 @@ TEST(Daemon, ServesTheCliAndStopsCleanlyOnSigterm) {
   Outcome get = Cli("get " + tcp_addr + " --key system-prompt");
   EXPECT_EQ(get.exit_code, 0) << get.err;
   EXPECT_EQ(get.out, "hello-sparsekv");
+  Outcome get_shm = Cli("get " + unix_addr + " --key system-prompt");  // lent from the host arena
+  EXPECT_EQ(get_shm.exit_code, 0) << get_shm.err;
+  EXPECT_EQ(get_shm.out, "hello-sparsekv");
   Outcome lookup = Cli("lookup " + unix_addr + " --key system-prompt --key unknown");
   ASSERT_EQ(lookup.exit_code, 0) << lookup.err;
   auto j = nlohmann::json::parse(lookup.out);
@@ -212,11 +216,16 @@ TEST(Daemon, ServesTheCliAndStopsCleanlyOnSigterm) {
   const std::string text = Slurp(log);
   EXPECT_NE(text.find("effective options"), std::string::npos);
   EXPECT_NE(text.find("stopped cleanly"), std::string::npos) << text;
+  EXPECT_NE(text.find("with shared memory and the host arena"), std::string::npos) << text;
 
   std::ofstream(dir / "bad.json") << R"({"model": "deepseek-v3.2-exp", "max_connections": "lots"})";
   Outcome bad = Exec(SPARSEKVD_PATH, "--config " + (dir / "bad.json").string());
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE((bad.out + bad.err).find("max_connections"), std::string::npos);
+  std::ofstream(dir / "bad2.json") << R"({"busy_poll_us": 1000000})";
+  Outcome bad2 = Exec(SPARSEKVD_PATH, "--config " + (dir / "bad2.json").string());
+  EXPECT_NE(bad2.exit_code, 0);
+  EXPECT_NE((bad2.out + bad2.err).find("busy_poll_us"), std::string::npos);
   std::filesystem::remove_all(dir);
 }
 

@@ -116,6 +116,8 @@ class Client {
   Result<size_t> ProcessReplies();
 
   bool shared_memory() const;
+  // The daemon lends GETs in place from its host arena, mapped read-only (a one-namespace daemon).
+  bool shared_arena() const;
   uint64_t session_id() const;
   uint32_t block_tokens() const;
   uint32_t max_payload_bytes() const;

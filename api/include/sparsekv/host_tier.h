@@ -46,6 +46,15 @@ class HostTier : public Tier {
   // The result must not outlive the tier. Errors: NotFound, Corruption (the bundle is dropped).
   virtual Result<BundlePtr> GetPinned(const BundleKey& key) = 0;
 
+  // The pool's memory: its memfd (-1 unless `backing` is kMemfd), first byte and size. Every
+  // record lies inside; another process may map the fd to read records handed out pinned.
+  struct Arena {
+    int fd = -1;
+    const std::byte* base = nullptr;
+    uint64_t bytes = 0;
+  };
+  virtual Arena arena() const = 0;
+
   // Test hook: flips one bit of the stored record of `key` at `offset`.
   virtual Status CorruptForTesting(const BundleKey& key, uint64_t offset) = 0;
 };
