@@ -120,6 +120,7 @@ Result<int> ConnectTo(const std::string& address, bool* is_unix) {
 }
 
 Status FromItem(const w::ItemStatus& s) {
+  if (s.code == StatusCode::kCorruption) return Status::Corruption(s.message);
   return s.code == StatusCode::kOk ? Status::OK() : Status(s.code, s.message);
 }
 
@@ -417,7 +418,7 @@ class Client::Impl {
     };
     uint32_t count = 0;
     if (ReadOutcome o = take_u32(&count); o != ReadOutcome::kFrame) return o;
-    if (count > w::kMaxBatchItems || count > left) return bad("item count " + std::to_string(count));
+    if (count > w::kMaxBatchItems || 2ull * count > left) return bad("item count " + std::to_string(count));
     auto items = std::make_shared<std::vector<GetResult>>(count);
     for (GetResult& g : *items) {
       uint8_t code = 0;
@@ -433,6 +434,18 @@ class Client::Impl {
         std::string message(n, '\0');
         if (ReadOutcome o = take(message.data(), n); o != ReadOutcome::kFrame) return o;
         g.status = Status(static_cast<StatusCode>(code), std::move(message));
+      }
+    }
+    // The verdict bytes: an item whose bytes failed their check as the daemon sent them is
+    // Corruption, its bytes dropped.
+    for (GetResult& g : *items) {
+      uint8_t verdict = 0;
+      if (ReadOutcome o = take(&verdict, 1); o != ReadOutcome::kFrame) return o;
+      if (verdict > 1) return bad("unknown verdict");
+      if (verdict != 0 && g.status.ok()) {
+        g.status = Status::Corruption("the bundle failed its checksum as sparsekvd sent it");
+        g.bytes.clear();
+        g.bytes.shrink_to_fit();
       }
     }
     if (left != 0) return bad("bytes left over");

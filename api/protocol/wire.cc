@@ -390,6 +390,7 @@ std::vector<std::byte> Encode(const GetReply& m) {
     WriteItemStatus(w, it.status);
     if (it.status.code == StatusCode::kOk) w.Blob(it.bundle);
   }
+  for (const GetItem& it : m.items) w.U8(it.verdict);
   return w.Take();
 }
 
@@ -402,6 +403,14 @@ Result<GetReply> DecodeGetReply(std::span<const std::byte> p, uint32_t max_bundl
     SPARSEKV_ASSIGN_OR_RETURN(it.status, ReadItemStatus(r));
     if (it.status.code == StatusCode::kOk) {
       SPARSEKV_ASSIGN_OR_RETURN(it.bundle, r.Blob("GET bundle", max_bundle_bytes));
+    }
+  }
+  for (GetItem& it : m.items) {
+    SPARSEKV_ASSIGN_OR_RETURN(it.verdict, r.U8("GET verdict"));
+    if (it.verdict > 1) return Bad(fmt::format("GET verdict {} is unknown", it.verdict));
+    if (it.verdict != 0 && it.status.code == StatusCode::kOk) {
+      it.status = {StatusCode::kCorruption, "the bundle failed its checksum as sparsekvd sent it"};
+      it.bundle = {};
     }
   }
   SPARSEKV_RETURN_IF_ERROR(r.Finish("GET reply"));

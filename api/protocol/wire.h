@@ -176,6 +176,10 @@ struct StatusListReply {  // PUT, PIN, UNPIN, DELETE, SHM_PUT, SHM_RELEASE repli
 struct GetItem {
   ItemStatus status;
   std::span<const std::byte> bundle;  // empty unless OK
+  // The verdict byte that ends the reply (api/PROTOCOL.md): 0 when the bundle's bytes were
+  // checked against their stored record, 1 when they failed. Decoding turns a failed item's
+  // status into Corruption and drops its bytes.
+  uint8_t verdict = 0;
 };
 struct GetReply {
   std::vector<GetItem> items;

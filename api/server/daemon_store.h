@@ -37,10 +37,15 @@ class DaemonStore {
   virtual void Get(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) = 0;
   // As Get, but only when every hash can be served at once from memory without blocking;
   // returns false, having called `sink` for nothing, otherwise. Network threads call it to
-  // skip the hop to a worker thread for the common hit.
-  virtual bool TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) {
+  // skip the hop to a worker thread for the common hit. With `check` false the bytes are not
+  // checked yet: the caller must pass each item's `keep` to Recheck before anyone trusts them.
+  virtual bool TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink,
+                                     bool check) {
     return false;
   }
+  // Checks bytes TryGetWithoutBlocking handed out unchecked; a damaged bundle is dropped (and
+  // reported as removed) and Corruption returned.
+  virtual Status Recheck(uint32_t ns, const wire::WireHash& hash, const Keep& keep) { return Status::OK(); }
   // Memory the store's GET bytes may lie in, with a memfd another process can map (the
   // shared-memory path lends bundles in place from it). fd -1: none.
   struct Arena {

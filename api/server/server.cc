@@ -7,11 +7,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <boost/asio.hpp>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -73,6 +75,16 @@ struct OutFrame {
   std::vector<Piece> pieces;
   std::vector<DaemonStore::Keep> keep;
   uint64_t size = 0;
+  // A GET reply's items whose bytes go out unchecked: (item, hash, keep). Their verdicts, the
+  // last piece, are filled by `finish` once the rest of the frame is in the kernel.
+  struct Recheck {
+    size_t item;
+    wire::WireHash hash;
+    DaemonStore::Keep keep;
+  };
+  std::vector<Recheck> recheck;
+  size_t verdict_off = 0;
+  std::function<void(OutFrame&)> finish;  // runs once, just before the frame is first written
 
   // Ends the current run of own bytes as a piece.
   void CloseOwn(size_t& from) {
@@ -499,7 +511,11 @@ class Session : public std::enable_shared_from_this<Session> {
       if (fast) {
         OutFrame frame = std::move(*fast).ToFrame(h.opcode, h.request_id);
         srv_.metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
-        QueueWrite(std::move(frame));
+        if (frame.recheck.empty()) {
+          QueueWrite(std::move(frame));
+        } else {
+          SendChecked(std::move(frame));
+        }
         return;
       }
     }
@@ -580,14 +596,14 @@ class Session : public std::enable_shared_from_this<Session> {
   // from where they lie, small ones copied. `serve` calls the sink per item; it returns false
   // when it served nothing (fast path declined).
   template <typename Serve>
-  std::optional<Reply> BuildGetReply(std::span<const wire::WireHash> hashes, Serve&& serve) {
+  std::optional<Reply> BuildGetReply(std::span<const wire::WireHash> hashes, Serve&& serve, bool unchecked = false) {
     static constexpr size_t kGatherAtLeast = 4096;
     wire::PayloadWriter w{wire::PayloadWriter::ReserveHeader{}};
     w.U32(static_cast<uint32_t>(hashes.size()));
     OutFrame f;
     size_t from = 0;
     uint64_t hits = 0;
-    const bool served = serve([&](size_t, const Status& st, std::span<const std::byte> bytes,
+    const bool served = serve([&](size_t i, const Status& st, std::span<const std::byte> bytes,
                                   const DaemonStore::Keep& keep) {
       w.U8(static_cast<uint8_t>(st.code()));
       if (!st.ok()) {
@@ -595,6 +611,7 @@ class Session : public std::enable_shared_from_this<Session> {
         return;
       }
       ++hits;
+      if (unchecked) f.recheck.push_back({i, hashes[i], keep});
       if (keep && bytes.size() >= kGatherAtLeast) {
         w.U32(static_cast<uint32_t>(bytes.size()));
         f.own = w.Take();
@@ -610,17 +627,130 @@ class Session : public std::enable_shared_from_this<Session> {
     if (!served) return std::nullopt;
     f.own = w.Take();
     f.CloseOwn(from);
+    // The verdict bytes, a piece of their own at the end (0: checked; set by RunRechecks).
+    f.verdict_off = f.own.size();
+    f.own.resize(f.own.size() + hashes.size(), std::byte{0});
+    f.CloseOwn(from);
     srv_.metrics_.Hits(hits);
     srv_.metrics_.Misses(hashes.size() - hits);
     return Reply(std::move(f));
   }
 
+  // From memory, the records not checked yet: SendChecked checks them once their bytes are in
+  // the kernel, and the reply's verdict bytes carry the outcome.
   std::optional<Reply> FastGet(std::span<const std::byte> p) {
     auto req = wire::DecodeHashList(p);
     if (!req.ok()) return std::nullopt;
-    return BuildGetReply(req->hashes, [&](const DaemonStore::GetSink& sink) {
-      return srv_.store_->TryGetWithoutBlocking(ns_, req->hashes, sink);
-    });
+    return BuildGetReply(
+        req->hashes,
+        [&](const DaemonStore::GetSink& sink) {
+          return srv_.store_->TryGetWithoutBlocking(ns_, req->hashes, sink, /*check=*/false);
+        },
+        /*unchecked=*/true);
+  }
+
+  // Checks what went out unchecked and fills the verdicts of `f` (its last piece).
+  void RunRechecks(OutFrame& f) {
+    for (const OutFrame::Recheck& r : f.recheck) {
+      if (!srv_.store_->Recheck(ns_, r.hash, r.keep).ok()) {
+        f.own[f.verdict_off + r.item] = std::byte{1};
+        spdlog::warn("session {}: a bundle failed its checksum as it was sent; the client is told", id_);
+      }
+    }
+    f.recheck.clear();
+  }
+
+  // Sends pieces [first, last) of `f` now, without blocking; `skip` bytes of the first were
+  // sent before. Returns the bytes sent (less than asked when the socket is full), or -1.
+  ssize_t SendNow(const OutFrame& f, size_t first, size_t last, size_t skip, int flags) {
+    std::array<iovec, 66> iov;
+    size_t n = 0;
+    for (size_t i = first; i < last && n < iov.size(); ++i) {
+      auto b = f.Bytes(f.pieces[i]);
+      if (i == first) b = b.subspan(skip);
+      iov[n++] = {const_cast<std::byte*>(b.data()), b.size()};
+    }
+    msghdr msg{};
+    msg.msg_iov = iov.data();
+    msg.msg_iovlen = n;
+    ssize_t k;
+    do {
+      k = ::sendmsg(socket_.native_handle(), &msg, flags | MSG_DONTWAIT | MSG_NOSIGNAL);
+    } while (k < 0 && errno == EINTR);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+    return k;
+  }
+
+  // A GET reply with unchecked bytes: everything but the verdicts is handed to the kernel first
+  // (MSG_MORE: the last partial segment waits for them), which brings the bytes into the cache;
+  // the check then reads them from there, and the verdicts follow. What cannot be sent at once
+  // is queued, the verdicts as a frame whose `finish` runs the checks when its turn comes.
+  void SendChecked(OutFrame f) {
+    const size_t last = f.pieces.size() - 1;  // the verdict piece
+    size_t piece = 0, skip = 0;
+    if (writes_.empty() && !writing_ && !closed_ && last <= 64) {
+      uint64_t body = 0;
+      for (size_t i = 0; i < last; ++i) body += f.pieces[i].ext.empty() ? f.pieces[i].len : f.pieces[i].ext.size();
+      const ssize_t k = SendNow(f, 0, last, 0, MSG_MORE);
+      if (k < 0) {  // the connection failed: the usual write path reports and closes
+        return QueueWrite(std::move(f));
+      }
+      srv_.metrics_.BytesOut(static_cast<uint64_t>(k));
+      if (static_cast<uint64_t>(k) == body) {
+        RunRechecks(f);
+        const ssize_t v = SendNow(f, last, last + 1, 0, 0);
+        if (v == static_cast<ssize_t>(f.pieces[last].len)) {
+          srv_.metrics_.BytesOut(static_cast<uint64_t>(v));
+          return;
+        }
+        piece = last;
+        skip = v > 0 ? static_cast<size_t>(v) : 0;
+      } else {
+        for (uint64_t left = static_cast<uint64_t>(k); piece < last; ++piece) {
+          const size_t len = f.Bytes(f.pieces[piece]).size();
+          if (left < len) {
+            skip = left;
+            break;
+          }
+          left -= len;
+        }
+      }
+    }
+    // Queue the unsent rest: the body (if any), then the verdicts.
+    auto tail = std::make_shared<OutFrame>(std::move(f));
+    if (piece < last) {
+      OutFrame body;
+      body.own = tail->own;
+      body.keep = tail->keep;
+      for (size_t i = piece; i < last; ++i) {
+        OutFrame::Piece p = tail->pieces[i];
+        if (i == piece) {
+          if (p.ext.empty()) {
+            p.off += skip;
+            p.len -= skip;
+          } else {
+            p.ext = p.ext.subspan(skip);
+          }
+        }
+        body.pieces.push_back(p);
+        body.size += p.ext.empty() ? p.len : p.ext.size();
+      }
+      QueueWrite(std::move(body));
+      skip = 0;
+    }
+    OutFrame verdicts;
+    verdicts.own = tail->own;
+    verdicts.verdict_off = tail->verdict_off;
+    verdicts.recheck = std::move(tail->recheck);
+    OutFrame::Piece p = tail->pieces[last];
+    p.off += skip;
+    p.len -= skip;
+    verdicts.pieces.push_back(p);
+    verdicts.size = p.len;
+    if (!verdicts.recheck.empty()) {
+      verdicts.finish = [this](OutFrame& v) { RunRechecks(v); };
+    }
+    QueueWrite(std::move(verdicts));
   }
 
   std::optional<Reply> FastShmGet(std::span<const std::byte> p) {
@@ -628,7 +758,9 @@ class Session : public std::enable_shared_from_this<Session> {
     if (!req.ok() || staging_ == nullptr) return std::nullopt;
     return BuildShmGetReply(
         req->hashes,
-        [&](const DaemonStore::GetSink& sink) { return srv_.store_->TryGetWithoutBlocking(ns_, req->hashes, sink); },
+        [&](const DaemonStore::GetSink& sink) {
+          return srv_.store_->TryGetWithoutBlocking(ns_, req->hashes, sink, /*check=*/true);
+        },
         /*may_lend=*/true);
   }
 
@@ -749,8 +881,15 @@ class Session : public std::enable_shared_from_this<Session> {
     writing_ = true;
     gather_.clear();
     size_t frames = 0;
-    for (const OutFrame& f : writes_) {
+    for (OutFrame& f : writes_) {
       if (frames > 0 && gather_.size() + f.pieces.size() > kMaxGather) break;
+      if (f.finish) {
+        // Its checks read what the frames before it sent: those must be written first.
+        if (frames > 0) break;
+        auto finish = std::move(f.finish);
+        f.finish = nullptr;
+        finish(f);
+      }
       for (const auto& p : f.pieces) {
         const auto b = f.Bytes(p);
         gather_.emplace_back(b.data(), b.size());

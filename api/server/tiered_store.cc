@@ -166,6 +166,17 @@ void TieredStore::CountGets(uint32_t ns, uint64_t asked, uint64_t hits, uint64_t
   c.corrupt += corrupt;
 }
 
+Status TieredStore::Recheck(uint32_t ns, const wire::WireHash& hash, const Keep& keep) {
+  auto* host = wire_tiers_.empty() ? nullptr : dynamic_cast<HostTier*>(&chain_->tier(0));
+  if (host == nullptr || !keep) return Status::OK();  // nothing was handed out unchecked
+  Status st = host->CheckPinned(std::static_pointer_cast<const Bundle>(keep));
+  if (!st.ok()) {
+    CountGets(ns, 0, 0, 0, 1);
+    Emit(ns, wire::EventRecord{2, 0, {hash}});
+  }
+  return st;
+}
+
 DaemonStore::Arena TieredStore::SharedArena() const {
   if (wire_tiers_.empty() || wire_tiers_[0] != 1) return {};
   const auto* host = dynamic_cast<const HostTier*>(&chain_->tier(0));
@@ -174,7 +185,8 @@ DaemonStore::Arena TieredStore::SharedArena() const {
   return {a.fd, a.base, a.bytes};
 }
 
-bool TieredStore::TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) {
+bool TieredStore::TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink,
+                                        bool check) {
   // Only the host tier answers on the caller's thread; anything else goes to a worker.
   if (wire_tiers_.empty() || wire_tiers_[0] != 1 || hashes.empty()) return false;
   std::vector<BundleKey> keys;
@@ -199,20 +211,30 @@ bool TieredStore::TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireH
   std::vector<Result<BundlePtr>> got;
   if (pinnable != nullptr) {
     got.reserve(keys.size());
-    for (const BundleKey& k : keys) got.push_back(pinnable->GetPinned(k));
+    for (const BundleKey& k : keys) got.push_back(pinnable->GetPinned(k, check));
   } else {
     host.GetAsync(keys, [&](std::vector<Result<BundlePtr>> r) { got = std::move(r); });
   }
   if (got.size() != keys.size()) return false;
   for (const auto& r : got) {
-    if (!r.ok()) return false;  // evicted meanwhile, or corrupt: the general path reports it
+    // Evicted meanwhile: the general path answers. A corrupt bundle was dropped just now; it
+    // is reported here, as the general path would only find it missing.
+    if (!r.ok() && !r.status().data_loss()) return false;
   }
-  uint64_t bytes = 0;
+  uint64_t bytes = 0, hits = 0;
+  wire::EventRecord removed{2, 0, {}};
   for (size_t i = 0; i < got.size(); ++i) {
+    if (!got[i].ok()) {
+      removed.hashes.push_back(hashes[i]);
+      sink(i, got[i].status(), {}, nullptr);
+      continue;
+    }
+    ++hits;
     bytes += (*got[i])->payload().size();
     sink(i, Status::OK(), (*got[i])->segment(0), *got[i]);
   }
-  CountGets(ns, hashes.size(), hashes.size(), bytes, 0);
+  CountGets(ns, hashes.size(), hits, bytes, removed.hashes.size());
+  if (!removed.hashes.empty()) Emit(ns, removed);
   return true;
 }
 

@@ -34,7 +34,9 @@ class TieredStore : public DaemonStore {
   wire::LookupReply Lookup(uint32_t ns, std::span<const wire::WireHash> hashes) override;
   std::vector<wire::ItemStatus> Put(uint32_t ns, std::span<const wire::PutItem> items) override;
   void Get(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) override;
-  bool TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) override;
+  bool TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink,
+                             bool check) override;
+  Status Recheck(uint32_t ns, const wire::WireHash& hash, const Keep& keep) override;
   // The host tier's arena when it is memfd-backed (offload.host.backing).
   Arena SharedArena() const override;
   std::vector<wire::ItemStatus> Pin(uint32_t ns, std::span<const wire::WireHash> hashes, uint8_t priority) override;

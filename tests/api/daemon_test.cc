@@ -16,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <future>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -25,6 +26,7 @@
 #include "server/server.h"
 #include "server/tiered_store.h"
 #include "sparsekv/client.h"
+#include "sparsekv/host_tier.h"
 
 namespace sparsekv::server {
 namespace {
@@ -423,6 +425,83 @@ TEST_F(DaemonTest, EventsReachSubscribersOfTheirNamespaceInOrder) {
   EXPECT_EQ(seen[3].hashes[0], H(1));
   for (size_t i = 1; i < seen.size(); ++i) EXPECT_EQ(seen[i].sequence, seen[i - 1].sequence + 1);
   EXPECT_TRUE(seen_other.empty());
+}
+
+// Flips a byte of a stored bundle's record in the host tier (namespace "alpha" is id 1).
+void CorruptStored(TieredStore& store, const WireBlockHash& h) {
+  auto* host = dynamic_cast<HostTier*>(&store.chain().tier(0));
+  ASSERT_NE(host, nullptr);
+  ASSERT_TRUE(host->CorruptForTesting(BundleKey{1, FromWire(h)}, 200).ok());
+}
+
+TEST_F(DaemonTest, ACorruptBundleIsReportedAndDroppedNeverReturned) {
+  // Over TCP a GET's bytes are sent first and checked right after (hot in the cache); the
+  // verdict bytes that end the reply tell the client. Over shared memory they are checked
+  // before they are lent or copied.
+  for (bool unix_socket : {false, true}) {
+    auto c = Connect("alpha", "alpha-token", unix_socket);
+    ASSERT_NE(c, nullptr);
+    const uint64_t base = unix_socket ? 900 : 800;
+    std::vector<std::vector<std::byte>> v;
+    std::vector<BundleRef> refs;
+    for (uint64_t i = 0; i < 3; ++i) v.push_back(Value(base + i, 70000));
+    for (uint64_t i = 0; i < 3; ++i) refs.push_back({H(base + i), v[i]});
+    ASSERT_TRUE(c->Put(refs).ok());
+    CorruptStored(*store_, H(base + 1));
+    std::vector<WireBlockHash> hashes = {H(base), H(base + 1), H(base + 2)};
+    auto got = c->Get(hashes);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ((*got)[0].bytes, v[0]);
+    EXPECT_EQ((*got)[1].status.code(), StatusCode::kCorruption) << (*got)[1].status.ToString();
+    EXPECT_TRUE((*got)[1].status.data_loss());
+    EXPECT_TRUE((*got)[1].bytes.empty());
+    EXPECT_EQ((*got)[2].bytes, v[2]);
+    // Dropped: gone from the store, and a second GET finds nothing.
+    auto lk = c->Lookup(hashes);
+    ASSERT_TRUE(lk.ok());
+    EXPECT_EQ(lk->tiers[1], BlockTier::kAbsent);
+    const WireBlockHash h1 = H(base + 1);
+    auto again = c->Get(std::span<const WireBlockHash>(&h1, 1));
+    ASSERT_TRUE(again.ok());
+    EXPECT_EQ((*again)[0].status.code(), StatusCode::kNotFound);
+  }
+}
+
+TEST_F(DaemonTest, PipelinedGetsThatQueueStillCarryTheirVerdicts) {
+  // Many large GETs in flight on one connection: replies queue behind a full socket, and the
+  // checks of a queued reply run only when its turn to be written comes.
+  auto c = Connect("alpha", "alpha-token", false);
+  ASSERT_NE(c, nullptr);
+  std::vector<std::vector<std::byte>> v;
+  for (uint64_t i = 0; i < 6; ++i) {
+    v.push_back(Value(1000 + i, 250000));
+    BundleRef ref{H(1000 + i), v[i]};
+    ASSERT_TRUE(c->Put(std::span<const BundleRef>(&ref, 1)).ok());
+  }
+  CorruptStored(*store_, H(1003));
+  std::vector<std::future<Result<std::vector<GetResult>>>> futures;
+  for (int round = 0; round < 8; ++round) {
+    for (uint64_t i = 0; i < 6; ++i) futures.push_back(c->GetAsync({H(1000 + i)}));
+  }
+  int corrupt = 0, missing = 0;
+  for (size_t k = 0; k < futures.size(); ++k) {
+    auto r = futures[k].get();
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    const uint64_t i = k % 6;
+    const GetResult& g = (*r)[0];
+    if (i != 3) {
+      ASSERT_TRUE(g.status.ok()) << g.status.ToString();
+      EXPECT_EQ(g.bytes, v[i]) << "item " << k;
+    } else if (g.status.code() == StatusCode::kCorruption) {
+      ++corrupt;
+      EXPECT_TRUE(g.bytes.empty());
+    } else {
+      EXPECT_EQ(g.status.code(), StatusCode::kNotFound) << g.status.ToString();
+      ++missing;
+    }
+  }
+  EXPECT_GE(corrupt, 1);
+  EXPECT_EQ(corrupt + missing, 8);
 }
 
 TEST_F(DaemonTest, PinsOutliveEvictionAndRespectPriority) {

@@ -96,6 +96,16 @@ TEST(Wire, MessagesRoundTrip) {
   ASSERT_TRUE(gr.ok());
   EXPECT_EQ(gr->items[1].status.code, StatusCode::kPermissionDenied);
   EXPECT_EQ(gr->items[1].status.message, "other namespace");
+  EXPECT_EQ(gr->items[0].bundle.size(), b1.size());
+  // A verdict of 1 turns an item into Corruption without its bytes; other values are refused.
+  GetReply bad_get{{GetItem{{}, b1, 1}}};
+  auto bge = Encode(bad_get);
+  auto bgr = DecodeGetReply(bge, 1024);
+  ASSERT_TRUE(bgr.ok());
+  EXPECT_EQ(bgr->items[0].status.code, StatusCode::kCorruption);
+  EXPECT_TRUE(bgr->items[0].bundle.empty());
+  bge.back() = std::byte{7};
+  EXPECT_FALSE(DecodeGetReply(bge, 1024).ok());
 
   LookupReply lr{2, {1, 2, 0}};
   auto lrr = DecodeLookupReply(Encode(lr));
