@@ -37,7 +37,8 @@ Result<Arena> MapArena(uint64_t bytes, ArenaBacking backing, const std::string& 
     flags |= MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
   } else {
     if (backing == ArenaBacking::kMemfd) {
-      a.fd = memfd_create(("sparsekv-" + name).c_str(), MFD_CLOEXEC);
+      // Sealable, so that a user who hands the fd to other processes can forbid them to write.
+      a.fd = memfd_create(("sparsekv-" + name).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
       if (a.fd < 0) {
         Status st = Errno("memfd_create for pool " + name);
         munmap(reinterpret_cast<void*>(aligned), a.bytes);

@@ -138,7 +138,7 @@ Result<BundlePtr> Bundle::Make(const BundleKey& key,
                   });
 }
 
-Status Bundle::VerifyRecord(std::span<const std::byte> record, const BundleKey& expected) {
+Status Bundle::VerifyRecordLayout(std::span<const std::byte> record, const BundleKey& expected) {
   const std::byte* p = record.data();
   const uint64_t n = record.size();
   if (n < kBundleFixedHeaderBytes) {
@@ -170,13 +170,6 @@ Status Bundle::VerifyRecord(std::span<const std::byte> record, const BundleKey& 
                     "record holds {}",
                     expected.ToString(), Load<uint64_t>(p + kPayloadAt), payload, n - header));
   }
-  const uint64_t stored = Load<uint64_t>(p + kChecksumAt);
-  const uint64_t actual = RecordChecksum(record);
-  if (stored != actual) {
-    return Status::Corruption(
-        fmt::format("bundle {}: checksum mismatch: stored {:016x}, computed {:016x}",
-                    expected.ToString(), stored, actual));
-  }
   BundleKey found;
   found.namespace_id = Load<uint32_t>(p + kNamespaceAt);
   found.hash.lo = Load<uint64_t>(p + kHashLoAt);
@@ -184,6 +177,18 @@ Status Bundle::VerifyRecord(std::span<const std::byte> record, const BundleKey& 
   if (!(found == expected)) {
     return Status::Corruption(
         fmt::format("bundle {}: the record belongs to {}", expected.ToString(), found.ToString()));
+  }
+  return Status::OK();
+}
+
+Status Bundle::VerifyRecord(std::span<const std::byte> record, const BundleKey& expected) {
+  SPARSEKV_RETURN_IF_ERROR(VerifyRecordLayout(record, expected));
+  const uint64_t stored = Load<uint64_t>(record.data() + kChecksumAt);
+  const uint64_t actual = RecordChecksum(record);
+  if (stored != actual) {
+    return Status::Corruption(
+        fmt::format("bundle {}: checksum mismatch: stored {:016x}, computed {:016x}",
+                    expected.ToString(), stored, actual));
   }
   return Status::OK();
 }

@@ -193,12 +193,12 @@ class HostTierImpl final : public HostTier {
     return GetOne(key, /*in_place=*/true, check);
   }
 
-  Status CheckPinned(const BundlePtr& b) override {
-    Status v = Bundle::VerifyRecord(b->record(), b->key());
+  Status CheckPinned(const BundlePtr& b, const BundleKey& key) override {
+    Status v = Bundle::VerifyRecord(b->record(), key);
     if (v.ok()) return v;
     MutexLock lock(mu_);
     ++stats_.corrupt;
-    auto it = index_.find(b->key());
+    auto it = index_.find(key);  // not b->key(): that was read from the damaged page
     if (it != index_.end() && pool_->PageData(it->second) == b->record().data()) {
       stats_.bytes -= meta_[it->second].record_bytes;
       meta_[it->second].orphaned = true;  // freed when the last reader lets go
@@ -223,7 +223,7 @@ class HostTierImpl final : public HostTier {
     }
     std::byte* data = pool_->PageData(page);
     if (in_place) {
-      Status v = check ? Bundle::VerifyRecord({data, bytes}, key) : Status::OK();
+      Status v = check ? Bundle::VerifyRecord({data, bytes}, key) : Bundle::VerifyRecordLayout({data, bytes}, key);
       if (v.ok()) {
         {
           MutexLock lock(mu_);

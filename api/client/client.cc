@@ -433,7 +433,7 @@ class Client::Impl {
       } else {
         std::string message(n, '\0');
         if (ReadOutcome o = take(message.data(), n); o != ReadOutcome::kFrame) return o;
-        g.status = Status(static_cast<StatusCode>(code), std::move(message));
+        g.status = FromItem(w::ItemStatus{static_cast<StatusCode>(code), std::move(message)});
       }
     }
     // The verdict bytes: an item whose bytes failed their check as the daemon sent them is
@@ -634,7 +634,16 @@ class Client::Impl {
       pending_.erase(id);
       return TimedOut();
     }
+    DrainBuffered(l);
     return std::move(*waiter.result);
+  }
+
+  // Frames already in the read-ahead buffer are invisible to an event loop polling the socket:
+  // before a synchronous caller leaves, it hands them to their callbacks and futures.
+  void DrainBuffered(std::unique_lock<std::mutex>& l) {
+    while (!role_taken_ && broken_.ok() && rpos_ < rend_ && pending_.size() > 0) {
+      if (ReadOnce(l, Clock::now()) != ReadOutcome::kFrame) break;
+    }
   }
 
   // Reads every reply that has arrived and hands each to its waiter; for event loops.
@@ -647,6 +656,13 @@ class Client::Impl {
     }
     if (n == 0 && !broken_.ok()) return broken_;
     return n;
+  }
+
+  // A shared-memory call failed (timed out, say) with its request perhaps still being served:
+  // the daemon may yet write the GET area or read the PUT area, so neither can be reused. The
+  // connection is closed; later calls fail and the daemon drops the session.
+  void AbandonAreas() {
+    if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
   }
 
   // The staging area's halves: one PUT and one GET at a time use each.
@@ -736,7 +752,9 @@ class Client::Impl {
         ++i;
         continue;
       }
-      SPARSEKV_ASSIGN_OR_RETURN(auto part, ParseStatusList(Call(w::Opcode::kShmPut, w::Encode(req)), req.slots.size()));
+      auto reply = Call(w::Opcode::kShmPut, w::Encode(req));
+      if (!reply.ok()) AbandonAreas();
+      SPARSEKV_ASSIGN_OR_RETURN(auto part, ParseStatusList(std::move(reply), req.slots.size()));
       out.insert(out.end(), part.begin(), part.end());
     }
     return out;
@@ -792,6 +810,7 @@ class Client::Impl {
       SPARSEKV_RETURN_IF_ERROR(Acquire(kGetArea));
       w::HashList req{{hashes.begin(), hashes.end()}};
       auto f = Call(w::Opcode::kShmGet, w::Encode(req));
+      if (!f.ok()) AbandonAreas();
       Status st = f.ok() ? CopyOutShmGet(*f, hashes.size(), &out, &too_big) : f.status();
       Release(kGetArea);
       SPARSEKV_RETURN_IF_ERROR(st);

@@ -19,7 +19,8 @@
 namespace sparsekv::wire {
 
 inline constexpr uint32_t kMagic = 0x31564B53;  // bytes "SKV1"
-inline constexpr uint16_t kProtocolVersion = 1;
+// 2: GET replies end with verdict bytes; the HELLO reply ends with the arena size.
+inline constexpr uint16_t kProtocolVersion = 2;
 inline constexpr size_t kHeaderBytes = 32;
 // Upper bound any side accepts; a server configures a lower one. 64 MiB.
 inline constexpr uint32_t kMaxPayloadBytes = 64u << 20;

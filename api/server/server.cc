@@ -693,6 +693,7 @@ class Session : public std::enable_shared_from_this<Session> {
       for (size_t i = 0; i < last; ++i) body += f.pieces[i].ext.empty() ? f.pieces[i].len : f.pieces[i].ext.size();
       const ssize_t k = SendNow(f, 0, last, 0, MSG_MORE);
       if (k < 0) {  // the connection failed: the usual write path reports and closes
+        RunRechecks(f);  // nothing went out unchecked, should a later write succeed
         return QueueWrite(std::move(f));
       }
       srv_.metrics_.BytesOut(static_cast<uint64_t>(k));
@@ -981,12 +982,19 @@ Status Server::Impl::Bind() {
   if (options_.lend_from_arena && options_.namespaces.size() == 1) {
     const DaemonStore::Arena a = store_->SharedArena();
     if (a.fd >= 0) {
-      // A description of its own, opened read-only: a client can map it but never write it.
-      arena_ro_fd_ = ::open(fmt::format("/proc/self/fd/{}", a.fd).c_str(), O_RDONLY | O_CLOEXEC);
-      if (arena_ro_fd_ >= 0) {
-        arena_ = a;
+      // Clients get a read-only description of their own. Since anyone holding a memfd can
+      // reopen it through /proc read-write, the memfd is also sealed against every write that
+      // does not go through a mapping made before (the store's own): no client can write it.
+      if (::fcntl(a.fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE | F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+        spdlog::warn("cannot seal the host arena ({}); shared-memory GETs will copy", std::strerror(errno));
       } else {
-        spdlog::warn("cannot reopen the host arena read-only ({}); shared-memory GETs will copy", std::strerror(errno));
+        arena_ro_fd_ = ::open(fmt::format("/proc/self/fd/{}", a.fd).c_str(), O_RDONLY | O_CLOEXEC);
+        if (arena_ro_fd_ >= 0) {
+          arena_ = a;
+        } else {
+          spdlog::warn("cannot reopen the host arena read-only ({}); shared-memory GETs will copy",
+                       std::strerror(errno));
+        }
       }
     }
   }

@@ -169,7 +169,7 @@ void TieredStore::CountGets(uint32_t ns, uint64_t asked, uint64_t hits, uint64_t
 Status TieredStore::Recheck(uint32_t ns, const wire::WireHash& hash, const Keep& keep) {
   auto* host = wire_tiers_.empty() ? nullptr : dynamic_cast<HostTier*>(&chain_->tier(0));
   if (host == nullptr || !keep) return Status::OK();  // nothing was handed out unchecked
-  Status st = host->CheckPinned(std::static_pointer_cast<const Bundle>(keep));
+  Status st = host->CheckPinned(std::static_pointer_cast<const Bundle>(keep), BundleKey{ns, FromWire(hash)});
   if (!st.ok()) {
     CountGets(ns, 0, 0, 0, 1);
     Emit(ns, wire::EventRecord{2, 0, {hash}});

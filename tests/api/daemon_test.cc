@@ -2,6 +2,7 @@
 // TCP and the Unix socket (shared memory), plus raw sockets that send malformed frames.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/mman.h>
@@ -45,6 +46,13 @@ std::vector<std::byte> Value(uint64_t seed, size_t n) {
   std::mt19937_64 rng(seed);
   for (auto& b : v) b = std::byte(rng());
   return v;
+}
+
+// A HELLO frame (request id 1) for hand-made connections.
+std::vector<std::byte> RawHello(const char* client, bool shared_memory) {
+  return wire::EncodeFrame(
+      wire::Opcode::kHello, 0, 1,
+      wire::Encode(wire::HelloRequest{wire::kProtocolVersion, "alpha", "alpha-token", client, shared_memory}));
 }
 
 class DaemonTest : public ::testing::Test {
@@ -209,8 +217,7 @@ TEST_F(DaemonTest, MalformedFramesGetAnErrorAndCloseOnlyTheirConnection) {
   BundleRef ref{H(1), v};
   ASSERT_TRUE(good->Put(std::span<const BundleRef>(&ref, 1)).ok());
 
-  auto hello = wire::EncodeFrame(wire::Opcode::kHello, 0, 1,
-                                 wire::Encode(wire::HelloRequest{1, "alpha", "alpha-token", "raw", false}));
+  auto hello = RawHello("raw", false);
   std::vector<std::vector<std::byte>> corpus;
   {
     auto f = wire::EncodeFrame(wire::Opcode::kGet, 0, 2, wire::Encode(wire::HashList{{H(1)}}));
@@ -240,8 +247,7 @@ TEST_F(DaemonTest, MalformedFramesGetAnErrorAndCloseOnlyTheirConnection) {
     corpus.emplace_back(hb.begin(), hb.end());
   }
   corpus.push_back(wire::EncodeFrame(wire::Opcode::kEvent, 0, 2, {}));  // server-only opcode
-  corpus.push_back(wire::EncodeFrame(wire::Opcode::kHello, 0, 2,
-                                     wire::Encode(wire::HelloRequest{1, "alpha", "alpha-token", "again", false})));
+  corpus.push_back(RawHello("again", false));  // HELLO twice
   for (size_t i = 0; i < corpus.size(); ++i) {
     const int fd = RawConnect();
     ASSERT_EQ(send(fd, hello.data(), hello.size(), 0), static_cast<ssize_t>(hello.size()));
@@ -280,8 +286,7 @@ TEST_F(DaemonTest, SeveralFramesInOneWriteAreEachAnsweredInOrder) {
   // The server reads requests through a buffer: frames that arrive together, and a bad one
   // after them, must each get their answer, the bad one last.
   const int fd = RawConnect();
-  std::vector<std::byte> burst = wire::EncodeFrame(
-      wire::Opcode::kHello, 0, 1, wire::Encode(wire::HelloRequest{1, "alpha", "alpha-token", "raw", false}));
+  std::vector<std::byte> burst = RawHello("raw", false);
   for (uint64_t id = 2; id <= 4; ++id) {
     const std::byte probe[3] = {std::byte(id), std::byte{7}, std::byte{9}};
     auto f = wire::EncodeFrame(wire::Opcode::kPing, 0, id, probe);
@@ -348,6 +353,8 @@ TEST_F(DaemonTest, CallbackRequestsCompleteInTheCallersEventLoop) {
     for (uint64_t i = 0; i < 5; ++i) {
       c->GetAsync({H(base + (i == 4 ? 99 : i))}, [&got, i](Result<std::vector<GetResult>> r) { got[i] = std::move(r); });
     }
+    // A synchronous call meanwhile reads whatever arrives first, handing callback replies on.
+    EXPECT_TRUE(c->Ping().ok());
     DriveUntil(*c, [&] {
       for (auto& g : got) {
         if (!g) return false;
@@ -641,8 +648,7 @@ TEST_F(DaemonArenaTest, TheArenaIsPassedReadOnly) {
   sa.sun_family = AF_UNIX;
   std::memcpy(sa.sun_path, unix_.c_str(), unix_.size() + 1);
   ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
-  auto hello = wire::EncodeFrame(wire::Opcode::kHello, 0, 1,
-                                 wire::Encode(wire::HelloRequest{1, "alpha", "alpha-token", "raw", true}));
+  auto hello = RawHello("raw", true);
   ASSERT_EQ(send(fd, hello.data(), hello.size(), 0), static_cast<ssize_t>(hello.size()));
   std::array<std::byte, 4096> buf;
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
@@ -667,6 +673,14 @@ TEST_F(DaemonArenaTest, TheArenaIsPassedReadOnly) {
   void* r = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fds[1], 0);
   ASSERT_NE(r, MAP_FAILED);
   munmap(r, bytes);
+  // Reopened read-write through /proc, it still cannot be written: the memfd is sealed.
+  const int rw = open(("/proc/self/fd/" + std::to_string(fds[1])).c_str(), O_RDWR);
+  if (rw >= 0) {
+    EXPECT_EQ(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, rw, 0), MAP_FAILED);
+    const char byte = 1;
+    EXPECT_LT(pwrite(rw, &byte, 1, 0), 0);
+    close(rw);
+  }
   for (int f : fds) close(f);
   close(fd);
 }
@@ -727,8 +741,7 @@ TEST_F(DaemonSlowClientTest, AClientThatDoesNotReadDoesNotStallOthers) {
   const int fd = RawConnect();
   int small = 4096;
   setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
-  auto hello = wire::EncodeFrame(wire::Opcode::kHello, 0, 1,
-                                 wire::Encode(wire::HelloRequest{1, "alpha", "alpha-token", "slow", false}));
+  auto hello = RawHello("slow", false);
   send(fd, hello.data(), hello.size(), 0);
   auto get = wire::EncodeFrame(wire::Opcode::kGet, 0, 2, wire::Encode(wire::HashList{{H(5)}}));
   timeval tv{0, 200000};

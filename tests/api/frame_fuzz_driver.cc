@@ -23,7 +23,8 @@ std::vector<std::vector<uint8_t>> SeedCorpus() {
   };
   sw::WireHash h{};
   for (size_t i = 0; i < h.size(); ++i) h[i] = std::byte(i * 7);
-  add(sw::Opcode::kHello, sw::Encode(sw::HelloRequest{1, "tenant-a", "secret", "engine-0", true}));
+  add(sw::Opcode::kHello,
+      sw::Encode(sw::HelloRequest{sw::kProtocolVersion, "tenant-a", "secret", "engine-0", true}));
   add(sw::Opcode::kLookup, sw::Encode(sw::HashList{{h, h, h}}));
   std::vector<std::byte> bundle(100, std::byte{0x5a});
   add(sw::Opcode::kPut, sw::Encode(sw::PutRequest{{sw::PutItem{h, bundle}, sw::PutItem{h, bundle}}}));

@@ -61,7 +61,7 @@ TEST(Wire, FramePayloadChecksum) {
 }
 
 TEST(Wire, MessagesRoundTrip) {
-  HelloRequest hello{1, "ns", "tok", "engine", true};
+  HelloRequest hello{kProtocolVersion, "ns", "tok", "engine", true};
   auto hr = DecodeHelloRequest(Encode(hello));
   ASSERT_TRUE(hr.ok());
   EXPECT_EQ(hr->namespace_name, "ns");
@@ -142,7 +142,7 @@ TEST(Wire, MalformedPayloadsAreRefused) {
   s.U32(0x7fffffff);
   EXPECT_FALSE(DecodeHelloRequest(s.bytes()).ok());
   // Empty namespace.
-  EXPECT_FALSE(DecodeHelloRequest(Encode(HelloRequest{1, "", "", "", false})).ok());
+  EXPECT_FALSE(DecodeHelloRequest(Encode(HelloRequest{kProtocolVersion, "", "", "", false})).ok());
   // Unknown status code in a reply.
   PayloadWriter st;
   st.U32(1);

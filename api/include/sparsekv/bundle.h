@@ -121,6 +121,9 @@ class Bundle {
   // The checks of ParseRecord without building a bundle; OK when `record` is a good record of
   // `expected`.
   static Status VerifyRecord(std::span<const std::byte> record, const BundleKey& expected);
+  // VerifyRecord's checks of the header (magic, version, sizes, key) without the checksum pass:
+  // enough to trust the record's layout, so that no span reaches past it.
+  static Status VerifyRecordLayout(std::span<const std::byte> record, const BundleKey& expected);
 
   const BundleKey& key() const { return key_; }
   uint32_t segment_count() const { return segment_count_; }

@@ -44,13 +44,14 @@ class HostTier : public Tier {
   // A stored bundle without copying it: checked like any read, and its bytes are the tier's
   // own page, pinned (neither evicted nor reused) until the last owner of the result lets go.
   // The result must not outlive the tier. Errors: NotFound, Corruption (the bundle is dropped).
-  // With `check` false the record is not checked yet: the caller must call CheckPinned on the
-  // result before it trusts the bytes (it may first hand them to the kernel, which brings them
-  // into the cache the check then reads from).
+  // With `check` false only the record's header is checked (its layout can be trusted: no
+  // span reaches past it), not its checksum: the caller must call CheckPinned on the result
+  // before it trusts the bytes (it may first hand them to the kernel, which brings them into
+  // the cache the check then reads from).
   virtual Result<BundlePtr> GetPinned(const BundleKey& key, bool check = true) = 0;
-  // Checks a bundle GetPinned returned unchecked; a damaged one is dropped from the tier and
+  // Checks a bundle GetPinned(key, false) returned; a damaged one is dropped from the tier and
   // Corruption returned.
-  virtual Status CheckPinned(const BundlePtr& bundle) = 0;
+  virtual Status CheckPinned(const BundlePtr& bundle, const BundleKey& key) = 0;
 
   // The pool's memory: its memfd (-1 unless `backing` is kMemfd), first byte and size. Every
   // record lies inside; another process may map the fd to read records handed out pinned.
