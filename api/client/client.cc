@@ -904,7 +904,7 @@ class Client::Impl {
   bool stop_ = false;
   Status broken_;
   std::atomic<bool> stopping_{false};
-  // Read-ahead, touched only by the thread holding the reader role.
+  // Read-ahead: touched by the thread holding the reader role, or under mu_ while none does.
   std::array<std::byte, 16384> rbuf_{};
   size_t rpos_ = 0, rend_ = 0;
   std::mutex cb_mu_;

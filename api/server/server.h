@@ -1,8 +1,9 @@
 // Server: sparsekvd's network front end over Boost.Asio (TCP and a Unix socket), speaking
 // api/PROTOCOL.md in front of a DaemonStore, with a Prometheus /metrics endpoint.
 //
-// Network threads only parse frames and move bytes; store calls run on a worker pool, so a slow
-// tier never stalls another connection's reads. Each connection has a budget of bytes in flight
+// Network threads parse frames, move bytes and answer GETs that host memory holds (without
+// blocking); every other store call runs on a worker pool, so a slow tier never stalls another
+// connection's reads. Each connection has a budget of bytes in flight
 // (requests being served plus replies not yet sent): past it the server stops reading from that
 // connection until it drains, and a client that never reads its replies is disconnected. A
 // malformed frame gets an ERROR frame and its connection is closed; nothing stored changes.
