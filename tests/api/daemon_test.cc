@@ -56,7 +56,7 @@ std::vector<std::byte> RawHello(const char* client, bool shared_memory) {
 }
 
 class DaemonTest : public ::testing::Test {
- protected:
+ public:  // MixedLoad drives a fixture from outside
   void SetUp() override {
     dir_ = std::filesystem::temp_directory_path() / ("sparsekv_daemon_" + std::to_string(getpid()) + "_" +
                                                       ::testing::UnitTest::GetInstance()->current_test_info()->name());
@@ -540,7 +540,9 @@ TEST_F(DaemonTest, PinsOutliveEvictionAndRespectPriority) {
 }
 
 // 32 concurrent clients, mixed PUT/GET/LOOKUP, bounded in count and time, on loopback.
-TEST_F(DaemonTest, LoadOf32ClientsHasNoErrorsAndBoundedMemory) {
+// 32 clients, half over TCP and half over the Unix socket, mixed PUT/GET/LOOKUP; no errors,
+// no wrong bytes, bounded memory. `namespaces` clients alternate between them.
+void MixedLoad(DaemonTest& f, const std::vector<std::pair<std::string, std::string>>& namespaces) {
   constexpr int kClients = 32;
   constexpr int kOps = 150;
   std::atomic<int> errors{0};
@@ -549,7 +551,8 @@ TEST_F(DaemonTest, LoadOf32ClientsHasNoErrorsAndBoundedMemory) {
   getrusage(RUSAGE_SELF, &before);
   for (int t = 0; t < kClients; ++t) {
     threads.emplace_back([&, t] {
-      auto c = Connect(t % 2 ? "alpha" : "beta", t % 2 ? "alpha-token" : "beta-token", t % 4 < 2);
+      const auto& ns = namespaces[static_cast<size_t>(t) % namespaces.size()];
+      auto c = f.Connect(ns.first, ns.second, t % 4 < 2);
       if (!c) {
         errors.fetch_add(1);
         return;
@@ -586,8 +589,13 @@ TEST_F(DaemonTest, LoadOf32ClientsHasNoErrorsAndBoundedMemory) {
   getrusage(RUSAGE_SELF, &after);
   // Host tier 64 MiB + 16 Unix sessions x 1 MiB staging + buffers: well under 512 MiB of growth.
   EXPECT_LT(after.ru_maxrss - before.ru_maxrss, 512 * 1024) << "KiB";
-  EXPECT_EQ(server_->metrics().bad_frames(), 0u);
+  EXPECT_EQ(f.server_->metrics().bad_frames(), 0u);
 }
+
+TEST_F(DaemonTest, LoadOf32ClientsHasNoErrorsAndBoundedMemory) {
+  MixedLoad(*this, {{"alpha", "alpha-token"}, {"beta", "beta-token"}});
+}
+
 
 // One namespace and a memfd host arena: shared-memory GETs are lent in place.
 class DaemonArenaTest : public DaemonTest {
@@ -703,6 +711,16 @@ TEST_F(DaemonTwoNamespacesArenaTest, WithTwoNamespacesNothingIsLent) {
   ASSERT_TRUE(got.ok());
   EXPECT_EQ((*got)[0].bytes, v);
 }
+
+// The same load against a one-namespace daemon that lends shared-memory GETs in place.
+class DaemonArenaLoadTest : public DaemonTest {
+  void Configure(TieredStoreOptions& so, ServerOptions& opts) override {
+    so.offload.host.backing = ArenaBacking::kMemfd;
+    opts.namespaces = {{"alpha", "alpha-token"}};
+  }
+};
+
+TEST_F(DaemonArenaLoadTest, LoadOf32ClientsWithLentGetsHasNoErrors) { MixedLoad(*this, {{"alpha", "alpha-token"}}); }
 
 class DaemonLimitsTest : public DaemonTest {
  protected:
