@@ -181,6 +181,20 @@ class Server::Impl {
   uint16_t metrics_port_ = 0;
   DaemonStore::Arena arena_;  // the store's arena, when lent to clients
   int arena_ro_fd_ = -1;      // a read-only descriptor of it, passed at HELLO
+  // Host-tier pages that replies in flight and lent bundles hold pinned, and the most they may:
+  // a quarter of the host tier, so that slow or idle clients cannot leave PUTs without pages.
+  std::shared_ptr<std::atomic<uint64_t>> pinned_bytes_ = std::make_shared<std::atomic<uint64_t>>(0);
+  uint64_t pin_cap_ = 0;
+
+  // True when `more` pinned bytes keep within the budget.
+  bool PinsBelowCap(uint64_t more) const { return pinned_bytes_->load(std::memory_order_relaxed) + more <= pin_cap_; }
+  // Counts `bytes` as pinned until the returned handle's last copy is gone.
+  DaemonStore::Keep ChargePins(uint64_t bytes) {
+    pinned_bytes_->fetch_add(bytes, std::memory_order_relaxed);
+    return DaemonStore::Keep(nullptr, [counter = pinned_bytes_, bytes](const void*) {
+      counter->fetch_sub(bytes, std::memory_order_relaxed);
+    });
+  }
 
   std::mutex mu_;
   std::set<std::shared_ptr<Session>> sessions_;
@@ -596,13 +610,16 @@ class Session : public std::enable_shared_from_this<Session> {
   // from where they lie, small ones copied. `serve` calls the sink per item; it returns false
   // when it served nothing (fast path declined).
   template <typename Serve>
-  std::optional<Reply> BuildGetReply(std::span<const wire::WireHash> hashes, Serve&& serve, bool unchecked = false) {
+  // With `host_pages`, the bytes are host-tier pages that stay pinned while the reply holds
+  // them: they are charged to the server's pin budget (pin_cap_).
+  std::optional<Reply> BuildGetReply(std::span<const wire::WireHash> hashes, Serve&& serve, bool unchecked = false,
+                                     bool host_pages = false) {
     static constexpr size_t kGatherAtLeast = 4096;
     wire::PayloadWriter w{wire::PayloadWriter::ReserveHeader{}};
     w.U32(static_cast<uint32_t>(hashes.size()));
     OutFrame f;
     size_t from = 0;
-    uint64_t hits = 0;
+    uint64_t hits = 0, pinned = 0;
     const bool served = serve([&](size_t i, const Status& st, std::span<const std::byte> bytes,
                                   const DaemonStore::Keep& keep) {
       w.U8(static_cast<uint8_t>(st.code()));
@@ -612,6 +629,7 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       ++hits;
       if (unchecked) f.recheck.push_back({i, hashes[i], keep});
+      if (keep && (unchecked || bytes.size() >= kGatherAtLeast)) pinned += bytes.size();
       if (keep && bytes.size() >= kGatherAtLeast) {
         w.U32(static_cast<uint32_t>(bytes.size()));
         f.own = w.Take();
@@ -625,6 +643,7 @@ class Session : public std::enable_shared_from_this<Session> {
       }
     });
     if (!served) return std::nullopt;
+    if (host_pages && pinned > 0) f.keep.push_back(srv_.ChargePins(pinned));
     f.own = w.Take();
     f.CloseOwn(from);
     // The verdict bytes, a piece of their own at the end (0: checked; set by RunRechecks).
@@ -638,15 +657,24 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // From memory, the records not checked yet: SendChecked checks them once their bytes are in
   // the kernel, and the reply's verdict bytes carry the outcome.
+  // Past the pin budget (slow readers hold many pages), bundles are checked first and copied,
+  // so that the reply pins nothing.
   std::optional<Reply> FastGet(std::span<const std::byte> p) {
     auto req = wire::DecodeHashList(p);
     if (!req.ok()) return std::nullopt;
+    const bool may_pin = srv_.PinsBelowCap(0);
     return BuildGetReply(
         req->hashes,
         [&](const DaemonStore::GetSink& sink) {
-          return srv_.store_->TryGetWithoutBlocking(ns_, req->hashes, sink, /*check=*/false);
+          if (may_pin) return srv_.store_->TryGetWithoutBlocking(ns_, req->hashes, sink, /*check=*/false);
+          return srv_.store_->TryGetWithoutBlocking(
+              ns_, req->hashes,
+              [&](size_t i, const Status& st, std::span<const std::byte> bytes, const DaemonStore::Keep&) {
+                sink(i, st, bytes, nullptr);  // copied: nothing held
+              },
+              /*check=*/true);
         },
-        /*unchecked=*/true);
+        /*unchecked=*/may_pin, /*host_pages=*/may_pin);
   }
 
   // Checks what went out unchecked and fills the verdicts of `f` (its last piece).
@@ -816,11 +844,13 @@ class Session : public std::enable_shared_from_this<Session> {
         return;
       }
       if (may_lend && lend_ && keep && bytes.data() >= arena.base &&
-          bytes.data() + bytes.size() <= arena.base + arena.bytes && lent_bytes_ + bytes.size() <= staging_bytes_ / 2) {
+          bytes.data() + bytes.size() <= arena.base + arena.bytes && lent_bytes_ + bytes.size() <= staging_bytes_ / 2 &&
+          srv_.PinsBelowCap(bytes.size())) {
         // Offsets at or past the staging area's size name the arena.
         reply.slots.push_back({hashes[i], staging_bytes_ + static_cast<uint64_t>(bytes.data() - arena.base),
                                static_cast<uint32_t>(bytes.size())});
         lent_.push_back(keep);
+        lent_.push_back(srv_.ChargePins(bytes.size()));
         lent_bytes_ += bytes.size();
         ++hits;
         return;
@@ -979,6 +1009,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
 Status Server::Impl::Bind() {
   boost::system::error_code ec;
+  pin_cap_ = store_->SharedArena().bytes / 4;
   if (options_.lend_from_arena && options_.namespaces.size() == 1) {
     const DaemonStore::Arena a = store_->SharedArena();
     if (a.fd >= 0) {
@@ -1133,7 +1164,15 @@ void Server::Impl::AcceptMetrics() {
       std::string method, path;
       in >> method >> path;
       if (method == "GET" && (path == "/metrics" || path.rfind("/metrics?", 0) == 0)) {
-        body = metrics_.Render([this](std::string& out) { store_->RenderMetrics(out); });
+        body = metrics_.Render([this](std::string& out) {
+          store_->RenderMetrics(out);
+          out += fmt::format(
+              "# HELP sparsekv_pinned_reply_bytes Host-tier bytes pinned by replies in flight and lent bundles.\n"
+              "# TYPE sparsekv_pinned_reply_bytes gauge\nsparsekv_pinned_reply_bytes {}\n"
+              "# HELP sparsekv_pinned_reply_bytes_limit The most they may pin before GETs copy.\n"
+              "# TYPE sparsekv_pinned_reply_bytes_limit gauge\nsparsekv_pinned_reply_bytes_limit {}\n",
+              pinned_bytes_->load(), pin_cap_);
+        });
       } else {
         status = "404 Not Found";
         body = "not found; try /metrics\n";

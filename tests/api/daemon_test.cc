@@ -140,6 +140,24 @@ class DaemonTest : public ::testing::Test {
     return std::make_pair(h, std::move(p));
   }
 
+  // GET /metrics over HTTP: the whole response.
+  std::string ScrapeMetrics() {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(server_->metrics_port());
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+    const char req[] = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+    send(fd, req, sizeof(req) - 1, 0);
+    std::string body;
+    char buf[4096];
+    ssize_t n;
+    while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) body.append(buf, static_cast<size_t>(n));
+    close(fd);
+    return body;
+  }
+
   static bool PeerClosed(int fd) {
     char c;
     return recv(fd, &c, 1, 0) == 0;
@@ -649,6 +667,44 @@ TEST_F(DaemonArenaTest, SharedMemoryGetsAreLentInPlaceAndPinnedUntilTheNextOne) 
   EXPECT_EQ((**async)[0].bytes, v[8]);
 }
 
+TEST_F(DaemonArenaTest, LentPagesStayWithinAQuarterOfTheHostTier) {
+  // Three 256 KiB slots: at most 192 KiB may be pinned by lent bundles. The first client's
+  // 100 KB bundle is lent; a second would pass the budget, so the next two GETs are copied and
+  // their pages stay evictable: a PUT into the full tier still finds room.
+  auto tcp = Connect("alpha", "alpha-token", false);
+  ASSERT_NE(tcp, nullptr);
+  std::vector<std::vector<std::byte>> v;
+  for (uint64_t i = 0; i < 4; ++i) {
+    v.push_back(Value(1200 + i, 100000));
+    if (i == 3) break;  // put later
+    BundleRef ref{H(1200 + i), v[i]};
+    auto r = tcp->Put(std::span<const BundleRef>(&ref, 1));
+    ASSERT_TRUE(r.ok() && (*r)[0].ok()) << (r.ok() ? (*r)[0].ToString() : r.status().ToString());
+  }
+  std::vector<std::unique_ptr<Client>> readers;
+  for (uint64_t i = 0; i < 3; ++i) {
+    readers.push_back(Connect("alpha", "alpha-token", true));
+    ASSERT_NE(readers.back(), nullptr);
+    const WireBlockHash h = H(1200 + i);
+    auto got = readers.back()->Get(std::span<const WireBlockHash>(&h, 1));
+    ASSERT_TRUE(got.ok());
+    EXPECT_EQ((*got)[0].bytes, v[i]);
+  }
+  // Slot 0 lent (pinned), 1 and 2 copied: the new bundle evicts 1, the least recently read.
+  BundleRef ref{H(1203), v[3]};
+  auto r = tcp->Put(std::span<const BundleRef>(&ref, 1));
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE((*r)[0].ok()) << (*r)[0].ToString();
+  std::vector<WireBlockHash> hs = {H(1200), H(1201), H(1202), H(1203)};
+  auto lk = tcp->Lookup(hs);
+  ASSERT_TRUE(lk.ok());
+  EXPECT_EQ(lk->tiers, (std::vector<BlockTier>{BlockTier::kHost, BlockTier::kAbsent, BlockTier::kHost, BlockTier::kHost}));
+  // The budget's gauge counts the one lent bundle.
+  const std::string m = ScrapeMetrics();
+  EXPECT_THAT(m, HasSubstr("sparsekv_pinned_reply_bytes 100000\n"));
+  EXPECT_THAT(m, HasSubstr("sparsekv_pinned_reply_bytes_limit 196608\n"));
+}
+
 TEST_F(DaemonArenaTest, TheArenaIsPassedReadOnly) {
   // A hand-made HELLO over the Unix socket, to hold the descriptors the daemon passes.
   const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
@@ -785,19 +841,7 @@ TEST_F(DaemonTest, MetricsEndpointServesPrometheusText) {
   auto c = Connect("alpha", "alpha-token", false);
   const WireBlockHash h = H(1);
   ASSERT_TRUE(c->Get(std::span<const WireBlockHash>(&h, 1)).ok());
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons(server_->metrics_port());
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
-  const char req[] = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
-  send(fd, req, sizeof(req) - 1, 0);
-  std::string body;
-  char buf[4096];
-  ssize_t n;
-  while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) body.append(buf, static_cast<size_t>(n));
-  close(fd);
+  const std::string body = ScrapeMetrics();
   EXPECT_THAT(body, HasSubstr("200 OK"));
   EXPECT_THAT(body, HasSubstr("sparsekv_requests_total{op=\"get\"} 1"));
   EXPECT_THAT(body, HasSubstr("sparsekv_misses_total 1"));
