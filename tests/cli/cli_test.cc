@@ -4,49 +4,20 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
+
+#include "tests/support/run_command.h"
 
 namespace {
 
-struct Outcome {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-std::string Slurp(const std::filesystem::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::filesystem::path ExecDir() {
-  return std::filesystem::temp_directory_path() / ("sparsekv_cli_" + std::to_string(getpid()));
-}
-
-// Removes the folder the runs' output went to when the test program ends.
-class ExecDirCleanup : public ::testing::Environment {
- public:
-  void TearDown() override { std::filesystem::remove_all(ExecDir()); }
-};
-const auto* const kCleanup = ::testing::AddGlobalTestEnvironment(new ExecDirCleanup);
+using Outcome = sparsekv::testing::CommandOutcome;
+using sparsekv::testing::ReadWholeFile;
 
 Outcome Exec(const std::string& binary, const std::string& args) {
-  const auto dir = ExecDir();
-  std::filesystem::create_directories(dir);
-  const std::string cmd = binary + " " + args + " >" + (dir / "out").string() + " 2>" + (dir / "err").string();
-  const int rc = std::system(cmd.c_str());
-  Outcome r;
-  r.exit_code = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-  r.out = Slurp(dir / "out");
-  r.err = Slurp(dir / "err");
-  return r;
+  return sparsekv::testing::RunCommand(binary + " " + args, "cli");
 }
 
 Outcome Cli(const std::string& args) { return Exec(SPARSEKV_CLI_PATH, args); }
@@ -180,7 +151,7 @@ TEST(Daemon, ServesTheCliAndStopsCleanlyOnSigterm) {
   }
   const auto sock = dir / "var" / "d.sock";
   for (int i = 0; i < 200 && !std::filesystem::exists(sock); ++i) usleep(50000);
-  ASSERT_TRUE(std::filesystem::exists(sock)) << Slurp(log);
+  ASSERT_TRUE(std::filesystem::exists(sock)) << ReadWholeFile(log);
   usleep(100000);
   const std::string unix_addr = "--addr unix:" + sock.string();
   const std::string tcp_addr = "--addr 127.0.0.1:" + std::to_string(port);
@@ -211,9 +182,9 @@ TEST(Daemon, ServesTheCliAndStopsCleanlyOnSigterm) {
   kill(pid, SIGTERM);
   int status = 0;
   waitpid(pid, &status, 0);
-  ASSERT_TRUE(WIFEXITED(status)) << Slurp(log);
-  EXPECT_EQ(WEXITSTATUS(status), 0) << Slurp(log);
-  const std::string text = Slurp(log);
+  ASSERT_TRUE(WIFEXITED(status)) << ReadWholeFile(log);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << ReadWholeFile(log);
+  const std::string text = ReadWholeFile(log);
   EXPECT_NE(text.find("effective options"), std::string::npos);
   EXPECT_NE(text.find("stopped cleanly"), std::string::npos) << text;
   EXPECT_NE(text.find("with shared memory and the host arena"), std::string::npos) << text;

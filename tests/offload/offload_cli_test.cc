@@ -1,42 +1,20 @@
 // `sparsekv stress offload` and `sparsekv bench tier` end to end through the binary.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
 
 #include "tests/offload/test_util.h"
+#include "tests/support/run_command.h"
 
 namespace {
 
-struct Outcome {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-std::string Slurp(const std::string& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using Outcome = sparsekv::testing::CommandOutcome;
 
 Outcome Cli(const std::string& args) {
-  sparsekv::testing::TempDir io("cliio");
-  const std::string cmd =
-      std::string(SPARSEKV_CLI_PATH) + " " + args + " >" + io.Sub("out") + " 2>" + io.Sub("err");
-  const int rc = std::system(cmd.c_str());
-  Outcome r;
-  r.exit_code = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-  r.out = Slurp(io.Sub("out"));
-  r.err = Slurp(io.Sub("err"));
-  return r;
+  return sparsekv::testing::RunCommand(std::string(SPARSEKV_CLI_PATH) + " " + args, "offload_cli");
 }
 
 TEST(StressOffload, ShortRunLosesNothingAndDetectsEveryFlip) {
