@@ -56,6 +56,23 @@ Result<ItemStatus> ReadItemStatus(PayloadReader& r) {
   return s;
 }
 
+// A list: u32 count, then each item.
+template <typename T, typename Write>
+void WriteList(PayloadWriter& w, const std::vector<T>& items, Write&& write) {
+  w.U32(static_cast<uint32_t>(items.size()));
+  for (const T& x : items) write(w, x);
+}
+
+// A list: a u32 count checked against the bytes left (each item taking at least
+// `min_item_bytes`) before anything is allocated, then each item.
+template <typename T, typename Read>
+Status ReadList(PayloadReader& r, const char* what, uint32_t min_item_bytes, std::vector<T>& out, Read&& read) {
+  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count(what, kMaxBatchItems, min_item_bytes));
+  out.resize(n);
+  for (T& x : out) SPARSEKV_RETURN_IF_ERROR(read(x));
+  return Status::OK();
+}
+
 void WriteSlot(PayloadWriter& w, const ShmSlot& s) {
   w.Bytes(s.hash);
   w.U64(s.offset);
@@ -305,8 +322,7 @@ Result<HashList> DecodeHashList(std::span<const std::byte> p) {
 std::vector<std::byte> Encode(const LookupReply& m) {
   PayloadWriter w;
   w.U32(m.prefix_blocks);
-  w.U32(static_cast<uint32_t>(m.tiers.size()));
-  for (uint8_t t : m.tiers) w.U8(t);
+  WriteList(w, m.tiers, [](PayloadWriter& o, uint8_t t) { o.U8(t); });
   return w.Take();
 }
 
@@ -314,12 +330,11 @@ Result<LookupReply> DecodeLookupReply(std::span<const std::byte> p) {
   PayloadReader r(p);
   LookupReply m;
   SPARSEKV_ASSIGN_OR_RETURN(m.prefix_blocks, r.U32("LOOKUP prefix"));
-  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count("LOOKUP tier count", kMaxBatchItems, 1));
-  if (m.prefix_blocks > n) return Bad("LOOKUP prefix is longer than the list of blocks");
-  m.tiers.resize(n);
-  for (uint8_t& t : m.tiers) {
+  SPARSEKV_RETURN_IF_ERROR(ReadList(r, "LOOKUP tier count", 1, m.tiers, [&](uint8_t& t) -> Status {
     SPARSEKV_ASSIGN_OR_RETURN(t, r.U8("LOOKUP tier"));
-  }
+    return Status::OK();
+  }));
+  if (m.prefix_blocks > m.tiers.size()) return Bad("LOOKUP prefix is longer than the list of blocks");
   SPARSEKV_RETURN_IF_ERROR(r.Finish("LOOKUP reply"));
   return m;
 }
@@ -342,54 +357,49 @@ Result<PinRequest> DecodePinRequest(std::span<const std::byte> p) {
 
 std::vector<std::byte> Encode(const PutRequest& m) {
   PayloadWriter w;
-  w.U32(static_cast<uint32_t>(m.items.size()));
-  for (const PutItem& it : m.items) {
-    w.Bytes(it.hash);
-    w.Blob(it.bundle);
-  }
+  WriteList(w, m.items, [](PayloadWriter& o, const PutItem& it) {
+    o.Bytes(it.hash);
+    o.Blob(it.bundle);
+  });
   return w.Take();
 }
 
 Result<PutRequest> DecodePutRequest(std::span<const std::byte> p, uint32_t max_bundle_bytes) {
   PayloadReader r(p);
   PutRequest m;
-  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count("PUT item count", kMaxBatchItems, 20));
-  m.items.resize(n);
-  for (PutItem& it : m.items) {
+  SPARSEKV_RETURN_IF_ERROR(ReadList(r, "PUT item count", 20, m.items, [&](PutItem& it) -> Status {
     SPARSEKV_ASSIGN_OR_RETURN(auto h, r.Bytes(16, "PUT hash"));
     std::memcpy(it.hash.data(), h.data(), 16);
     SPARSEKV_ASSIGN_OR_RETURN(it.bundle, r.Blob("PUT bundle", max_bundle_bytes));
-  }
+    return Status::OK();
+  }));
   SPARSEKV_RETURN_IF_ERROR(r.Finish("PUT"));
   return m;
 }
 
 std::vector<std::byte> Encode(const StatusListReply& m) {
   PayloadWriter w;
-  w.U32(static_cast<uint32_t>(m.items.size()));
-  for (const ItemStatus& s : m.items) WriteItemStatus(w, s);
+  WriteList(w, m.items, WriteItemStatus);
   return w.Take();
 }
 
 Result<StatusListReply> DecodeStatusListReply(std::span<const std::byte> p) {
   PayloadReader r(p);
   StatusListReply m;
-  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count("status count", kMaxBatchItems, 1));
-  m.items.resize(n);
-  for (ItemStatus& s : m.items) {
+  SPARSEKV_RETURN_IF_ERROR(ReadList(r, "status count", 1, m.items, [&](ItemStatus& s) -> Status {
     SPARSEKV_ASSIGN_OR_RETURN(s, ReadItemStatus(r));
-  }
+    return Status::OK();
+  }));
   SPARSEKV_RETURN_IF_ERROR(r.Finish("status list"));
   return m;
 }
 
 std::vector<std::byte> Encode(const GetReply& m) {
   PayloadWriter w;
-  w.U32(static_cast<uint32_t>(m.items.size()));
-  for (const GetItem& it : m.items) {
-    WriteItemStatus(w, it.status);
-    if (it.status.code == StatusCode::kOk) w.Blob(it.bundle);
-  }
+  WriteList(w, m.items, [](PayloadWriter& o, const GetItem& it) {
+    WriteItemStatus(o, it.status);
+    if (it.status.code == StatusCode::kOk) o.Blob(it.bundle);
+  });
   for (const GetItem& it : m.items) w.U8(it.verdict);
   return w.Take();
 }
@@ -397,14 +407,13 @@ std::vector<std::byte> Encode(const GetReply& m) {
 Result<GetReply> DecodeGetReply(std::span<const std::byte> p, uint32_t max_bundle_bytes) {
   PayloadReader r(p);
   GetReply m;
-  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count("GET item count", kMaxBatchItems, 1));
-  m.items.resize(n);
-  for (GetItem& it : m.items) {
+  SPARSEKV_RETURN_IF_ERROR(ReadList(r, "GET item count", 2, m.items, [&](GetItem& it) -> Status {
     SPARSEKV_ASSIGN_OR_RETURN(it.status, ReadItemStatus(r));
     if (it.status.code == StatusCode::kOk) {
       SPARSEKV_ASSIGN_OR_RETURN(it.bundle, r.Blob("GET bundle", max_bundle_bytes));
     }
-  }
+    return Status::OK();
+  }));
   for (GetItem& it : m.items) {
     SPARSEKV_ASSIGN_OR_RETURN(it.verdict, r.U8("GET verdict"));
     if (it.verdict > 1) return Bad(fmt::format("GET verdict {} is unknown", it.verdict));
@@ -419,19 +428,17 @@ Result<GetReply> DecodeGetReply(std::span<const std::byte> p, uint32_t max_bundl
 
 std::vector<std::byte> Encode(const ShmPutRequest& m) {
   PayloadWriter w;
-  w.U32(static_cast<uint32_t>(m.slots.size()));
-  for (const ShmSlot& s : m.slots) WriteSlot(w, s);
+  WriteList(w, m.slots, WriteSlot);
   return w.Take();
 }
 
 Result<ShmPutRequest> DecodeShmPutRequest(std::span<const std::byte> p) {
   PayloadReader r(p);
   ShmPutRequest m;
-  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count("SHM_PUT slot count", kMaxBatchItems, 28));
-  m.slots.resize(n);
-  for (ShmSlot& s : m.slots) {
+  SPARSEKV_RETURN_IF_ERROR(ReadList(r, "SHM_PUT slot count", 28, m.slots, [&](ShmSlot& s) -> Status {
     SPARSEKV_ASSIGN_OR_RETURN(s, ReadSlot(r));
-  }
+    return Status::OK();
+  }));
   SPARSEKV_RETURN_IF_ERROR(r.Finish("SHM_PUT"));
   return m;
 }
