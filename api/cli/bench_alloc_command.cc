@@ -14,12 +14,7 @@ SPARSEKV_BENCH_COMMAND(alloc) {
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = bench.add_subcommand("alloc", "Page-pool allocate+free pairs against malloc/free");
-  cmd->add_option("--rounds", args->options.rounds, "Measured rounds per method")
-      ->check(CLI::Range(1, 1000))
-      ->capture_default_str();
-  cmd->add_option("--round-seconds", args->options.round_seconds, "Seconds per round")
-      ->check(CLI::Range(0.001, 60.0))
-      ->capture_default_str();
+  AddRoundOptions(cmd, args->options.rounds, args->options.round_seconds);
   cmd->add_flag("--json", args->json, "Print JSON");
   cmd->callback([args, &exit_code] {
     auto r = bench::RunAllocBench(args->options);

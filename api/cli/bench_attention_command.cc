@@ -34,12 +34,7 @@ SPARSEKV_BENCH_COMMAND(attention) {
   cmd->add_option("--threads", o.threads, "Threads of every kernel and of the peak loop")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
-  cmd->add_option("--rounds", o.rounds, "Measured rounds per method")
-      ->check(CLI::Range(1, 1000))
-      ->capture_default_str();
-  cmd->add_option("--round-seconds", o.round_seconds, "Seconds per round")
-      ->check(CLI::Range(0.001, 60.0))
-      ->capture_default_str();
+  AddRoundOptions(cmd, o.rounds, o.round_seconds);
   cmd->add_option(
       "--path", args->path,
       "SIMD path: scalar, avx2, avx512 or avx512_bf16 (default: SPARSEKV_SIMD or the best)");

@@ -15,12 +15,7 @@ SPARSEKV_BENCH_COMMAND(cache) {
   auto args = std::make_shared<Args>();
   CLI::App* cmd = bench.add_subcommand(
       "cache", "Prefix-cache lookups and allocate+register+free cycles for a V3.2 and a V4 spec");
-  cmd->add_option("--rounds", args->options.rounds, "Measured rounds per method")
-      ->check(CLI::Range(1, 1000))
-      ->capture_default_str();
-  cmd->add_option("--round-seconds", args->options.round_seconds, "Seconds per round")
-      ->check(CLI::Range(0.001, 60.0))
-      ->capture_default_str();
+  AddRoundOptions(cmd, args->options.rounds, args->options.round_seconds);
   cmd->add_option("--prompt-blocks", args->options.prompt_blocks,
                   "Full 128-token blocks per request")
       ->check(CLI::Range(1, 4096))

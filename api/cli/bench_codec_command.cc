@@ -17,12 +17,7 @@ SPARSEKV_BENCH_COMMAND(codec) {
   auto args = std::make_shared<Args>();
   CLI::App* cmd = bench.add_subcommand(
       "codec", "Encode/decode throughput of every storage format against memcpy of the same bytes");
-  cmd->add_option("--rounds", args->options.rounds, "Measured rounds per method")
-      ->check(CLI::Range(1, 1000))
-      ->capture_default_str();
-  cmd->add_option("--round-seconds", args->options.round_seconds, "Seconds per round")
-      ->check(CLI::Range(0.001, 60.0))
-      ->capture_default_str();
+  AddRoundOptions(cmd, args->options.rounds, args->options.round_seconds);
   cmd->add_option("--working-set-bytes", args->options.working_set_bytes,
                   "bf16 bytes per operation (a multiple of 9216)")
       ->capture_default_str();

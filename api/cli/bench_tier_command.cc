@@ -35,18 +35,12 @@ SPARSEKV_BENCH_COMMAND(tier) {
   cmd->add_option("--rounds", args->options.rounds, "Interleaved rounds per method")
       ->check(CLI::Range(1, 100))
       ->capture_default_str();
-  cmd->add_option("--durability", args->durability, "none, fdatasync or dsync")
-      ->capture_default_str();
+  AddDurabilityOption(cmd, args->durability);
   cmd->add_flag("--with-fio", args->options.with_fio,
                 "Also run fio (io_uring, O_DIRECT) each round");
   cmd->add_flag("--json", args->json, "Print JSON");
   cmd->callback([args, &exit_code] {
-    auto d = ParseDurability(args->durability);
-    if (!d.ok()) {
-      exit_code = Fail(d.status().WithContext("--durability"));
-      return;
-    }
-    args->options.durability = *d;
+    if (!ParseDurabilityOption(args->durability, args->options.durability, exit_code)) return;
     auto r = bench::RunTierBench(args->options);
     if (!r.ok()) {
       exit_code = Fail(r.status());

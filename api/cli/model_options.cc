@@ -33,4 +33,25 @@ int Fail(const Status& status) {
   return 1;
 }
 
+void AddRoundOptions(CLI::App* cmd, int& rounds, double& round_seconds) {
+  cmd->add_option("--rounds", rounds, "Measured rounds per method")->check(CLI::Range(1, 1000))->capture_default_str();
+  cmd->add_option("--round-seconds", round_seconds, "Seconds per round")
+      ->check(CLI::Range(0.001, 60.0))
+      ->capture_default_str();
+}
+
+void AddDurabilityOption(CLI::App* cmd, std::string& text) {
+  cmd->add_option("--durability", text, "none, fdatasync or dsync")->capture_default_str();
+}
+
+bool ParseDurabilityOption(const std::string& text, Durability& out, int& exit_code) {
+  auto d = ParseDurability(text);
+  if (!d.ok()) {
+    exit_code = Fail(d.status().WithContext("--durability"));
+    return false;
+  }
+  out = *d;
+  return true;
+}
+
 }  // namespace sparsekv::cli

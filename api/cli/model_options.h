@@ -6,6 +6,7 @@
 #include <string>
 
 #include "sparsekv/model_spec.h"
+#include "sparsekv/tier.h"
 
 namespace sparsekv::cli {
 
@@ -23,5 +24,13 @@ struct ModelOptions {
 
 // Prints "sparsekv: <message>" to stderr and returns the exit code for a failed command.
 int Fail(const Status& status);
+
+// --rounds and --round-seconds, as every interleaved benchmark takes them.
+void AddRoundOptions(CLI::App* cmd, int& rounds, double& round_seconds);
+
+// --durability (none, fdatasync or dsync) into `text`; ParseDurabilityOption turns it into the
+// tier setting, or prints the error and sets `exit_code` (false).
+void AddDurabilityOption(CLI::App* cmd, std::string& text);
+bool ParseDurabilityOption(const std::string& text, Durability& out, int& exit_code);
 
 }  // namespace sparsekv::cli

@@ -32,8 +32,7 @@ SPARSEKV_CLI_COMMAND(stress) {
   cmd->add_option("--kill-cycles", args->options.kill_cycles, "SIGKILLs and restarts")
       ->check(CLI::Range(1, 100000))
       ->capture_default_str();
-  cmd->add_option("--durability", args->durability, "none, fdatasync or dsync")
-      ->capture_default_str();
+  AddDurabilityOption(cmd, args->durability);
   cmd->add_option("--flip-bundles", args->options.flip_bundles,
                   "Bundles damaged in the bit-flip phase")
       ->capture_default_str();
@@ -41,12 +40,7 @@ SPARSEKV_CLI_COMMAND(stress) {
   cmd->add_flag("--keep", args->options.keep, "Keep the working directory");
   cmd->add_flag("--json", args->json, "Print JSON");
   cmd->callback([args, &exit_code] {
-    auto d = ParseDurability(args->durability);
-    if (!d.ok()) {
-      exit_code = Fail(d.status().WithContext("--durability"));
-      return;
-    }
-    args->options.durability = *d;
+    if (!ParseDurabilityOption(args->durability, args->options.durability, exit_code)) return;
     auto r = bench::RunOffloadStress(args->options);
     if (!r.ok()) {
       exit_code = Fail(r.status());
@@ -85,14 +79,9 @@ SPARSEKV_CLI_COMMAND(stress) {
   c->add_option("--ack-fd", child->options.ack_fd)->required();
   c->add_option("--incarnation", child->options.incarnation)->required();
   c->add_option("--seed", child->options.seed);
-  c->add_option("--durability", child->durability);
+  AddDurabilityOption(c, child->durability);
   c->callback([child, &exit_code] {
-    auto d = ParseDurability(child->durability);
-    if (!d.ok()) {
-      exit_code = Fail(d.status());
-      return;
-    }
-    child->options.durability = *d;
+    if (!ParseDurabilityOption(child->durability, child->options.durability, exit_code)) return;
     const Status s = bench::RunOffloadStressChild(child->options);
     if (!s.ok()) exit_code = Fail(s.WithContext("stress offload-child"));
   });
