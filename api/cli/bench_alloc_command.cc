@@ -17,16 +17,10 @@ SPARSEKV_BENCH_COMMAND(alloc) {
   AddRoundOptions(cmd, args->options.rounds, args->options.round_seconds);
   cmd->add_flag("--json", args->json, "Print JSON");
   cmd->callback([args, &exit_code] {
-    auto r = bench::RunAllocBench(args->options);
-    if (!r.ok()) {
-      exit_code = Fail(r.status());
-      return;
-    }
-    const auto& j = *r;
-    if (args->json) {
-      std::printf("%s\n", j.dump(2).c_str());
-      return;
-    }
+    const auto r = bench::RunAllocBench(args->options);
+    const auto* report = ReportBench(r, args->json, exit_code);
+    if (report == nullptr) return;
+    const auto& j = *report;
     std::printf("page of %llu bytes (one V3.2 bf16 MLA block)\n",
                 static_cast<unsigned long long>(j["page_bytes"].get<uint64_t>()));
     std::printf("pool (thread cache) %.1f M pairs/s   malloc %.1f M pairs/s   ratio %.2fx\n",

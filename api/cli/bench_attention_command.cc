@@ -53,28 +53,11 @@ SPARSEKV_BENCH_COMMAND(attention) {
       return;
     }
     o.indexer_format = *fi;
-    if (!args->path.empty()) {
-      auto p = ParseSimdPath(args->path);
-      if (!p.ok()) {
-        exit_code = Fail(p.status());
-        return;
-      }
-      o.path = *p;
-    } else if (auto env = SimdPathFromEnvironment();
-               !env.ok() && !env.status().Is(StatusCode::kNotFound)) {
-      exit_code = Fail(env.status());  // a benchmark must not quietly measure another path
-      return;
-    }
-    auto r = bench::RunAttentionBench(o);
-    if (!r.ok()) {
-      exit_code = Fail(r.status());
-      return;
-    }
-    const auto& j = *r;
-    if (args->json) {
-      std::printf("%s\n", j.dump(2).c_str());
-      return;
-    }
+    if (!ParseSimdPathOption(args->path, o.path, exit_code)) return;
+    const auto r = bench::RunAttentionBench(o);
+    const auto* report = ReportBench(r, args->json, exit_code);
+    if (report == nullptr) return;
+    const auto& j = *report;
     std::printf("path %s, %u thread(s); %u token(s) x %u heads, top-k %u of %u cached (%s)\n",
                 j["path"].get<std::string>().c_str(), o.threads, o.tokens, o.heads, o.top_k,
                 o.cache_tokens, args->format.c_str());

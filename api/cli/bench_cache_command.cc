@@ -24,16 +24,10 @@ SPARSEKV_BENCH_COMMAND(cache) {
       ->capture_default_str();
   cmd->add_flag("--json", args->json, "Print JSON");
   cmd->callback([args, &exit_code] {
-    auto r = bench::RunCacheBench(args->options);
-    if (!r.ok()) {
-      exit_code = Fail(r.status());
-      return;
-    }
-    const auto& j = *r;
-    if (args->json) {
-      std::printf("%s\n", j.dump(2).c_str());
-      return;
-    }
+    const auto r = bench::RunCacheBench(args->options);
+    const auto* report = ReportBench(r, args->json, exit_code);
+    if (report == nullptr) return;
+    const auto& j = *report;
     std::printf("requests of %u blocks + 1 token, 128 tokens per block (medians, single thread)\n",
                 args->options.prompt_blocks);
     for (const char* model : {"deepseek-v3.2-exp", "deepseek-v4-flash"}) {

@@ -26,28 +26,11 @@ SPARSEKV_BENCH_COMMAND(codec) {
       "SIMD path: scalar, avx2, avx512 or avx512_bf16 (default: SPARSEKV_SIMD or the best)");
   cmd->add_flag("--json", args->json, "Print JSON");
   cmd->callback([args, &exit_code] {
-    if (!args->path.empty()) {
-      auto p = ParseSimdPath(args->path);
-      if (!p.ok()) {
-        exit_code = Fail(p.status());
-        return;
-      }
-      args->options.path = *p;
-    } else if (auto env = SimdPathFromEnvironment();
-               !env.ok() && !env.status().Is(StatusCode::kNotFound)) {
-      exit_code = Fail(env.status());  // a benchmark must not quietly measure another path
-      return;
-    }
-    auto r = bench::RunCodecBench(args->options);
-    if (!r.ok()) {
-      exit_code = Fail(r.status());
-      return;
-    }
-    const auto& j = *r;
-    if (args->json) {
-      std::printf("%s\n", j.dump(2).c_str());
-      return;
-    }
+    if (!ParseSimdPathOption(args->path, args->options.path, exit_code)) return;
+    const auto r = bench::RunCodecBench(args->options);
+    const auto* report = ReportBench(r, args->json, exit_code);
+    if (report == nullptr) return;
+    const auto& j = *report;
     const double mc = j["memcpy_bytes_per_s"].get<double>();
     std::printf("path %s, %llu bf16 bytes per operation, single thread\n",
                 j["path"].get<std::string>().c_str(),

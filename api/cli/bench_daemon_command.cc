@@ -34,13 +34,10 @@ SPARSEKV_BENCH_COMMAND(daemon) {
   cmd->add_flag("--redis", o.redis, "Also measure redis-server with redis-benchmark, same value size and clients");
   cmd->add_flag("--json", a->json, "Print JSON");
   cmd->callback([a, &exit_code] {
-    auto r = bench::RunDaemonBench(a->options);
-    if (!r.ok()) return void(exit_code = Fail(r.status()));
-    if (a->json) {
-      std::printf("%s\n", r->dump(2).c_str());
-      return;
-    }
-    const auto& j = *r;
+    const auto r = bench::RunDaemonBench(a->options);
+    const auto* report = ReportBench(r, a->json, exit_code);
+    if (report == nullptr) return;
+    const auto& j = *report;
     std::printf("%s, %d clients on %d threads, %llu-byte values\n", j["transport"].get<std::string>().c_str(),
                 a->options.clients, j["threads"].get<int>(), static_cast<unsigned long long>(a->options.value_bytes));
     std::printf("PUT %.0f ops/s   GET %.0f ops/s (%.2f GB/s)   p50 %.1f us   p99 %.1f us   errors %llu\n",

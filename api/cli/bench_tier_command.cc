@@ -41,16 +41,10 @@ SPARSEKV_BENCH_COMMAND(tier) {
   cmd->add_flag("--json", args->json, "Print JSON");
   cmd->callback([args, &exit_code] {
     if (!ParseDurabilityOption(args->durability, args->options.durability, exit_code)) return;
-    auto r = bench::RunTierBench(args->options);
-    if (!r.ok()) {
-      exit_code = Fail(r.status());
-      return;
-    }
-    const auto& j = *r;
-    if (args->json) {
-      std::printf("%s\n", j.dump(2).c_str());
-      return;
-    }
+    const auto r = bench::RunTierBench(args->options);
+    const auto* report = ReportBench(r, args->json, exit_code);
+    if (report == nullptr) return;
+    const auto& j = *report;
     const double mib = 1024.0 * 1024.0;
     std::printf(
         "%s tier, %llu-byte bundles, queue depth %u, %llu bytes, durability %s\n",

@@ -54,4 +54,31 @@ bool ParseDurabilityOption(const std::string& text, Durability& out, int& exit_c
   return true;
 }
 
+bool ParseSimdPathOption(const std::string& text, std::optional<SimdPath>& out, int& exit_code) {
+  if (!text.empty()) {
+    auto p = ParseSimdPath(text);
+    if (!p.ok()) {
+      exit_code = Fail(p.status());
+      return false;
+    }
+    out = *p;
+  } else if (auto env = SimdPathFromEnvironment(); !env.ok() && !env.status().Is(StatusCode::kNotFound)) {
+    exit_code = Fail(env.status());
+    return false;
+  }
+  return true;
+}
+
+const nlohmann::json* ReportBench(const Result<nlohmann::json>& r, bool json, int& exit_code) {
+  if (!r.ok()) {
+    exit_code = Fail(r.status());
+    return nullptr;
+  }
+  if (json) {
+    std::printf("%s\n", r->dump(2).c_str());
+    return nullptr;
+  }
+  return &*r;
+}
+
 }  // namespace sparsekv::cli
