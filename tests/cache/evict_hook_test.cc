@@ -15,6 +15,7 @@
 
 #include "sparsekv/cache_manager.h"
 #include "tests/cache/cache_test_util.h"
+#include "tests/support/page_pattern.h"
 
 namespace sparsekv {
 namespace {
@@ -25,34 +26,9 @@ using testing::OneKindSpec;
 using testing::Prompt;
 using testing::RunAndFree;
 
-// What the engine writes into a page of a full block: a function of the block's hash and the
-// pool, so that whoever reads the page later can tell whether it still holds that block.
-uint64_t SeedOf(const BlockHash& h, size_t pool) {
-  return h.lo ^ (h.hi * 0x9e3779b97f4a7c15ull) ^ ((pool + 1) * 0xbf58476d1ce4e5b9ull);
-}
-
-uint64_t Mix(uint64_t& x) {
-  x += 0x9e3779b97f4a7c15ull;
-  uint64_t z = x;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-void Fill(std::byte* d, uint64_t n, uint64_t seed) {
-  for (uint64_t i = 0; i + 8 <= n; i += 8) {
-    const uint64_t v = Mix(seed);
-    std::memcpy(d + i, &v, 8);
-  }
-}
-
-bool Holds(const std::byte* d, uint64_t n, uint64_t seed) {
-  for (uint64_t i = 0; i + 8 <= n; i += 8) {
-    const uint64_t v = Mix(seed);
-    if (std::memcmp(d + i, &v, 8) != 0) return false;
-  }
-  return true;
-}
+using testing::FillPattern;
+using testing::HoldsPattern;
+using testing::PatternSeed;
 
 std::unique_ptr<CacheManager> MakeOneKindWithBytes(uint32_t capacity, uint32_t block_tokens = 4) {
   CacheManagerOptions o;
@@ -93,9 +69,9 @@ int RunWritingPages(CacheManager& c, std::span<const TokenId> tokens, std::atomi
       if (table[b] == kInvalidPage) continue;
       std::byte* page = c.pool(q).PageData(table[b]);
       if (b < hit->blocks) {
-        if (!Holds(page, n, SeedOf(digests[b].hash, q))) ++*bad;
+        if (!HoldsPattern(page, n, PatternSeed(digests[b].hash, q))) ++*bad;
       } else {
-        Fill(page, n, b < digests.size() ? SeedOf(digests[b].hash, q) : ~uint64_t{b});
+        FillPattern(page, n, b < digests.size() ? PatternSeed(digests[b].hash, q) : ~uint64_t{b});
       }
     }
   }
@@ -124,8 +100,8 @@ class HookLog {
       call.whole_block = e.whole_block;
       for (size_t q = 0; check_bytes && q < e.pages.size(); ++q) {
         if (e.pages[q] == kInvalidPage) continue;
-        call.bytes_intact &= Holds(c_.pool(q).PageData(e.pages[q]),
-                                   c_.geometry().pools[q].block_stride, SeedOf(e.digest.hash, q));
+        call.bytes_intact &= HoldsPattern(c_.pool(q).PageData(e.pages[q]), c_.geometry().pools[q].block_stride,
+                                          PatternSeed(e.digest.hash, q));
       }
       std::lock_guard<std::mutex> l(mu_);
       calls_.push_back(std::move(call));
@@ -300,8 +276,8 @@ TEST(EvictHook, ThreadsEvictingWhileTheHookReadsPages) {
     return [&](const EvictingBlock& e) {
       ++calls;
       if (e.pages[0] == kInvalidPage ||
-          !Holds(c->pool(0).PageData(e.pages[0]), c->geometry().pools[0].block_stride,
-                 SeedOf(e.digest.hash, 0))) {
+          !HoldsPattern(c->pool(0).PageData(e.pages[0]), c->geometry().pools[0].block_stride,
+                        PatternSeed(e.digest.hash, 0))) {
         ++torn;
       }
     };

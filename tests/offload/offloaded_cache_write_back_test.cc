@@ -18,6 +18,7 @@
 #include "sparsekv/offloaded_cache.h"
 #include "sparsekv/ssd_tier.h"
 #include "tests/offload/test_util.h"
+#include "tests/support/page_pattern.h"
 
 namespace sparsekv {
 namespace {
@@ -141,34 +142,9 @@ Stack Build(StackOptions o) {
   return s;
 }
 
-// What the "engine" writes into a page of a full block: a function of the block's hash and the
-// pool, so any page can be checked against the block it claims to hold.
-uint64_t SeedOf(const BlockHash& h, size_t pool) {
-  return h.lo ^ (h.hi * 0x9e3779b97f4a7c15ull) ^ ((pool + 1) * 0xbf58476d1ce4e5b9ull);
-}
-
-uint64_t Mix(uint64_t& x) {
-  x += 0x9e3779b97f4a7c15ull;
-  uint64_t z = x;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-void Fill(std::byte* d, uint64_t n, uint64_t seed) {
-  for (uint64_t i = 0; i + 8 <= n; i += 8) {
-    const uint64_t v = Mix(seed);
-    std::memcpy(d + i, &v, 8);
-  }
-}
-
-bool Holds(const std::byte* d, uint64_t n, uint64_t seed) {
-  for (uint64_t i = 0; i + 8 <= n; i += 8) {
-    const uint64_t v = Mix(seed);
-    if (std::memcmp(d + i, &v, 8) != 0) return false;
-  }
-  return true;
-}
+using testing::FillPattern;
+using testing::HoldsPattern;
+using testing::PatternSeed;
 
 std::vector<TokenId> Prompt(size_t n, uint32_t seed) {
   std::vector<TokenId> t(n);
@@ -210,9 +186,9 @@ RequestResult Request(Stack& s, std::span<const TokenId> tokens) {
       if (table[b] == kInvalidPage) continue;  // a window or snapshot page not needed here
       std::byte* page = m.pool(q).PageData(table[b]);
       if (b < r.hit.blocks) {
-        r.bad_pages += !Holds(page, n, SeedOf(digests[b].hash, q));
+        r.bad_pages += !HoldsPattern(page, n, PatternSeed(digests[b].hash, q));
       } else {
-        Fill(page, n, b < digests.size() ? SeedOf(digests[b].hash, q) : ~uint64_t{b});
+        FillPattern(page, n, b < digests.size() ? PatternSeed(digests[b].hash, q) : ~uint64_t{b});
       }
     }
   }
