@@ -41,6 +41,20 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // A selection of `top_k` distinct logical entries per token (sorted, as the indexer writes
 // them), with `holes` of them replaced by -1 at random places.
+// A batch over the main cache only: bf16 queries, `top_k` indices per token.
+SparseMlaBatch MainBatch(const std::vector<uint16_t>& q, uint32_t tokens, uint32_t heads, float softmax_scale,
+                         const TestCache& c, const std::vector<int32_t>& idx, uint32_t top_k) {
+  SparseMlaBatch b;
+  b.q = q.data();
+  b.tokens = tokens;
+  b.heads = heads;
+  b.softmax_scale = softmax_scale;
+  b.main.view = c.view;
+  b.main.indices = idx.data();
+  b.main.top_k = top_k;
+  return b;
+}
+
 std::vector<int32_t> RandomSelection(const TestCache& c, uint32_t tokens, uint32_t top_k,
                                      uint32_t holes, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -95,15 +109,8 @@ TEST_P(SparseMlaFormats, MatchesReference) {
   std::vector<float> sink(kHeads);
   for (uint32_t h = 0; h < kHeads; ++h) sink[h] = 0.25f * (h % 7) - 0.5f;
   for (bool with_sink : {false, true}) {
-    SparseMlaBatch b;
-    b.q = q.data();
-    b.tokens = kTokens;
-    b.heads = kHeads;
-    b.softmax_scale = 1.0f / std::sqrt(192.0f);
+    SparseMlaBatch b = MainBatch(q, kTokens, kHeads, 1.0f / std::sqrt(192.0f), c, idx, kTopK);
     b.sink = with_sink ? sink.data() : nullptr;
-    b.main.view = c.view;
-    b.main.indices = idx.data();
-    b.main.top_k = kTopK;
     std::vector<float> ref_out, ref_lse;
     ASSERT_TRUE(ReferenceSparseMla(b, &ref_out, &ref_lse).ok());
     auto mla = SparseMla::Create(Opts(2, path));
@@ -134,14 +141,7 @@ TEST(SparseMla, V32DecodeShapeMatchesReference) {
   TestCache c = MakeCache(StorageFormat::kC8Mla, 576, 128, 80, 64, 3);
   auto idx = RandomSelection(c, 1, kTopK, 0, 5);
   auto q = RandomBf16(uint64_t{kHeads} * 576, 9, 0.3f);
-  SparseMlaBatch b;
-  b.q = q.data();
-  b.tokens = 1;
-  b.heads = kHeads;
-  b.softmax_scale = 0.1352f;
-  b.main.view = c.view;
-  b.main.indices = idx.data();
-  b.main.top_k = kTopK;
+  SparseMlaBatch b = MainBatch(q, 1, kHeads, 0.1352f, c, idx, kTopK);
   std::vector<float> ref_out, ref_lse;
   ASSERT_TRUE(ReferenceSparseMla(b, &ref_out, &ref_lse).ok());
   auto mla = SparseMla::Create(Opts(2));
@@ -157,14 +157,7 @@ TEST(SparseMla, OddHeadCounts) {
   for (uint32_t heads : {1u, 6u, 16u, 48u}) {
     auto idx = RandomSelection(c, 2, 100, 5, heads);
     auto q = RandomBf16(uint64_t{2} * heads * 576, 17 + heads, 0.5f);
-    SparseMlaBatch b;
-    b.q = q.data();
-    b.tokens = 2;
-    b.heads = heads;
-    b.softmax_scale = 0.07f;
-    b.main.view = c.view;
-    b.main.indices = idx.data();
-    b.main.top_k = 100;
+    SparseMlaBatch b = MainBatch(q, 2, heads, 0.07f, c, idx, 100);
     std::vector<float> ref_out, ref_lse;
     ASSERT_TRUE(ReferenceSparseMla(b, &ref_out, &ref_lse).ok());
     auto mla = SparseMla::Create(Opts(2));
@@ -184,15 +177,8 @@ TEST(SparseMla, EmptySelectionGivesZeroAndMinusInfinity) {
   std::vector<float> sink(kHeads, 1.5f);
   for (const float* s : {static_cast<const float*>(nullptr), static_cast<const float*>(sink.data())}) {
     for (SimdPath path : testing::Paths()) {
-      SparseMlaBatch b;
-      b.q = q.data();
-      b.tokens = 2;
-      b.heads = kHeads;
-      b.softmax_scale = 0.1f;
+      SparseMlaBatch b = MainBatch(q, 2, kHeads, 0.1f, c, idx, kTopK);
       b.sink = s;
-      b.main.view = c.view;
-      b.main.indices = idx.data();
-      b.main.top_k = kTopK;
       auto mla = SparseMla::Create(Opts(1, path));
       ASSERT_TRUE(mla.ok());
       std::vector<float> out(2 * kHeads * 512, 9.0f), lse(2 * kHeads, 9.0f);
@@ -280,14 +266,7 @@ TEST(SparseMla, DeterministicAndBatchInvariant) {
     for (uint32_t threads : {1u, 2u}) {
       auto mla = SparseMla::Create(Opts(threads, path));
       ASSERT_TRUE(mla.ok());
-      SparseMlaBatch b;
-      b.q = q.data();
-      b.tokens = kBatch;
-      b.heads = kHeads;
-      b.softmax_scale = 0.1f;
-      b.main.view = c.view;
-      b.main.indices = idx.data();
-      b.main.top_k = kTopK;
+      SparseMlaBatch b = MainBatch(q, kBatch, kHeads, 0.1f, c, idx, kTopK);
       std::vector<float> out(uint64_t{kBatch} * kHeads * 512), lse(kBatch * kHeads);
       ASSERT_TRUE((*mla)->Run(b, {out.data(), lse.data()}).ok());
       outs.push_back(out);
@@ -321,14 +300,7 @@ TEST(SparseMla, ReadsOnlyTheNamedEntries) {
     TestCache c = MakeCache(format, dims, 64, 32, 12, 77);
     auto idx = RandomSelection(c, kTokens, kTopK, 7, 78);
     auto q = RandomBf16(uint64_t{kTokens} * kHeads * dims, 79, 0.5f);
-    SparseMlaBatch b;
-    b.q = q.data();
-    b.tokens = kTokens;
-    b.heads = kHeads;
-    b.softmax_scale = 0.08f;
-    b.main.view = c.view;
-    b.main.indices = idx.data();
-    b.main.top_k = kTopK;
+    SparseMlaBatch b = MainBatch(q, kTokens, kHeads, 0.08f, c, idx, kTopK);
     auto mla = SparseMla::Create(Opts(2));
     ASSERT_TRUE(mla.ok());
     std::vector<float> before(uint64_t{kTokens} * kHeads * 512), lse_before(kTokens * kHeads);
@@ -392,14 +364,7 @@ TEST(SparseMla, RunAllocatesNothing) {
   auto q = RandomBf16(2 * kHeads * 576, 52);
   auto mla = SparseMla::Create(Opts(2));
   ASSERT_TRUE(mla.ok());
-  SparseMlaBatch b;
-  b.q = q.data();
-  b.tokens = 2;
-  b.heads = kHeads;
-  b.softmax_scale = 0.1f;
-  b.main.view = c.view;
-  b.main.indices = idx.data();
-  b.main.top_k = kTopK;
+  SparseMlaBatch b = MainBatch(q, 2, kHeads, 0.1f, c, idx, kTopK);
   std::vector<float> out(2 * kHeads * 512), lse(2 * kHeads);
   ASSERT_TRUE((*mla)->Run(b, {out.data(), lse.data()}).ok());
   const uint64_t before = HeapAllocations();
@@ -414,14 +379,7 @@ TEST(SparseMla, BadInputIsRefusedAndNothingWritten) {
   auto mla = SparseMla::Create(Opts(1));
   ASSERT_TRUE(mla.ok());
   auto base = [&] {
-    SparseMlaBatch b;
-    b.q = q.data();
-    b.tokens = 1;
-    b.heads = 32;
-    b.softmax_scale = 0.1f;
-    b.main.view = c.view;
-    b.main.indices = idx.data();
-    b.main.top_k = 4;
+    SparseMlaBatch b = MainBatch(q, 1, 32, 0.1f, c, idx, 4);
     return b;
   };
   std::vector<float> out(32 * 512, 3.0f), lse(32, 3.0f);
