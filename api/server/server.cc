@@ -350,14 +350,22 @@ class Session : public std::enable_shared_from_this<Session> {
       return FailFrame(header_.request_id,
                        Status::InvalidArgument(fmt::format("{} is sent by the server only", wire::OpcodeName(op))));
     }
-    // A payload that does not decode is a malformed frame: error, then close.
-    if (Status st = ValidateRequest(op, payload_); !st.ok()) return FailFrame(header_.request_id, st);
+    // A payload that does not decode is a malformed frame: error, then close. GET hash lists
+    // are decoded once here and handed to the fast path.
+    std::optional<wire::HashList> get_hashes;
+    if (op == wire::Opcode::kGet || op == wire::Opcode::kShmGet) {
+      auto req = wire::DecodeHashList(payload_);
+      if (!req.ok()) return FailFrame(header_.request_id, req.status());
+      get_hashes = std::move(*req);
+    } else if (Status st = ValidateRequest(op, payload_); !st.ok()) {
+      return FailFrame(header_.request_id, st);
+    }
     if (op == wire::Opcode::kSubscribe) {
       Subscribe();
     } else if (op == wire::Opcode::kPing) {
       QueueWrite(wire::EncodeFrame(op, wire::kFlagResponse, header_.request_id, payload_));
     } else {
-      Dispatch(header_, std::move(payload_));
+      Dispatch(header_, std::move(payload_), get_hashes ? &get_hashes->hashes : nullptr);
       payload_ = {};
     }
     return true;
@@ -366,10 +374,8 @@ class Session : public std::enable_shared_from_this<Session> {
   Status ValidateRequest(wire::Opcode op, std::span<const std::byte> p) const {
     switch (op) {
       case wire::Opcode::kLookup:
-      case wire::Opcode::kGet:
       case wire::Opcode::kUnpin:
       case wire::Opcode::kDelete:
-      case wire::Opcode::kShmGet:
       case wire::Opcode::kShmRelease: return wire::DecodeHashList(p).status();
       case wire::Opcode::kPut: return wire::DecodePutRequest(p, srv_.options_.max_frame_bytes).status();
       case wire::Opcode::kPin: return wire::DecodePinRequest(p).status();
@@ -512,7 +518,9 @@ class Session : public std::enable_shared_from_this<Session> {
     QueueWrite(wire::EncodeFrame(wire::Opcode::kEvent, 0, 0, wire::Encode(wire::EventBatch{event_seq_++, {e}})));
   }
 
-  void Dispatch(const wire::FrameHeader& h, std::vector<std::byte> payload) {
+  // `get_hashes`: a GET's or SHM_GET's decoded hash list (null for other requests).
+  void Dispatch(const wire::FrameHeader& h, std::vector<std::byte> payload,
+                const std::vector<wire::WireHash>* get_hashes) {
     // The client is done with what its previous SHM_GET lent it (api/PROTOCOL.md).
     if (h.opcode == wire::Opcode::kShmGet || h.opcode == wire::Opcode::kShmRelease) {
       lent_.clear();
@@ -521,7 +529,7 @@ class Session : public std::enable_shared_from_this<Session> {
     // A GET that memory can answer is served here, saving two thread hops.
     if (h.opcode == wire::Opcode::kGet || h.opcode == wire::Opcode::kShmGet) {
       const auto t0 = Clock::now();
-      std::optional<Reply> fast = h.opcode == wire::Opcode::kGet ? FastGet(payload) : FastShmGet(payload);
+      std::optional<Reply> fast = h.opcode == wire::Opcode::kGet ? FastGet(*get_hashes) : FastShmGet(*get_hashes);
       if (fast) {
         OutFrame frame = std::move(*fast).ToFrame(h.opcode, h.request_id);
         srv_.metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
@@ -659,16 +667,14 @@ class Session : public std::enable_shared_from_this<Session> {
   // the kernel, and the reply's verdict bytes carry the outcome.
   // Past the pin budget (slow readers hold many pages), bundles are checked first and copied,
   // so that the reply pins nothing.
-  std::optional<Reply> FastGet(std::span<const std::byte> p) {
-    auto req = wire::DecodeHashList(p);
-    if (!req.ok()) return std::nullopt;
+  std::optional<Reply> FastGet(std::span<const wire::WireHash> hashes) {
     const bool may_pin = srv_.PinsBelowCap(0);
     return BuildGetReply(
-        req->hashes,
+        hashes,
         [&](const DaemonStore::GetSink& sink) {
-          if (may_pin) return srv_.store_->TryGetWithoutBlocking(ns_, req->hashes, sink, /*check=*/false);
+          if (may_pin) return srv_.store_->TryGetWithoutBlocking(ns_, hashes, sink, /*check=*/false);
           return srv_.store_->TryGetWithoutBlocking(
-              ns_, req->hashes,
+              ns_, hashes,
               [&](size_t i, const Status& st, std::span<const std::byte> bytes, const DaemonStore::Keep&) {
                 sink(i, st, bytes, nullptr);  // copied: nothing held
               },
@@ -782,13 +788,12 @@ class Session : public std::enable_shared_from_this<Session> {
     QueueWrite(std::move(verdicts));
   }
 
-  std::optional<Reply> FastShmGet(std::span<const std::byte> p) {
-    auto req = wire::DecodeHashList(p);
-    if (!req.ok() || staging_ == nullptr) return std::nullopt;
+  std::optional<Reply> FastShmGet(std::span<const wire::WireHash> hashes) {
+    if (staging_ == nullptr) return std::nullopt;
     return BuildShmGetReply(
-        req->hashes,
+        hashes,
         [&](const DaemonStore::GetSink& sink) {
-          return srv_.store_->TryGetWithoutBlocking(ns_, req->hashes, sink, /*check=*/true);
+          return srv_.store_->TryGetWithoutBlocking(ns_, hashes, sink, /*check=*/true);
         },
         /*may_lend=*/true);
   }
