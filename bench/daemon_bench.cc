@@ -144,7 +144,7 @@ Result<nlohmann::json> RunDaemonBench(const DaemonBenchOptions& o) {
     std::filesystem::create_directories(dir);
     server::TieredStoreOptions so;
     so.offload.host.capacity_bytes = std::max<uint64_t>(256ull << 20, 2 * o.value_bytes * o.clients * o.keys_per_client);
-    so.offload.host.slot_bytes = BundleHeaderBytes(1) + ((o.value_bytes + 4095) & ~uint64_t{4095});
+    so.offload.host.max_record_bytes = BundleHeaderBytes(1) + ((o.value_bytes + 4095) & ~uint64_t{4095});
     SPARSEKV_ASSIGN_OR_RETURN(store, server::TieredStore::Open(so));
     server::ServerOptions opts;
     opts.tcp_listen = "127.0.0.1:0";

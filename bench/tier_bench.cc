@@ -123,7 +123,7 @@ Result<std::unique_ptr<Tier>> OpenBenchTier(const TierBenchOptions& o, const std
     return std::unique_ptr<Tier>(std::move(t));
   }
   HostTierOptions h;
-  h.slot_bytes = o.bundle_bytes;
+  h.max_record_bytes = o.bundle_bytes;
   h.capacity_bytes = data_bytes + o.bundle_bytes;
   SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> t, HostTier::Open(h));
   return std::unique_ptr<Tier>(std::move(t));
@@ -133,7 +133,7 @@ Result<TierRun> RunTier(const TierBenchOptions& o, const std::string& path,
                         const std::vector<BundlePtr>& bundles, uint32_t batch) {
   SPARSEKV_ASSIGN_OR_RETURN(
       std::unique_ptr<Tier> tier,
-      OpenBenchTier(o, path, bundles.size() * SsdSlabClassBytes(o.bundle_bytes)));
+      OpenBenchTier(o, path, bundles.size() * ((o.bundle_bytes + 4095) & ~uint64_t{4095})));
   TierRun run;
   std::mutex mu;
   auto note = [&](const Status& s) {

@@ -21,7 +21,8 @@ constexpr uint64_t kFlagsAt = 20;
 constexpr uint64_t kHashLoAt = 24;
 constexpr uint64_t kHashHiAt = 32;
 constexpr uint64_t kPayloadAt = 40;
-constexpr uint64_t kSegmentsAt = 48;
+constexpr uint64_t kSequenceAt = 48;
+constexpr uint64_t kSegmentsAt = 56;
 // Everything after the checksum field is covered by it.
 constexpr uint64_t kCoveredFrom = 16;
 
@@ -98,7 +99,7 @@ RecordBuffer RecordBuffer::Allocate(uint64_t bytes) {
 
 Result<BundlePtr> Bundle::MakeWith(
     const BundleKey& key, std::span<const uint64_t> segment_bytes,
-    const std::function<void(uint32_t, std::span<std::byte>)>& fill) {
+    const std::function<void(uint32_t, std::span<std::byte>)>& fill, uint64_t sequence) {
   SPARSEKV_RETURN_IF_ERROR(CheckSegments(segment_bytes));
   const auto count = static_cast<uint32_t>(segment_bytes.size());
   const uint64_t header = BundleHeaderBytes(count);
@@ -114,6 +115,7 @@ Result<BundlePtr> Bundle::MakeWith(
   Store<uint64_t>(p + kHashLoAt, key.hash.lo);
   Store<uint64_t>(p + kHashHiAt, key.hash.hi);
   Store<uint64_t>(p + kPayloadAt, total - header);
+  Store<uint64_t>(p + kSequenceAt, sequence);
   uint64_t at = header;
   for (uint32_t i = 0; i < count; ++i) {
     Store<uint32_t>(p + kSegmentsAt + 4ull * i, static_cast<uint32_t>(segment_bytes[i]));
@@ -125,7 +127,8 @@ Result<BundlePtr> Bundle::MakeWith(
 }
 
 Result<BundlePtr> Bundle::Make(const BundleKey& key,
-                               std::span<const std::span<const std::byte>> segments) {
+                               std::span<const std::span<const std::byte>> segments,
+                               uint64_t sequence) {
   uint64_t sizes[kMaxBundleSegments];
   if (segments.size() > kMaxBundleSegments) {
     return Status::InvalidArgument(fmt::format("a bundle holds at most {} segments, got {}",
@@ -135,7 +138,8 @@ Result<BundlePtr> Bundle::Make(const BundleKey& key,
   return MakeWith(key, std::span<const uint64_t>(sizes, segments.size()),
                   [&](uint32_t i, std::span<std::byte> dst) {
                     if (!dst.empty()) std::memcpy(dst.data(), segments[i].data(), dst.size());
-                  });
+                  },
+                  sequence);
 }
 
 Status Bundle::VerifyRecordLayout(std::span<const std::byte> record, const BundleKey& expected) {
@@ -220,6 +224,7 @@ Result<BundlePtr> Bundle::FromVerified(RecordBuffer buffer, uint64_t record_byte
   b->key_.namespace_id = Load<uint32_t>(p + kNamespaceAt);
   b->key_.hash.lo = Load<uint64_t>(p + kHashLoAt);
   b->key_.hash.hi = Load<uint64_t>(p + kHashHiAt);
+  b->sequence_ = Load<uint64_t>(p + kSequenceAt);
   b->segment_count_ = Load<uint16_t>(p + kCountAt);
   b->header_bytes_ = BundleHeaderBytes(b->segment_count_);
   b->record_bytes_ = record_bytes;

@@ -1,61 +1,63 @@
-// The host-DRAM tier: one PagePool page per bundle, the pool's cached-page LRU as the tier's
-// LRU (host_tier.h).
+// The host-DRAM tier: records in extents of one arena, an LRU over them (host_tier.h).
 //
-// A stored bundle's page is "cached" in the pool (refcount 0, in the LRU). A get revives it
-// (pinning it and taking it out of the LRU), copies and checks the record outside the lock, and
-// releases it back to the most recently used end. A put allocates a page, which makes the pool
-// evict its least recently used cached page when none is free; the pool tells us through the
-// evict listener, under our lock (Allocate is only called with mu_ held), and we forget that
-// key. Erasing or replacing a key whose page is pinned by a reader marks the page orphaned: the
-// reader frees it instead of caching it.
+// An entry is a record's extent and what the index knows of it. A get pins the entry (readers),
+// copies or checks the record outside the lock and lets go; a put reserves an extent under the
+// lock (evicting least recently used entries nobody reads until one fits), copies the record
+// outside it and publishes the entry. Erasing, replacing or evicting an entry somebody reads
+// only takes it out of the index ("orphaned"): its extent is freed by the last reader, so no
+// byte a reader holds is ever rewritten.
 #include "sparsekv/host_tier.h"
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
+#include <list>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
+#include "allocator/arena.h"
+#include "extent_allocator.h"
 #include "sparsekv/thread_annotations.h"
 
 namespace sparsekv {
 namespace {
 
+constexpr uint64_t kUnit = 4096;
+
+uint64_t UnitsOf(uint64_t bytes) {
+  return (bytes + kUnit - 1) / kUnit;
+}
+
 class HostTierImpl final : public HostTier {
  public:
   explicit HostTierImpl(HostTierOptions options) : options_(std::move(options)) {}
+  ~HostTierImpl() override { UnmapArena(arena_); }
 
   Status Init() {
-    if (options_.slot_bytes < BundleHeaderBytes(0)) {
-      return Status::InvalidArgument(
-          fmt::format("host tier: slot_bytes {} is too small: set it to the record bytes of the "
-                      "model's block (at least {})",
-                      options_.slot_bytes, BundleHeaderBytes(0)));
+    units_ = options_.capacity_bytes / kUnit;
+    if (units_ == 0 || units_ > (uint64_t{1} << 40)) {
+      return Status::InvalidArgument(fmt::format(
+          "host tier: capacity_bytes {} must be from 4 KiB to 4 PiB", options_.capacity_bytes));
     }
-    const uint64_t slots = options_.capacity_bytes / options_.slot_bytes;
-    if (slots == 0 || slots > UINT32_MAX - 1) {
+    if (options_.max_record_bytes == 0) options_.max_record_bytes = units_ * kUnit;
+    if (options_.max_record_bytes < BundleHeaderBytes(0) ||
+        UnitsOf(options_.max_record_bytes) > units_) {
       return Status::InvalidArgument(
-          fmt::format("host tier: capacity_bytes {} holds {} slots of {} bytes; expected 1 to {}",
-                      options_.capacity_bytes, slots, options_.slot_bytes, UINT32_MAX - 1));
+          fmt::format("host tier: max_record_bytes {} must be from {} to the capacity ({} bytes)",
+                      options_.max_record_bytes, BundleHeaderBytes(0), units_ * kUnit));
     }
-    PagePoolOptions po;
-    po.name = options_.name;
-    po.capacity = static_cast<uint32_t>(slots);
-    po.page_bytes = (options_.slot_bytes + 4095) & ~uint64_t{4095};  // a record's 4 KiB padding fits
-    po.backing = options_.backing;
-    po.huge_pages = options_.huge_pages;
-    SPARSEKV_ASSIGN_OR_RETURN(pool_, PagePool::Create(po));
-    meta_.resize(slots);
-    pool_->SetEvictListener([this](PageId page)
-                                SPARSEKV_NO_THREAD_SAFETY_ANALYSIS { OnEvictLocked(page); });
+    SPARSEKV_ASSIGN_OR_RETURN(arena_, MapArena(units_ * kUnit, options_.backing, "", options_.name,
+                                               options_.huge_pages, /*populate=*/false));
+    MutexLock lock(mu_);
+    free_.AddFree(0, units_);
     return Status::OK();
   }
 
   std::string_view name() const override { return options_.name; }
-  uint64_t capacity_bytes() const override {
-    return uint64_t{pool_->capacity()} * options_.slot_bytes;
-  }
-  uint64_t max_record_bytes() const override { return options_.slot_bytes; }
+  uint64_t capacity_bytes() const override { return units_ * kUnit; }
+  uint64_t max_record_bytes() const override { return options_.max_record_bytes; }
 
   TierStats Stats() const override {
     MutexLock lock(mu_);
@@ -104,14 +106,20 @@ class HostTierImpl final : public HostTier {
   }
 
   void EraseAsync(std::vector<BundleKey> keys, StatusesCallback done) override {
+    EraseOlderAsync(std::move(keys), {}, std::move(done));
+  }
+
+  void EraseOlderAsync(std::vector<BundleKey> keys, std::vector<uint64_t> below,
+                       StatusesCallback done) override {
     std::vector<Status> out(keys.size());
     {
       MutexLock lock(mu_);
       for (size_t i = 0; i < keys.size(); ++i) {
         auto it = index_.find(keys[i]);
         if (it == index_.end()) continue;
+        if (!below.empty() && entries_[it->second].sequence >= below[i]) continue;
         ++stats_.erased;
-        out[i] = ForgetLocked(it);
+        ForgetLocked(it);
       }
     }
     done(std::move(out));
@@ -121,73 +129,13 @@ class HostTierImpl final : public HostTier {
     MutexLock lock(mu_);
     auto it = index_.find(key);
     if (it == index_.end()) return Status::NotFound("host tier: no bundle " + key.ToString());
-    if (offset >= meta_[it->second].record_bytes)
-      return Status::OutOfRange("host tier: offset past the record");
-    pool_->PageData(it->second)[offset] ^= std::byte{0x10};
+    const Entry& e = entries_[it->second];
+    if (offset >= e.record_bytes) return Status::OutOfRange("host tier: offset past the record");
+    DataOf(e)[offset] ^= std::byte{0x10};
     return Status::OK();
   }
 
- private:
-  struct PageMeta {
-    BundleKey key;
-    uint64_t record_bytes = 0;
-    uint64_t checksum = 0;
-    bool orphaned = false;  // erased or replaced while a reader held it
-  };
-
-  Status PutOne(const BundlePtr& b, std::vector<BundlePtr>* evicted) SPARSEKV_EXCLUDES(mu_) {
-    if (!b) return Status::InvalidArgument("host tier: null bundle");
-    if (b->record_bytes() > options_.slot_bytes) {
-      MutexLock lock(mu_);
-      ++stats_.put_failures;
-      return Status::InvalidArgument(
-          fmt::format("host tier: bundle {} of {} bytes exceeds the slot of {} bytes",
-                      b->key().ToString(), b->record_bytes(), options_.slot_bytes));
-    }
-    PageId page;
-    {
-      MutexLock lock(mu_);
-      auto same = index_.find(b->key());
-      if (same != index_.end() && meta_[same->second].checksum == b->checksum() &&
-          meta_[same->second].record_bytes == b->record_bytes() &&
-          pool_->State(same->second) == PageState::kCached) {
-        // The same bundle again (a repeated demote): only its recency changes.
-        SPARSEKV_RETURN_IF_ERROR(pool_->Revive(same->second));
-        return pool_->ReleaseToCache(same->second);
-      }
-      evicting_into_ = listener_ ? evicted : nullptr;
-      Result<PageId> p = pool_->Allocate();
-      evicting_into_ = nullptr;
-      if (!p.ok()) {
-        ++stats_.put_failures;
-        return Status::ResourceExhausted(
-            fmt::format("host tier: every one of {} slots is being read", pool_->capacity()));
-      }
-      page = *p;
-    }
-    // The page is pinned and not yet in the index: nobody else touches it. The padding to
-    // 4 KiB is zeroed, as a RecordBuffer's is (GetPinned hands the page out as one).
-    std::byte* dst = pool_->PageData(page);
-    std::memcpy(dst, b->record().data(), b->record_bytes());
-    const uint64_t padded = (b->record_bytes() + 4095) & ~uint64_t{4095};
-    std::memset(dst + b->record_bytes(), 0, padded - b->record_bytes());
-    MutexLock lock(mu_);
-    auto it = index_.find(b->key());
-    if (it != index_.end()) {
-      Status s = ForgetLocked(it);
-      if (!s.ok()) return s;
-    }
-    meta_[page] = {b->key(), b->record_bytes(), b->checksum(), false};
-    index_.emplace(b->key(), page);
-    stats_.bytes += b->record_bytes();
-    stats_.bytes_written += b->record_bytes();
-    ++stats_.puts;
-    return pool_->ReleaseToCache(page);
-  }
-
-  Arena arena() const override {
-    return {pool_->arena_fd(), pool_->PageData(0), uint64_t{pool_->capacity()} * pool_->page_bytes()};
-  }
+  Arena arena() const override { return {arena_.fd, arena_.base, units_ * kUnit}; }
 
   Result<BundlePtr> GetPinned(const BundleKey& key, bool check) override {
     return GetOne(key, /*in_place=*/true, check);
@@ -198,17 +146,158 @@ class HostTierImpl final : public HostTier {
     if (v.ok()) return v;
     MutexLock lock(mu_);
     ++stats_.corrupt;
-    auto it = index_.find(key);  // not b->key(): that was read from the damaged page
-    if (it != index_.end() && pool_->PageData(it->second) == b->record().data()) {
-      stats_.bytes -= meta_[it->second].record_bytes;
-      meta_[it->second].orphaned = true;  // freed when the last reader lets go
-      index_.erase(it);
-    }
+    auto it = index_.find(key);  // not b->key(): that was read from the damaged record
+    if (it != index_.end() && DataOf(entries_[it->second]) == b->record().data()) ForgetLocked(it);
     return v.WithContext("host tier");
   }
 
-  Result<BundlePtr> GetOne(const BundleKey& key, bool in_place = false, bool check = true) SPARSEKV_EXCLUDES(mu_) {
-    PageId page;
+ private:
+  using EntryId = uint32_t;
+  struct Entry {
+    BundleKey key;
+    uint64_t at = 0;     // first unit of the extent
+    uint64_t units = 0;  // extent length
+    uint64_t record_bytes = 0;
+    uint64_t checksum = 0;
+    uint64_t sequence = 0;
+    uint32_t readers = 0;  // gets holding the record, and the put writing it
+    bool indexed = false;  // named by index_ (and in lru_)
+    std::list<EntryId>::iterator lru;
+  };
+  using Index = std::unordered_map<BundleKey, EntryId, BundleKeyHasher>;
+
+  std::byte* DataOf(const Entry& e) const { return arena_.base + e.at * kUnit; }
+
+  EntryId NewEntryLocked() SPARSEKV_REQUIRES(mu_) {
+    if (!spare_ids_.empty()) {
+      const EntryId id = spare_ids_.back();
+      spare_ids_.pop_back();
+      entries_[id] = Entry{};
+      return id;
+    }
+    entries_.emplace_back();
+    return static_cast<EntryId>(entries_.size() - 1);
+  }
+
+  // The extent goes back to the free space and the id to the spares.
+  void ReleaseEntryLocked(EntryId id) SPARSEKV_REQUIRES(mu_) {
+    free_.Free(entries_[id].at, entries_[id].units);
+    spare_ids_.push_back(id);
+  }
+
+  // Takes a published entry out of the index; frees it now unless somebody reads it.
+  void ForgetLocked(Index::iterator it) SPARSEKV_REQUIRES(mu_) {
+    const EntryId id = it->second;
+    Entry& e = entries_[id];
+    stats_.bytes -= e.record_bytes;
+    lru_.erase(e.lru);
+    e.indexed = false;
+    index_.erase(it);
+    if (e.readers == 0) ReleaseEntryLocked(id);
+  }
+
+  // An extent of `units`, evicting least recently used entries nobody reads until one fits.
+  // Evicted records are copied out into `evicted` (checked like any read) when a listener wants
+  // them, before their bytes can be reused.
+  std::optional<uint64_t> AllocateLocked(uint64_t units, std::vector<BundlePtr>* evicted)
+      SPARSEKV_REQUIRES(mu_) {
+    auto victim = lru_.begin();
+    for (;;) {
+      if (auto at = free_.Allocate(units)) return at;
+      while (victim != lru_.end() && entries_[*victim].readers > 0) ++victim;
+      if (victim == lru_.end()) return std::nullopt;
+      const EntryId id = *victim++;
+      Entry& e = entries_[id];
+      if (evicted != nullptr) {
+        Result<BundlePtr> b = Bundle::ParseRecord({DataOf(e), e.record_bytes}, e.key);
+        if (b.ok()) {
+          evicted->push_back(std::move(*b));
+        } else {
+          ++stats_.corrupt;
+        }
+      }
+      ++stats_.evictions;
+      ForgetLocked(index_.find(e.key));
+    }
+  }
+
+  Status PutOne(const BundlePtr& b, std::vector<BundlePtr>* evicted) SPARSEKV_EXCLUDES(mu_) {
+    if (!b) return Status::InvalidArgument("host tier: null bundle");
+    if (b->record_bytes() > options_.max_record_bytes) {
+      MutexLock lock(mu_);
+      ++stats_.put_failures;
+      return Status::InvalidArgument(
+          fmt::format("host tier: bundle {} of {} bytes exceeds the largest record the tier takes "
+                      "({} bytes)",
+                      b->key().ToString(), b->record_bytes(), options_.max_record_bytes));
+    }
+    const uint64_t units = UnitsOf(b->record_bytes());
+    EntryId id;
+    std::byte* dst;
+    {
+      MutexLock lock(mu_);
+      auto same = index_.find(b->key());
+      if (same != index_.end()) {
+        Entry& held = entries_[same->second];
+        if (held.sequence > b->sequence()) {
+          ++stats_.superseded;
+          return Status::OK();
+        }
+        if (held.sequence == b->sequence() && held.checksum == b->checksum() &&
+            held.record_bytes == b->record_bytes()) {
+          // The same bundle again (a repeated demote): only its recency changes.
+          lru_.splice(lru_.end(), lru_, held.lru);
+          return Status::OK();
+        }
+      }
+      std::optional<uint64_t> at = AllocateLocked(units, listener_ ? evicted : nullptr);
+      if (!at) {
+        ++stats_.put_failures;
+        return Status::ResourceExhausted(fmt::format(
+            "host tier: no room for {} bytes: the {} bytes that are not free are held by "
+            "readers",
+            units * kUnit, capacity_bytes() - free_.free_units() * kUnit));
+      }
+      id = NewEntryLocked();
+      Entry& e = entries_[id];
+      e.key = b->key();
+      e.at = *at;
+      e.units = units;
+      e.record_bytes = b->record_bytes();
+      e.checksum = b->checksum();
+      e.sequence = b->sequence();
+      e.readers = 1;  // the copy below: not evictable, not yet findable
+      dst = DataOf(e);
+    }
+    // The padding to 4 KiB is zeroed, as a RecordBuffer's is (GetPinned hands it out as one).
+    std::memcpy(dst, b->record().data(), b->record_bytes());
+    std::memset(dst + b->record_bytes(), 0, units * kUnit - b->record_bytes());
+    MutexLock lock(mu_);
+    Entry& e = entries_[id];
+    e.readers = 0;
+    auto it = index_.find(b->key());
+    if (it != index_.end()) {
+      if (entries_[it->second].sequence > e.sequence) {
+        // A newer copy landed while this one was copied in.
+        ++stats_.superseded;
+        ReleaseEntryLocked(id);
+        return Status::OK();
+      }
+      ForgetLocked(it);
+    }
+    e.indexed = true;
+    e.lru = lru_.insert(lru_.end(), id);
+    index_.emplace(b->key(), id);
+    stats_.bytes += e.record_bytes;
+    stats_.bytes_written += e.record_bytes;
+    ++stats_.puts;
+    return Status::OK();
+  }
+
+  Result<BundlePtr> GetOne(const BundleKey& key, bool in_place = false, bool check = true)
+      SPARSEKV_EXCLUDES(mu_) {
+    EntryId id;
+    std::byte* data;
     uint64_t bytes;
     {
       MutexLock lock(mu_);
@@ -217,22 +306,25 @@ class HostTierImpl final : public HostTier {
         ++stats_.misses;
         return Status::NotFound("host tier: no bundle " + key.ToString());
       }
-      page = it->second;
-      bytes = meta_[page].record_bytes;
-      SPARSEKV_RETURN_IF_ERROR(pool_->Revive(page));
+      id = it->second;
+      Entry& e = entries_[id];
+      ++e.readers;
+      lru_.splice(lru_.end(), lru_, e.lru);
+      data = DataOf(e);
+      bytes = e.record_bytes;
     }
-    std::byte* data = pool_->PageData(page);
     if (in_place) {
-      Status v = check ? Bundle::VerifyRecord({data, bytes}, key) : Bundle::VerifyRecordLayout({data, bytes}, key);
+      Status v = check ? Bundle::VerifyRecord({data, bytes}, key)
+                       : Bundle::VerifyRecordLayout({data, bytes}, key);
       if (v.ok()) {
         {
           MutexLock lock(mu_);
           ++stats_.hits;
           stats_.bytes_read += bytes;
         }
-        // The page stays pinned until the bundle's last owner lets go.
-        RecordBuffer view(data, (bytes + 4095) & ~uint64_t{4095},
-                          [this, page](std::byte*) { ReleasePinned(page).IgnoreError(); });
+        // The record stays pinned until the bundle's last owner lets go.
+        RecordBuffer view(data, UnitsOf(bytes) * kUnit,
+                          [this, id](std::byte*) { ReleaseReader(id); });
         return Bundle::AdoptVerifiedRecord(std::move(view), bytes);
       }
     }
@@ -241,70 +333,36 @@ class HostTierImpl final : public HostTier {
     if (!b.ok()) {
       ++stats_.corrupt;
       auto it = index_.find(key);
-      if (it != index_.end() && it->second == page) {
-        index_.erase(it);
-        stats_.bytes -= bytes;
-        meta_[page].orphaned = true;
-      }
+      if (it != index_.end() && it->second == id) ForgetLocked(it);
     } else {
       ++stats_.hits;
       stats_.bytes_read += bytes;
     }
-    const Status s = ReleaseLocked(page);
-    if (!s.ok()) return s;
+    ReleaseReaderLocked(id);
     if (!b.ok()) return b.status().WithContext("host tier");
     return b;
   }
 
-  // A reader lets go of a page: back to the LRU, or freed if erased or replaced meanwhile.
-  Status ReleaseLocked(PageId page) SPARSEKV_REQUIRES(mu_) {
-    const bool keep = !meta_[page].orphaned;
-    if (pool_->RefCount(page) == 1) meta_[page].orphaned = false;  // the last reader
-    return keep ? pool_->ReleaseToCache(page) : pool_->Release(page);
+  void ReleaseReaderLocked(EntryId id) SPARSEKV_REQUIRES(mu_) {
+    Entry& e = entries_[id];
+    if (--e.readers == 0 && !e.indexed) ReleaseEntryLocked(id);  // orphaned meanwhile
   }
 
-  Status ReleasePinned(PageId page) SPARSEKV_EXCLUDES(mu_) {
+  void ReleaseReader(EntryId id) SPARSEKV_EXCLUDES(mu_) {
     MutexLock lock(mu_);
-    return ReleaseLocked(page);
+    ReleaseReaderLocked(id);
   }
 
-  // Drops a key's page: made free now if cached, by its reader if pinned.
-  Status ForgetLocked(std::unordered_map<BundleKey, PageId, BundleKeyHasher>::iterator it)
-      SPARSEKV_REQUIRES(mu_) {
-    const PageId page = it->second;
-    stats_.bytes -= meta_[page].record_bytes;
-    index_.erase(it);
-    if (pool_->State(page) == PageState::kCached) return pool_->Drop(page);
-    meta_[page].orphaned = true;
-    return Status::OK();
-  }
-
-  // The pool is about to reuse a cached page: runs inside Allocate, which holds mu_.
-  void OnEvictLocked(PageId page) SPARSEKV_REQUIRES(mu_) {
-    const PageMeta& m = meta_[page];
-    auto it = index_.find(m.key);
-    if (it == index_.end() || it->second != page) return;
-    if (evicting_into_) {
-      // Checked like any read: a damaged bundle is not handed down.
-      Result<BundlePtr> b = Bundle::ParseRecord({pool_->PageData(page), m.record_bytes}, m.key);
-      if (b.ok()) {
-        evicting_into_->push_back(std::move(*b));
-      } else {
-        ++stats_.corrupt;
-      }
-    }
-    stats_.bytes -= m.record_bytes;
-    ++stats_.evictions;
-    index_.erase(it);
-  }
-
-  const HostTierOptions options_;
-  std::unique_ptr<PagePool> pool_;
-  std::vector<PageMeta> meta_ SPARSEKV_GUARDED_BY(mu_);
+  HostTierOptions options_;
+  uint64_t units_ = 0;
+  sparsekv::Arena arena_;
   mutable Mutex mu_;
-  std::unordered_map<BundleKey, PageId, BundleKeyHasher> index_ SPARSEKV_GUARDED_BY(mu_);
+  offload::ExtentAllocator free_ SPARSEKV_GUARDED_BY(mu_);
+  std::vector<Entry> entries_ SPARSEKV_GUARDED_BY(mu_);
+  std::vector<EntryId> spare_ids_ SPARSEKV_GUARDED_BY(mu_);
+  Index index_ SPARSEKV_GUARDED_BY(mu_);
+  std::list<EntryId> lru_ SPARSEKV_GUARDED_BY(mu_);  // indexed entries, least recent first
   EvictionListener listener_ SPARSEKV_GUARDED_BY(mu_);
-  std::vector<BundlePtr>* evicting_into_ SPARSEKV_GUARDED_BY(mu_) = nullptr;
   TierStats stats_ SPARSEKV_GUARDED_BY(mu_);
 };
 

@@ -154,10 +154,13 @@ class Section {
 
 Status ParseHost(const Section& s, OffloadOptions& o) {
   SPARSEKV_RETURN_IF_ERROR(s.IsObject());
-  SPARSEKV_RETURN_IF_ERROR(s.OnlyKeys({"enabled", "capacity_bytes", "slot_bytes", "huge_pages"}));
+  SPARSEKV_RETURN_IF_ERROR(s.OnlyKeys(
+      {"enabled", "capacity_bytes", "max_record_bytes", "slot_bytes", "huge_pages"}));
   SPARSEKV_RETURN_IF_ERROR(s.Bool("enabled", &o.host_enabled));
   SPARSEKV_RETURN_IF_ERROR(s.Bytes("capacity_bytes", 1, &o.host.capacity_bytes));
-  SPARSEKV_RETURN_IF_ERROR(s.Bytes("slot_bytes", 0, &o.host.slot_bytes));
+  // "slot_bytes" is the name this limit had when every record took a slot of that size.
+  SPARSEKV_RETURN_IF_ERROR(s.Bytes("slot_bytes", 0, &o.host.max_record_bytes));
+  SPARSEKV_RETURN_IF_ERROR(s.Bytes("max_record_bytes", 0, &o.host.max_record_bytes));
   return s.Bool("huge_pages", &o.host.huge_pages);
 }
 
@@ -229,7 +232,7 @@ std::string OffloadOptionsToJson(const OffloadOptions& o) {
   j["prefetch_blocks"] = o.chain.prefetch_blocks;
   j["host"] = {{"enabled", o.host_enabled},
                {"capacity_bytes", o.host.capacity_bytes},
-               {"slot_bytes", o.host.slot_bytes},
+               {"max_record_bytes", o.host.max_record_bytes},
                {"huge_pages", o.host.huge_pages}};
   j["ssd"] = {{"enabled", o.ssd_enabled},
               {"path", o.ssd.path},

@@ -171,13 +171,16 @@ BundlePtr OffloadedCache::GatherPages(const BlockDigest& digest,
     sizes.push_back(geo.pools[p].block_stride);
   }
   sizes.push_back(sizeof digest.check);
-  auto b = Bundle::MakeWith(KeyOf(digest), sizes, [&](uint32_t seg, std::span<std::byte> out) {
-    if (seg < geo.pools.size()) {
-      std::memcpy(out.data(), manager_.pool(seg).PageData(pages[seg]), out.size());
-    } else {
-      std::memcpy(out.data(), &digest.check, sizeof digest.check);
-    }
-  });
+  auto b = Bundle::MakeWith(
+      KeyOf(digest), sizes,
+      [&](uint32_t seg, std::span<std::byte> out) {
+        if (seg < geo.pools.size()) {
+          std::memcpy(out.data(), manager_.pool(seg).PageData(pages[seg]), out.size());
+        } else {
+          std::memcpy(out.data(), &digest.check, sizeof digest.check);
+        }
+      },
+      chain_.NextSequence());
   return b.ok() ? *b : nullptr;
 }
 
@@ -238,11 +241,13 @@ BundlePtr OffloadedCache::BundleOf(const Staged& staged) const {
   for (const PoolGeometry& g : geo.pools) sizes.push_back(g.block_stride);
   sizes.push_back(sizeof staged.digest.check);
   const std::byte* in = staged.bytes.get();
-  auto b = Bundle::MakeWith(KeyOf(staged.digest), sizes,
-                            [&](uint32_t, std::span<std::byte> out) {
-                              std::memcpy(out.data(), in, out.size());
-                              in += out.size();
-                            });
+  auto b = Bundle::MakeWith(
+      KeyOf(staged.digest), sizes,
+      [&](uint32_t, std::span<std::byte> out) {
+        std::memcpy(out.data(), in, out.size());
+        in += out.size();
+      },
+      chain_.NextSequence());
   return b.ok() ? *b : nullptr;
 }
 

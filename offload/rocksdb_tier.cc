@@ -1,5 +1,6 @@
 // The RocksDB tier (rocksdb_tier.h): records as values in the default column family (large ones
-// in blob files), and key -> (record bytes, checksum, sequence) in a small "meta" column family
+// in blob files), and key -> (record bytes, checksum, put order, bundle sequence) in a small
+// "meta" column family
 // written in the same batch, from which the LRU is rebuilt at open without reading values.
 //
 // index_mu_ orders every write batch with the matching in-memory change, so memory and the
@@ -37,8 +38,11 @@ constexpr char kMetaFamily[] = "meta";
 struct MetaValue {
   uint64_t record_bytes = 0;
   uint64_t checksum = 0;
-  uint64_t sequence = 0;
+  uint64_t sequence = 0;  // put order, to rebuild the LRU at open
+  uint64_t version = 0;   // the bundle's sequence (bundle.h)
 };
+// Metadata written before bundles carried a sequence: the first three fields.
+constexpr size_t kMetaV1Bytes = 3 * sizeof(uint64_t);
 
 std::string EncodeMeta(const MetaValue& m) {
   std::string out(sizeof m, '\0');
@@ -47,8 +51,9 @@ std::string EncodeMeta(const MetaValue& m) {
 }
 
 bool DecodeMeta(std::string_view in, MetaValue* m) {
-  if (in.size() != sizeof *m) return false;
-  std::memcpy(m, in.data(), sizeof *m);
+  if (in.size() != sizeof *m && in.size() != kMetaV1Bytes) return false;
+  *m = MetaValue{};
+  std::memcpy(m, in.data(), in.size());
   return true;
 }
 
@@ -76,6 +81,10 @@ class RocksDbTierImpl final : public RocksDbTier {
   std::string_view name() const override { return options_.name; }
   uint64_t capacity_bytes() const override { return options_.capacity_bytes; }
   uint64_t max_record_bytes() const override { return options_.max_record_bytes; }
+  uint64_t max_sequence() const override {
+    MutexLock lock(mu_);
+    return max_version_;
+  }
 
   TierStats Stats() const override {
     MutexLock lock(mu_);
@@ -144,8 +153,14 @@ class RocksDbTierImpl final : public RocksDbTier {
   }
 
   void EraseAsync(std::vector<BundleKey> keys, StatusesCallback done) override {
-    workers_->Submit([this, keys = std::move(keys), done = std::move(done)](size_t) mutable {
-      const Status s = Remove(keys, nullptr);
+    EraseOlderAsync(std::move(keys), {}, std::move(done));
+  }
+
+  void EraseOlderAsync(std::vector<BundleKey> keys, std::vector<uint64_t> below,
+                       StatusesCallback done) override {
+    workers_->Submit([this, keys = std::move(keys), below = std::move(below),
+                      done = std::move(done)](size_t) mutable {
+      const Status s = Remove(keys, nullptr, below.empty() ? nullptr : &below);
       done(std::vector<Status>(keys.size(), s));
     });
   }
@@ -161,12 +176,12 @@ class RocksDbTierImpl final : public RocksDbTier {
       MutexLock lock(mu_);
       known = entries_.count(key) != 0;
     }
-    if (!known) batch.Put(meta_cf(), k, EncodeMeta({record.size(), 0, 0}));
+    if (!known) batch.Put(meta_cf(), k, EncodeMeta({record.size(), 0, 0, 0}));
     SPARSEKV_RETURN_IF_ERROR(
         FromRocksDb(db_->Write(write_options_, &batch), "rocksdb tier: raw put"));
     if (!known) {
       MutexLock lock(mu_);
-      InsertLocked(key, record.size(), 0);
+      InsertLocked(key, record.size(), 0, 0);
     }
     return Status::OK();
   }
@@ -175,17 +190,19 @@ class RocksDbTierImpl final : public RocksDbTier {
   struct Entry {
     uint64_t record_bytes = 0;
     uint64_t checksum = 0;
+    uint64_t version = 0;
     std::list<BundleKey>::iterator lru;
   };
 
   rocksdb::ColumnFamilyHandle* data_cf() const { return handles_[0]; }
   rocksdb::ColumnFamilyHandle* meta_cf() const { return handles_[1]; }
 
-  void InsertLocked(const BundleKey& key, uint64_t bytes, uint64_t checksum)
+  void InsertLocked(const BundleKey& key, uint64_t bytes, uint64_t checksum, uint64_t version)
       SPARSEKV_REQUIRES(mu_) {
-    Entry e{bytes, checksum, lru_.insert(lru_.end(), key)};
+    Entry e{bytes, checksum, version, lru_.insert(lru_.end(), key)};
     entries_.emplace(key, e);
     stats_.bytes += bytes;
+    max_version_ = std::max(max_version_, version);
   }
   void EraseLocked(std::unordered_map<BundleKey, Entry, BundleKeyHasher>::iterator it)
       SPARSEKV_REQUIRES(mu_) {
@@ -199,9 +216,9 @@ class RocksDbTierImpl final : public RocksDbTier {
   std::vector<Result<BundlePtr>> DoGet(const std::vector<BundleKey>& keys)
       SPARSEKV_EXCLUDES(mu_, index_mu_);
   // Erases `keys`; with `only_checksums`, only those still holding that checksum (a corrupt
-  // bundle replaced since it was read stays).
-  Status Remove(const std::vector<BundleKey>& keys, const std::vector<uint64_t>* only_checksums)
-      SPARSEKV_EXCLUDES(mu_, index_mu_);
+  // bundle replaced since it was read stays); with `below`, only copies of a smaller sequence.
+  Status Remove(const std::vector<BundleKey>& keys, const std::vector<uint64_t>* only_checksums,
+                const std::vector<uint64_t>* below = nullptr) SPARSEKV_EXCLUDES(mu_, index_mu_);
 
   const RocksDbTierOptions options_;
   rocksdb::WriteOptions write_options_;
@@ -215,6 +232,7 @@ class RocksDbTierImpl final : public RocksDbTier {
   std::unordered_map<BundleKey, Entry, BundleKeyHasher> entries_ SPARSEKV_GUARDED_BY(mu_);
   std::list<BundleKey> lru_ SPARSEKV_GUARDED_BY(mu_);  // front: least recent
   uint64_t next_sequence_ SPARSEKV_GUARDED_BY(mu_) = 1;
+  uint64_t max_version_ SPARSEKV_GUARDED_BY(mu_) = 0;
   TierStats stats_ SPARSEKV_GUARDED_BY(mu_);
 };
 
@@ -295,7 +313,7 @@ Status RocksDbTierImpl::Init() {
   {
     MutexLock lock(mu_);
     for (const Loaded& l : loaded) {
-      InsertLocked(l.key, l.m.record_bytes, l.m.checksum);
+      InsertLocked(l.key, l.m.record_bytes, l.m.checksum, l.m.version);
       next_sequence_ = std::max(next_sequence_, l.m.sequence + 1);
     }
   }
@@ -312,6 +330,14 @@ std::vector<Status> RocksDbTierImpl::DoPut(const std::vector<BundlePtr>& bundles
   std::vector<BundleKey> victims;
   {
     MutexLock lock(mu_);
+    // Of several versions of one key in the batch only the newest is written (the batch's last
+    // put of a key is the one RocksDB keeps).
+    std::unordered_map<BundleKey, size_t, BundleKeyHasher> newest;
+    for (size_t i = 0; i < n; ++i) {
+      if (bundles[i] == nullptr) continue;
+      auto [it, fresh] = newest.try_emplace(bundles[i]->key(), i);
+      if (!fresh && bundles[it->second]->sequence() <= bundles[i]->sequence()) it->second = i;
+    }
     uint64_t incoming = 0;
     for (size_t i = 0; i < n; ++i) {
       const Bundle* b = bundles[i].get();
@@ -328,8 +354,12 @@ std::vector<Status> RocksDbTierImpl::DoPut(const std::vector<BundlePtr>& bundles
         continue;
       }
       auto e = entries_.find(b->key());
+      if (newest.at(b->key()) != i || (e != entries_.end() && e->second.version > b->sequence())) {
+        ++stats_.superseded;  // a newer copy is held or comes in this batch
+        continue;
+      }
       if (e != entries_.end() && e->second.checksum == b->checksum() &&
-          e->second.record_bytes == b->record_bytes()) {
+          e->second.version == b->sequence() && e->second.record_bytes == b->record_bytes()) {
         lru_.splice(lru_.end(), lru_, e->second.lru);  // the same bundle: only its recency changes
         continue;
       }
@@ -339,7 +369,8 @@ std::vector<Status> RocksDbTierImpl::DoPut(const std::vector<BundlePtr>& bundles
       batch.Put(
           data_cf(), k,
           rocksdb::Slice(reinterpret_cast<const char*>(b->record().data()), b->record_bytes()));
-      batch.Put(meta_cf(), k, EncodeMeta({b->record_bytes(), b->checksum(), next_sequence_++}));
+      batch.Put(meta_cf(), k,
+                EncodeMeta({b->record_bytes(), b->checksum(), next_sequence_++, b->sequence()}));
     }
     // Room for the batch: least recently used first, in the same atomic batch as the puts.
     uint64_t projected = stats_.bytes + incoming;
@@ -381,7 +412,7 @@ std::vector<Status> RocksDbTierImpl::DoPut(const std::vector<BundlePtr>& bundles
       const Bundle& b = *bundles[i];
       auto old = entries_.find(b.key());
       if (old != entries_.end()) EraseLocked(old);
-      InsertLocked(b.key(), b.record_bytes(), b.checksum());
+      InsertLocked(b.key(), b.record_bytes(), b.checksum(), b.sequence());
       stats_.bytes_written += b.record_bytes();
     }
   }
@@ -482,7 +513,8 @@ std::vector<Result<BundlePtr>> RocksDbTierImpl::DoGet(const std::vector<BundleKe
 }
 
 Status RocksDbTierImpl::Remove(const std::vector<BundleKey>& keys,
-                               const std::vector<uint64_t>* only_checksums) {
+                               const std::vector<uint64_t>* only_checksums,
+                               const std::vector<uint64_t>* below) {
   MutexLock index_lock(index_mu_);
   rocksdb::WriteBatch batch;
   {
@@ -492,6 +524,7 @@ Status RocksDbTierImpl::Remove(const std::vector<BundleKey>& keys,
       auto it = entries_.find(k);
       if (it == entries_.end()) continue;
       if (only_checksums && it->second.checksum != (*only_checksums)[i]) continue;
+      if (below && it->second.version >= (*below)[i]) continue;
       EraseLocked(it);
       if (!only_checksums) ++stats_.erased;
       const std::string ek = EncodeBundleKey(k);

@@ -1,15 +1,16 @@
-// The SSD tier: slab files on io_uring + O_DIRECT, indexed in RocksDB (ssd_tier.h).
+// The SSD tier: one data file on io_uring + O_DIRECT, extents allocated by the byte, indexed in
+// RocksDB (ssd_tier.h).
 //
 // Locks: index_mu_ orders every change of the RocksDB index with the matching change of the
 // in-memory index, so the two agree in the order a restart replays; it is taken before mu_.
-// mu_ guards the in-memory state (entries, slab classes, free slots, pins, statistics) and is
-// never held across I/O or a RocksDB call, except while a slab file is created or grown.
+// mu_ guards the in-memory state (entries, free space, pins, statistics) and is never held
+// across I/O or a RocksDB call, except while the data file grows.
 //
-// Slot lifecycle: free -> reserved by a put -> named by an index entry -> (erase, eviction,
+// Extent lifecycle: free -> reserved by a put -> named by an index entry -> (erase, eviction,
 // replacement, corruption) removed from memory, its index entry deleted, and only then free
-// again. A slot being read is pinned; freeing a pinned slot waits for the last reader. A slot
-// whose index entry may or may not have been deleted (the RocksDB write failed) is quarantined
-// until the next open, which rebuilds the free lists from the index.
+// again. An extent being read is pinned; freeing a pinned extent waits for the last reader. An
+// extent whose index entry may or may not have been deleted (the RocksDB write failed) is
+// quarantined until the next open, which rebuilds the free space from the index.
 #include "sparsekv/ssd_tier.h"
 
 #include <fmt/format.h>
@@ -33,6 +34,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "extent_allocator.h"
 #include "io_status.h"
 #include "key_codec.h"
 #include "record_arena.h"
@@ -41,15 +43,6 @@
 #include "worker_pool.h"
 
 namespace sparsekv {
-
-uint64_t SsdSlabClassBytes(uint64_t record_bytes) {
-  const uint64_t a = (std::max<uint64_t>(record_bytes, 1) + kDirectIoAlignment - 1) /
-                     kDirectIoAlignment * kDirectIoAlignment;
-  if (a <= 8 * kDirectIoAlignment) return a;
-  // Eight classes per doubling: at most 1/8 of a slot is padding.
-  const uint64_t step = std::bit_floor(a) / 8;
-  return (a + step - 1) / step * step;
-}
 
 namespace {
 
@@ -60,34 +53,24 @@ using offload::UringOp;
 using offload::UringQueue;
 
 constexpr char kFormatKey[] = "m:format";
-constexpr char kFormatValue[] = "sparsekv-ssd-index-1";
-constexpr uint8_t kIndexValueVersion = 1;
+constexpr char kFormatValue[] = "sparsekv-ssd-index-2";
+// Written by releases that kept one slab file per size class.
+constexpr char kSlabFormatValue[] = "sparsekv-ssd-index-1";
+constexpr char kDataFileName[] = "data.dat";
+constexpr uint8_t kIndexValueVersion = 2;
+constexpr uint64_t kUnit = kDirectIoAlignment;
 
-uint64_t AlignUp(uint64_t v) {
-  return (v + kDirectIoAlignment - 1) / kDirectIoAlignment * kDirectIoAlignment;
-}
-
-std::string SlabFileName(uint64_t class_bytes) {
-  return fmt::format("slab-{}.dat", class_bytes);
-}
-
-// Class bytes of a slab file name, or 0 if the name is not one.
-uint64_t ParseSlabFileName(std::string_view name) {
-  if (!name.starts_with("slab-") || !name.ends_with(".dat")) return 0;
-  const std::string_view digits = name.substr(5, name.size() - 9);
-  uint64_t v = 0;
-  auto [p, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), v);
-  if (ec != std::errc() || p != digits.data() + digits.size()) return 0;
-  return v;
+uint64_t UnitsOf(uint64_t bytes) {
+  return (bytes + kUnit - 1) / kUnit;
 }
 
 // Index value: where a record lies and what it holds.
 struct IndexValue {
-  uint64_t class_bytes = 0;
-  uint32_t slot = 0;
+  uint64_t at = 0;  // first 4 KiB unit of the extent in the data file
   uint64_t record_bytes = 0;
   uint64_t checksum = 0;
-  uint64_t sequence = 0;  // put order, to rebuild the LRU at open
+  uint64_t sequence = 0;  // the bundle's version (bundle.h)
+  uint64_t written = 0;   // put order, to rebuild the LRU at open
   std::vector<uint32_t> segment_bytes;
 };
 
@@ -109,11 +92,11 @@ std::string EncodeIndexValue(const IndexValue& v) {
   std::string out;
   out.reserve(48 + 4 * v.segment_bytes.size());
   Append<uint8_t>(out, kIndexValueVersion);
-  Append(out, v.class_bytes);
-  Append(out, v.slot);
+  Append(out, v.at);
   Append(out, v.record_bytes);
   Append(out, v.checksum);
   Append(out, v.sequence);
+  Append(out, v.written);
   Append<uint16_t>(out, static_cast<uint16_t>(v.segment_bytes.size()));
   for (uint32_t s : v.segment_bytes) Append(out, s);
   return out;
@@ -122,9 +105,9 @@ std::string EncodeIndexValue(const IndexValue& v) {
 bool DecodeIndexValue(std::string_view in, IndexValue* v) {
   uint8_t version = 0;
   uint16_t count = 0;
-  if (!Take(in, &version) || version != kIndexValueVersion || !Take(in, &v->class_bytes) ||
-      !Take(in, &v->slot) || !Take(in, &v->record_bytes) || !Take(in, &v->checksum) ||
-      !Take(in, &v->sequence) || !Take(in, &count) || in.size() != 4ull * count) {
+  if (!Take(in, &version) || version != kIndexValueVersion || !Take(in, &v->at) ||
+      !Take(in, &v->record_bytes) || !Take(in, &v->checksum) || !Take(in, &v->sequence) ||
+      !Take(in, &v->written) || !Take(in, &count) || in.size() != 4ull * count) {
     return false;
   }
   v->segment_bytes.resize(count);
@@ -137,10 +120,6 @@ std::vector<uint32_t> SegmentsOf(const Bundle& b) {
   for (uint32_t i = 0; i < b.segment_count(); ++i)
     out[i] = static_cast<uint32_t>(b.segment_bytes(i));
   return out;
-}
-
-uint64_t SlotKey(uint32_t cls, uint32_t slot) {
-  return (uint64_t{cls} << 32) | slot;
 }
 
 class SsdTierImpl final : public SsdTier {
@@ -166,14 +145,18 @@ class SsdTierImpl final : public SsdTier {
   Status Init();
 
   std::string_view name() const override { return options_.name; }
-  uint64_t capacity_bytes() const override { return options_.capacity_bytes; }
+  uint64_t capacity_bytes() const override { return capacity_units_ * kUnit; }
   uint64_t max_record_bytes() const override { return options_.max_record_bytes; }
+  uint64_t max_sequence() const override {
+    MutexLock lock(mu_);
+    return max_sequence_;
+  }
 
   TierStats Stats() const override {
     MutexLock lock(mu_);
     TierStats s = stats_;
     s.name = options_.name;
-    s.capacity_bytes = options_.capacity_bytes;
+    s.capacity_bytes = capacity_bytes();
     s.items = entries_.size();
     return s;
   }
@@ -181,10 +164,10 @@ class SsdTierImpl final : public SsdTier {
   SsdTierDetails Details() const override {
     MutexLock lock(mu_);
     SsdTierDetails d = details_;
-    d.slab_files = classes_.size();
-    d.allocated_bytes = allocated_bytes_;
-    d.free_slots = 0;
-    for (const auto& c : classes_) d.free_slots += c->free_slots.size();
+    d.allocated_bytes = file_units_ * kUnit;
+    d.free_bytes = free_.free_units() * kUnit;
+    d.free_extents = free_.free_extents();
+    d.largest_free_bytes = free_.largest_free() * kUnit;
     d.buffers_registered = !queues_.empty() && queues_[0]->registered();
     for (const auto& q : queues_) {
       d.fixed_ios += q->fixed_ios();
@@ -217,9 +200,16 @@ class SsdTierImpl final : public SsdTier {
   }
 
   void EraseAsync(std::vector<BundleKey> keys, StatusesCallback done) override {
-    workers_->Submit([this, keys = std::move(keys), done = std::move(done)](size_t) mutable {
+    EraseOlderAsync(std::move(keys), {}, std::move(done));
+  }
+
+  void EraseOlderAsync(std::vector<BundleKey> keys, std::vector<uint64_t> below,
+                       StatusesCallback done) override {
+    workers_->Submit([this, keys = std::move(keys), below = std::move(below),
+                      done = std::move(done)](size_t) mutable {
       std::vector<Status> out(keys.size());
-      const Status s = RemoveEntries(keys, nullptr, /*eviction=*/false);
+      const Status s = RemoveEntries(keys, nullptr, below.empty() ? nullptr : &below,
+                                     /*eviction=*/false);
       for (auto& o : out) o = s;
       done(std::move(out));
     });
@@ -231,9 +221,8 @@ class SsdTierImpl final : public SsdTier {
       MutexLock lock(mu_);
       auto it = entries_.find(key);
       if (it == entries_.end()) return Status::NotFound("ssd tier: no bundle " + key.ToString());
-      const SlabClass& c = *classes_[it->second.cls];
-      loc.file = c.path;
-      loc.offset = uint64_t{it->second.slot} * c.class_bytes;
+      loc.file = data_path_;
+      loc.offset = it->second.at * kUnit;
       loc.record_bytes = it->second.record_bytes;
       loc.checksum = it->second.checksum;
     }
@@ -253,38 +242,27 @@ class SsdTierImpl final : public SsdTier {
   }
 
  private:
-  struct SlabClass {
-    uint64_t class_bytes = 0;
-    std::string path;
-    std::unique_ptr<RandomRWFile> file;  // never replaced once open: I/O uses it unlocked
-    uint32_t slot_count = 0;
-    std::priority_queue<uint32_t, std::vector<uint32_t>, std::greater<>>
-        free_slots;            // lowest first
-    std::list<BundleKey> lru;  // front: least recent
-  };
   struct Entry {
-    uint32_t cls = 0;
-    uint32_t slot = 0;
+    uint64_t at = 0;  // first unit of the extent
     uint64_t record_bytes = 0;
     uint64_t checksum = 0;
+    uint64_t sequence = 0;
     std::list<BundleKey>::iterator lru;
   };
   // Where a read found a bundle; a corrupt one is removed only if it is still there.
   struct Location {
-    uint32_t cls = 0;
-    uint32_t slot = 0;
+    uint64_t at = 0;
+    uint64_t units = 0;
     uint64_t checksum = 0;
   };
 
   // A put batch between its data writes (I/O thread) and its index update (committer).
   struct Item {
     bool write = false;
-    bool reused_victim = false;  // the slot came from an eviction in this batch
-    uint32_t cls = 0;
-    uint32_t slot = 0;
-    uint64_t class_bytes = 0;
-    uint64_t aligned = 0;
-    RandomRWFile* file = nullptr;
+    bool after_eviction = false;  // allocated once this batch had evicted: the victims' index
+                                  // entries must be deleted before its data is written
+    uint64_t at = 0;
+    uint64_t units = 0;
   };
   struct PendingPut {
     std::vector<BundlePtr> bundles;
@@ -293,32 +271,40 @@ class SsdTierImpl final : public SsdTier {
     uint64_t io_errors = 0;
     StatusesCallback done;
   };
-  // Phases A (slots) and B (data) of a put, on an I/O thread; queues the batch for the committer.
+  // Phases A (extents) and B (data) of a put, on an I/O thread; queues the batch for the
+  // committer.
   void WriteData(UringQueue& q, std::vector<BundlePtr> bundles, StatusesCallback done)
       SPARSEKV_EXCLUDES(mu_, index_mu_, commit_mu_);
-  // The committer thread: takes every batch waiting, syncs each slab file they wrote once, writes
-  // all their index entries in one RocksDB batch, publishes them in order, then acknowledges.
+  // The committer thread: takes every batch waiting, syncs the data file once, writes all their
+  // index entries in one RocksDB batch, publishes them in order, then acknowledges.
   void CommitLoop() SPARSEKV_EXCLUDES(mu_, index_mu_, commit_mu_);
   void Commit(std::vector<PendingPut>& group) SPARSEKV_EXCLUDES(mu_, index_mu_);
   std::vector<Result<BundlePtr>> DoGet(UringQueue& q, const std::vector<BundleKey>& keys)
       SPARSEKV_EXCLUDES(mu_, index_mu_);
+  // Removes the entries of `keys` (only where they still lie at `only_at[i]`, only if their
+  // sequence is below `below[i]`, when given) from memory and the index; their extents are
+  // free once the index delete is written.
   Status RemoveEntries(const std::vector<BundleKey>& keys, const std::vector<Location>* only_at,
-                       bool eviction) SPARSEKV_EXCLUDES(mu_, index_mu_);
+                       const std::vector<uint64_t>* below, bool eviction)
+      SPARSEKV_EXCLUDES(mu_, index_mu_);
 
-  Result<uint32_t> ClassForLocked(uint64_t record_bytes) SPARSEKV_REQUIRES(mu_);
-  Result<uint32_t> TakeSlotLocked(uint32_t cls, std::vector<BundleKey>* victims)
-      SPARSEKV_REQUIRES(mu_);
+  // An extent of `units`: free space, else the file grown, else least recently used bundles
+  // nobody reads evicted (their keys appended to `victims`) until a free extent holds it.
+  Result<uint64_t> TakeExtentLocked(uint64_t units, std::vector<BundleKey>* victims,
+                                    std::vector<Location>* victim_at) SPARSEKV_REQUIRES(mu_);
   void RemoveEntryLocked(std::unordered_map<BundleKey, Entry, BundleKeyHasher>::iterator it)
       SPARSEKV_REQUIRES(mu_);
-  void FreeSlotLocked(uint32_t cls, uint32_t slot) SPARSEKV_REQUIRES(mu_);
-  void UnpinLocked(uint32_t cls, uint32_t slot) SPARSEKV_REQUIRES(mu_);
-  Status OpenSlabFileLocked(uint64_t class_bytes, bool create) SPARSEKV_REQUIRES(mu_);
+  void FreeExtentLocked(uint64_t at, uint64_t units) SPARSEKV_REQUIRES(mu_);
+  void UnpinLocked(uint64_t at) SPARSEKV_REQUIRES(mu_);
   Status LoadIndex() SPARSEKV_EXCLUDES(mu_);
 
   const SsdTierOptions options_;
   FileSystem* const fs_;
   rocksdb::WriteOptions write_options_;
   std::unique_ptr<rocksdb::DB> db_;
+  std::string data_path_;
+  std::unique_ptr<RandomRWFile> file_;  // positional I/O needs no lock
+  uint64_t capacity_units_ = 0;
   std::shared_ptr<offload::RecordArena> arena_;      // shared with the bundles it holds
   std::vector<std::unique_ptr<UringQueue>> queues_;  // queues_[w] is used only by worker w
   std::unique_ptr<offload::WorkerPool> workers_;
@@ -332,39 +318,20 @@ class SsdTierImpl final : public SsdTier {
   Mutex index_mu_;
   mutable Mutex mu_;
   std::unordered_map<BundleKey, Entry, BundleKeyHasher> entries_ SPARSEKV_GUARDED_BY(mu_);
-  std::vector<std::unique_ptr<SlabClass>> classes_ SPARSEKV_GUARDED_BY(mu_);
-  std::unordered_map<uint64_t, uint32_t> class_index_
-      SPARSEKV_GUARDED_BY(mu_);  // class bytes -> classes_ index
-  std::unordered_map<uint64_t, uint32_t> pins_ SPARSEKV_GUARDED_BY(mu_);  // SlotKey -> readers
-  std::unordered_set<uint64_t> free_when_unpinned_ SPARSEKV_GUARDED_BY(mu_);
+  std::list<BundleKey> lru_ SPARSEKV_GUARDED_BY(mu_);  // front: least recent
+  offload::ExtentAllocator free_ SPARSEKV_GUARDED_BY(mu_);
+  uint64_t file_units_ SPARSEKV_GUARDED_BY(mu_) = 0;
+  std::unordered_map<uint64_t, uint32_t> pins_ SPARSEKV_GUARDED_BY(mu_);  // extent -> readers
+  std::unordered_map<uint64_t, uint64_t> free_when_unpinned_
+      SPARSEKV_GUARDED_BY(mu_);  // extent -> units
   // Keys with a put written or being written but not yet in the index: a put of the same bytes
   // as the published bundle must not be skipped then, or the older put would land last.
   std::unordered_map<BundleKey, uint32_t, BundleKeyHasher> unpublished_ SPARSEKV_GUARDED_BY(mu_);
-  uint64_t allocated_bytes_ SPARSEKV_GUARDED_BY(mu_) = 0;
-  uint64_t next_sequence_ SPARSEKV_GUARDED_BY(mu_) = 1;
+  uint64_t next_written_ SPARSEKV_GUARDED_BY(mu_) = 1;
+  uint64_t max_sequence_ SPARSEKV_GUARDED_BY(mu_) = 0;
   TierStats stats_ SPARSEKV_GUARDED_BY(mu_);
   SsdTierDetails details_ SPARSEKV_GUARDED_BY(mu_);
 };
-
-Status SsdTierImpl::OpenSlabFileLocked(uint64_t class_bytes, bool create) {
-  auto c = std::make_unique<SlabClass>();
-  c->class_bytes = class_bytes;
-  c->path = options_.path + "/" + SlabFileName(class_bytes);
-  FileOpenOptions fo;
-  fo.create = create;
-  fo.direct = true;
-  SPARSEKV_ASSIGN_OR_RETURN(c->file, fs_->OpenRandomRW(c->path, fo));
-  SPARSEKV_ASSIGN_OR_RETURN(uint64_t size, c->file->Size());
-  c->slot_count = static_cast<uint32_t>(std::min<uint64_t>(size / class_bytes, UINT32_MAX));
-  if (create && options_.durability != Durability::kNone) {
-    SPARSEKV_RETURN_IF_ERROR(
-        fs_->SyncDir(options_.path));  // the new file's name must survive a power cut
-  }
-  allocated_bytes_ += uint64_t{c->slot_count} * class_bytes;
-  class_index_[class_bytes] = static_cast<uint32_t>(classes_.size());
-  classes_.push_back(std::move(c));
-  return Status::OK();
-}
 
 Status SsdTierImpl::Init() {
   const SsdTierOptions& o = options_;
@@ -387,9 +354,10 @@ Status SsdTierImpl::Init() {
         fmt::format("ssd tier: max_record_bytes {} is not in [{}, 4 GiB]", o.max_record_bytes,
                     BundleHeaderBytes(0)));
   }
-  if (o.capacity_bytes < SsdSlabClassBytes(1)) {
+  capacity_units_ = o.capacity_bytes / kUnit;
+  if (capacity_units_ == 0) {
     return Status::InvalidArgument(
-        fmt::format("ssd tier: capacity_bytes {} is below one 4 KiB slot", o.capacity_bytes));
+        fmt::format("ssd tier: capacity_bytes {} is below one 4 KiB unit", o.capacity_bytes));
   }
   if (o.slab_grow_bytes == 0)
     return Status::InvalidArgument("ssd tier: slab_grow_bytes must be positive");
@@ -414,24 +382,31 @@ Status SsdTierImpl::Init() {
     if (!rs.ok()) return FromRocksDb(rs, "ssd tier: write index format");
   } else if (!rs.ok()) {
     return FromRocksDb(rs, "ssd tier: read index format");
+  } else if (format == kSlabFormatValue) {
+    return Status::FailedPrecondition(fmt::format(
+        "ssd tier: {} holds the slab-file layout of an earlier sparsekv (index format '{}'); this "
+        "version stores one data file (format '{}') and cannot read it: remove the directory to "
+        "start the tier empty",
+        o.path, format, kFormatValue));
   } else if (format != kFormatValue) {
     return Status::FailedPrecondition(fmt::format(
         "ssd tier: index in {} has format '{}', expected '{}'", o.path, format, kFormatValue));
   }
 
+  data_path_ = o.path + "/" + kDataFileName;
+  FileOpenOptions fo;
+  fo.create = true;
+  fo.direct = true;
+  SPARSEKV_ASSIGN_OR_RETURN(file_, fs_->OpenRandomRW(data_path_, fo));
+  SPARSEKV_ASSIGN_OR_RETURN(uint64_t size, file_->Size());
+  if (o.durability != Durability::kNone) {
+    SPARSEKV_RETURN_IF_ERROR(fs_->SyncDir(o.path));  // the file's name must survive a power cut
+  }
   {
-    SPARSEKV_ASSIGN_OR_RETURN(std::vector<std::string> names, fs_->ListDir(o.path));
-    std::sort(names.begin(), names.end());
     MutexLock lock(mu_);
-    for (const std::string& n : names) {
-      const uint64_t cb = ParseSlabFileName(n);
-      if (cb == 0) continue;
-      if (SsdSlabClassBytes(cb) != cb) {
-        spdlog::warn("ssd tier {}: ignoring {}: {} is not a slab class", o.path, n, cb);
-        continue;
-      }
-      SPARSEKV_RETURN_IF_ERROR(OpenSlabFileLocked(cb, /*create=*/false));
-    }
+    // Space past the capacity (a smaller capacity than last time) is never allocated again;
+    // entries that lie there stay readable until they are evicted or erased.
+    file_units_ = size / kUnit;
   }
   SPARSEKV_RETURN_IF_ERROR(LoadIndex());
 
@@ -456,34 +431,29 @@ Status SsdTierImpl::LoadIndex() {
   struct Loaded {
     BundleKey key;
     IndexValue v;
-    uint32_t cls;
+    std::string raw_key;
   };
   std::vector<Loaded> loaded;
   std::vector<std::string> dropped;
+  uint64_t file_units;
+  {
+    MutexLock lock(mu_);
+    file_units = file_units_;
+  }
   {
     std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
-    MutexLock lock(mu_);
-    std::unordered_set<uint64_t> claimed;
     for (it->Seek(std::string(1, offload::kBundleKeyTag)); it->Valid(); it->Next()) {
       const std::string_view k = it->key().ToStringView();
       if (k.empty() || k[0] != offload::kBundleKeyTag) break;
       auto key = offload::DecodeBundleKey(k);
       IndexValue v;
       std::string why;
-      uint32_t cls = 0;
       if (!key || !DecodeIndexValue(it->value().ToStringView(), &v)) {
         why = "undecodable entry";
-      } else if (auto ci = class_index_.find(v.class_bytes); ci == class_index_.end()) {
-        why = fmt::format("no slab file for class {}", v.class_bytes);
-      } else if (cls = ci->second; v.slot >= classes_[cls]->slot_count) {
-        why = fmt::format("slot {} is past the end of {} ({} slots)", v.slot, classes_[cls]->path,
-                          classes_[cls]->slot_count);
-      } else if (v.record_bytes > v.class_bytes ||
-                 SsdSlabClassBytes(v.record_bytes) != v.class_bytes) {
-        why = fmt::format("record of {} bytes does not belong in class {}", v.record_bytes,
-                          v.class_bytes);
-      } else if (!claimed.insert(SlotKey(cls, v.slot)).second) {
-        why = fmt::format("slot {} of {} is named twice", v.slot, classes_[cls]->path);
+      } else if (v.record_bytes < BundleHeaderBytes(0) || v.at >= file_units ||
+                 UnitsOf(v.record_bytes) > file_units - v.at) {
+        why = fmt::format("a record of {} bytes at {} does not lie inside {} ({} bytes)",
+                          v.record_bytes, v.at * kUnit, data_path_, file_units * kUnit);
       }
       if (!why.empty()) {
         spdlog::warn("ssd tier {}: dropping index entry {}: {}", options_.path,
@@ -491,9 +461,26 @@ Status SsdTierImpl::LoadIndex() {
         dropped.emplace_back(k);
         continue;
       }
-      loaded.push_back({*key, std::move(v), cls});
+      loaded.push_back({*key, std::move(v), std::string(k)});
     }
     if (!it->status().ok()) return FromRocksDb(it->status(), "ssd tier: scan index");
+  }
+  // Two entries over the same bytes cannot both be right: the later write wins, and its
+  // checksum tells on read whether its bytes are really there.
+  std::sort(loaded.begin(), loaded.end(),
+            [](const Loaded& a, const Loaded& b) { return a.v.at < b.v.at; });
+  std::vector<Loaded> kept;
+  for (Loaded& l : loaded) {
+    if (!kept.empty() && kept.back().v.at + UnitsOf(kept.back().v.record_bytes) > l.v.at) {
+      Loaded& other = kept.back();
+      Loaded& loser = other.v.written > l.v.written ? l : other;
+      spdlog::warn("ssd tier {}: dropping index entry {}: its extent overlaps another entry's",
+                   options_.path, loser.key.ToString());
+      dropped.push_back(loser.raw_key);
+      if (&loser == &other) other = std::move(l);
+      continue;
+    }
+    kept.push_back(std::move(l));
   }
   if (!dropped.empty()) {
     rocksdb::WriteBatch batch;
@@ -501,111 +488,107 @@ Status SsdTierImpl::LoadIndex() {
     rocksdb::Status rs = db_->Write(write_options_, &batch);
     if (!rs.ok()) return FromRocksDb(rs, "ssd tier: drop bad index entries");
   }
-  // Least recently written first: the best guess of recency a restart has.
-  std::sort(loaded.begin(), loaded.end(),
-            [](const Loaded& a, const Loaded& b) { return a.v.sequence < b.v.sequence; });
   MutexLock lock(mu_);
-  std::vector<std::vector<bool>> used(classes_.size());
-  for (size_t c = 0; c < classes_.size(); ++c) used[c].assign(classes_[c]->slot_count, false);
-  for (Loaded& l : loaded) {
-    SlabClass& c = *classes_[l.cls];
+  // Free space: the gaps between entries, up to the capacity.
+  const uint64_t usable = std::min(file_units_, capacity_units_);
+  uint64_t cursor = 0;
+  for (const Loaded& l : kept) {
+    if (l.v.at > cursor && cursor < usable)
+      free_.AddFree(cursor, std::min(l.v.at, usable) - cursor);
+    cursor = std::max(cursor, l.v.at + UnitsOf(l.v.record_bytes));
+  }
+  if (cursor < usable) free_.AddFree(cursor, usable - cursor);
+  // Least recently written first: the best guess of recency a restart has.
+  std::sort(kept.begin(), kept.end(),
+            [](const Loaded& a, const Loaded& b) { return a.v.written < b.v.written; });
+  for (Loaded& l : kept) {
     Entry e;
-    e.cls = l.cls;
-    e.slot = l.v.slot;
+    e.at = l.v.at;
     e.record_bytes = l.v.record_bytes;
     e.checksum = l.v.checksum;
-    e.lru = c.lru.insert(c.lru.end(), l.key);
+    e.sequence = l.v.sequence;
+    e.lru = lru_.insert(lru_.end(), l.key);
     entries_.emplace(l.key, e);
-    used[l.cls][l.v.slot] = true;
     stats_.bytes += l.v.record_bytes;
-    next_sequence_ = std::max(next_sequence_, l.v.sequence + 1);
+    next_written_ = std::max(next_written_, l.v.written + 1);
+    max_sequence_ = std::max(max_sequence_, l.v.sequence);
   }
-  for (size_t c = 0; c < classes_.size(); ++c) {
-    for (uint32_t s = 0; s < classes_[c]->slot_count; ++s) {
-      if (!used[c][s]) classes_[c]->free_slots.push(s);
-    }
-  }
-  details_.recovered = loaded.size();
+  details_.recovered = kept.size();
   details_.dropped_at_open = dropped.size();
-  if (!loaded.empty() || !dropped.empty()) {
+  if (!kept.empty() || !dropped.empty()) {
     spdlog::info("ssd tier {}: recovered {} bundles, dropped {} bad index entries", options_.path,
-                 loaded.size(), dropped.size());
+                 kept.size(), dropped.size());
   }
   return Status::OK();
 }
 
-Result<uint32_t> SsdTierImpl::ClassForLocked(uint64_t record_bytes) {
-  const uint64_t cb = SsdSlabClassBytes(record_bytes);
-  auto it = class_index_.find(cb);
-  if (it != class_index_.end()) return it->second;
-  SPARSEKV_RETURN_IF_ERROR(OpenSlabFileLocked(cb, /*create=*/true));
-  return static_cast<uint32_t>(classes_.size() - 1);
-}
-
-Result<uint32_t> SsdTierImpl::TakeSlotLocked(uint32_t cls, std::vector<BundleKey>* victims) {
-  SlabClass& c = *classes_[cls];
-  if (!c.free_slots.empty()) {
-    const uint32_t s = c.free_slots.top();
-    c.free_slots.pop();
-    return s;
-  }
+Result<uint64_t> SsdTierImpl::TakeExtentLocked(uint64_t units, std::vector<BundleKey>* victims,
+                                               std::vector<Location>* victim_at) {
+  if (auto at = free_.Allocate(units)) return *at;
+  // Grow the file while it is under the capacity: a step, or what this record needs beyond the
+  // free space at the file's end.
   Status grow_error;
-  if (allocated_bytes_ + c.class_bytes <= options_.capacity_bytes && c.slot_count < UINT32_MAX) {
-    const uint64_t room = (options_.capacity_bytes - allocated_bytes_) / c.class_bytes;
-    const uint64_t want = std::max<uint64_t>(1, options_.slab_grow_bytes / c.class_bytes);
-    const auto grow =
-        static_cast<uint32_t>(std::min({room, want, uint64_t{UINT32_MAX - c.slot_count}}));
-    grow_error =
-        c.file->Allocate(uint64_t{c.slot_count} * c.class_bytes, uint64_t{grow} * c.class_bytes);
-    if (grow_error.ok()) {
-      const uint32_t first = c.slot_count;
-      c.slot_count += grow;
-      allocated_bytes_ += uint64_t{grow} * c.class_bytes;
-      for (uint32_t s = first + 1; s < c.slot_count; ++s) c.free_slots.push(s);
-      return first;
+  while (file_units_ < capacity_units_) {
+    const uint64_t step = std::max<uint64_t>(1, options_.slab_grow_bytes / kUnit);
+    const uint64_t grow = std::min(capacity_units_ - file_units_, std::max(step, units));
+    grow_error = file_->Allocate(file_units_ * kUnit, grow * kUnit);
+    if (!grow_error.ok()) {
+      spdlog::warn("ssd tier {}: growing {}: {}", options_.path, data_path_, grow_error.ToString());
+      break;
     }
-    spdlog::warn("ssd tier {}: growing {}: {}", options_.path, c.path, grow_error.ToString());
+    free_.AddFree(file_units_, grow);
+    file_units_ += grow;
+    if (auto at = free_.Allocate(units)) return *at;
   }
-  // Full: the least recently used bundle of this class that nobody is reading gives its slot.
-  for (auto it = c.lru.begin(); it != c.lru.end(); ++it) {
-    auto e = entries_.find(*it);
-    if (pins_.count(SlotKey(cls, e->second.slot))) continue;
-    const uint32_t s = e->second.slot;
+  // Full: least recently used bundles nobody is reading give their space until one fits.
+  for (auto it = lru_.begin(); it != lru_.end();) {
+    auto e = entries_.find(*it++);
+    if (pins_.count(e->second.at)) continue;
+    const Location l{e->second.at, UnitsOf(e->second.record_bytes), e->second.checksum};
     victims->push_back(e->first);
+    victim_at->push_back(l);
     ++stats_.evictions;
     RemoveEntryLocked(e);
-    return s;
+    free_.Free(l.at, l.units);
+    if (auto at = free_.Allocate(units)) return *at;
   }
   if (!grow_error.ok()) return grow_error;
-  return Status::ResourceExhausted(
-      fmt::format("ssd tier {}: full ({} of {} bytes allocated) and no bundle of class {} to evict",
-                  options_.path, allocated_bytes_, options_.capacity_bytes, c.class_bytes));
+  return Status::ResourceExhausted(fmt::format(
+      "ssd tier {}: no room for a record of {} bytes: of {} bytes, {} are free in {} pieces "
+      "(the largest {} bytes) and the rest is being read or written",
+      options_.path, units * kUnit, capacity_units_ * kUnit, free_.free_units() * kUnit,
+      free_.free_extents(), free_.largest_free() * kUnit));
 }
 
 void SsdTierImpl::RemoveEntryLocked(
     std::unordered_map<BundleKey, Entry, BundleKeyHasher>::iterator it) {
-  classes_[it->second.cls]->lru.erase(it->second.lru);
+  lru_.erase(it->second.lru);
   stats_.bytes -= it->second.record_bytes;
   entries_.erase(it);
 }
 
-void SsdTierImpl::FreeSlotLocked(uint32_t cls, uint32_t slot) {
-  if (pins_.count(SlotKey(cls, slot))) {
-    free_when_unpinned_.insert(SlotKey(cls, slot));
+void SsdTierImpl::FreeExtentLocked(uint64_t at, uint64_t units) {
+  if (pins_.count(at)) {
+    free_when_unpinned_[at] = units;
   } else {
-    classes_[cls]->free_slots.push(slot);
+    free_.Free(at, units);
   }
 }
 
-void SsdTierImpl::UnpinLocked(uint32_t cls, uint32_t slot) {
-  auto it = pins_.find(SlotKey(cls, slot));
+void SsdTierImpl::UnpinLocked(uint64_t at) {
+  auto it = pins_.find(at);
   if (--it->second > 0) return;
   pins_.erase(it);
-  if (free_when_unpinned_.erase(SlotKey(cls, slot))) classes_[cls]->free_slots.push(slot);
+  auto f = free_when_unpinned_.find(at);
+  if (f != free_when_unpinned_.end()) {
+    free_.Free(at, f->second);
+    free_when_unpinned_.erase(f);
+  }
 }
 
 Status SsdTierImpl::RemoveEntries(const std::vector<BundleKey>& keys,
-                                  const std::vector<Location>* only_at, bool eviction) {
+                                  const std::vector<Location>* only_at,
+                                  const std::vector<uint64_t>* below, bool eviction) {
   MutexLock index_lock(index_mu_);
   std::vector<Location> removed;
   rocksdb::WriteBatch batch;
@@ -615,11 +598,11 @@ Status SsdTierImpl::RemoveEntries(const std::vector<BundleKey>& keys,
       auto it = entries_.find(keys[i]);
       if (it == entries_.end()) continue;
       if (only_at &&
-          ((*only_at)[i].cls != it->second.cls || (*only_at)[i].slot != it->second.slot ||
-           (*only_at)[i].checksum != it->second.checksum)) {
+          ((*only_at)[i].at != it->second.at || (*only_at)[i].checksum != it->second.checksum)) {
         continue;  // replaced since it was read: the new bundle stays
       }
-      removed.push_back({it->second.cls, it->second.slot, it->second.checksum});
+      if (below && it->second.sequence >= (*below)[i]) continue;  // as new as asked, or newer
+      removed.push_back({it->second.at, UnitsOf(it->second.record_bytes), it->second.checksum});
       RemoveEntryLocked(it);
       if (eviction) {
         ++stats_.evictions;
@@ -633,11 +616,11 @@ Status SsdTierImpl::RemoveEntries(const std::vector<BundleKey>& keys,
   const rocksdb::Status rs = db_->Write(write_options_, &batch);
   MutexLock lock(mu_);
   if (!rs.ok()) {
-    // The entries may still be in the index: their slots must not be rewritten before a restart.
-    details_.quarantined_slots += removed.size();
+    // The entries may still be in the index: their bytes must not be rewritten before a restart.
+    for (const Location& l : removed) details_.quarantined_bytes += l.units * kUnit;
     return FromRocksDb(rs, "ssd tier: delete index entries");
   }
-  for (const Location& l : removed) FreeSlotLocked(l.cls, l.slot);
+  for (const Location& l : removed) FreeExtentLocked(l.at, l.units);
   return Status::OK();
 }
 
@@ -650,11 +633,12 @@ void SsdTierImpl::WriteData(UringQueue& q, std::vector<BundlePtr> bundles, Statu
   std::vector<Item>& items = put.items;
   uint64_t& io_errors = put.io_errors;
 
-  // Phase A: slots, evicting if needed; evicted entries leave the index before their slots are
+  // Phase A: extents, evicting if needed; evicted entries leave the index before their space is
   // rewritten.
   {
     MutexLock index_lock(index_mu_);
     std::vector<BundleKey> victims;
+    std::vector<Location> victim_at;
     {
       MutexLock lock(mu_);
       for (size_t i = 0; i < n; ++i) {
@@ -663,39 +647,38 @@ void SsdTierImpl::WriteData(UringQueue& q, std::vector<BundlePtr> bundles, Statu
           st[i] = Status::InvalidArgument("ssd tier: null bundle");
           continue;
         }
-        if (b->record_bytes() > options_.max_record_bytes) {
+        if (b->record_bytes() > options_.max_record_bytes ||
+            UnitsOf(b->record_bytes()) > capacity_units_) {
           st[i] = Status::InvalidArgument(fmt::format(
-              "ssd tier {}: bundle {} of {} bytes exceeds max_record_bytes {}", options_.path,
-              b->key().ToString(), b->record_bytes(), options_.max_record_bytes));
+              "ssd tier {}: bundle {} of {} bytes exceeds the largest record the tier takes ({} "
+              "bytes: max_record_bytes, at most the capacity)",
+              options_.path, b->key().ToString(), b->record_bytes(),
+              std::min(options_.max_record_bytes, capacity_units_ * kUnit)));
           continue;
         }
         auto e = entries_.find(b->key());
-        if (e != entries_.end() && e->second.checksum == b->checksum() &&
-            e->second.record_bytes == b->record_bytes() && !unpublished_.count(b->key())) {
-          SlabClass& c = *classes_[e->second.cls];
-          c.lru.splice(c.lru.end(), c.lru,
-                       e->second.lru);  // the same bundle: only its recency changes
-          continue;
+        if (e != entries_.end() && !unpublished_.count(b->key())) {
+          if (e->second.sequence > b->sequence()) {
+            ++stats_.superseded;  // a newer copy is held: this one must not replace it
+            continue;
+          }
+          if (e->second.sequence == b->sequence() && e->second.checksum == b->checksum() &&
+              e->second.record_bytes == b->record_bytes()) {
+            lru_.splice(lru_.end(), lru_, e->second.lru);  // the same bundle: only its recency
+            continue;
+          }
         }
-        Result<uint32_t> cls = ClassForLocked(b->record_bytes());
-        if (!cls.ok()) {
-          st[i] = cls.status();
-          continue;
-        }
-        const size_t victims_before = victims.size();
-        Result<uint32_t> slot = TakeSlotLocked(*cls, &victims);
-        if (!slot.ok()) {
-          st[i] = slot.status();
+        const uint64_t units = UnitsOf(b->record_bytes());
+        Result<uint64_t> at = TakeExtentLocked(units, &victims, &victim_at);
+        if (!at.ok()) {
+          st[i] = at.status();
           continue;
         }
         Item& it = items[i];
         it.write = true;
-        it.reused_victim = victims.size() > victims_before;
-        it.cls = *cls;
-        it.slot = *slot;
-        it.class_bytes = classes_[*cls]->class_bytes;
-        it.aligned = AlignUp(b->record_bytes());
-        it.file = classes_[*cls]->file.get();
+        it.after_eviction = !victims.empty();
+        it.at = *at;
+        it.units = units;
         ++unpublished_[b->key()];
       }
     }
@@ -704,17 +687,20 @@ void SsdTierImpl::WriteData(UringQueue& q, std::vector<BundlePtr> bundles, Statu
       for (const BundleKey& v : victims) batch.Delete(EncodeBundleKey(v));
       const rocksdb::Status rs = db_->Write(write_options_, &batch);
       if (!rs.ok()) {
+        // The victims may still be named by the index: nothing may be written over them, so the
+        // puts that may have taken their space fail, and the space is held back until restart.
         const Status s = FromRocksDb(rs, "ssd tier: delete evicted index entries");
         MutexLock lock(mu_);
         for (size_t i = 0; i < n; ++i) {
-          if (items[i].write && items[i].reused_victim) {
-            items[i].write = false;
-            auto u = unpublished_.find(bundles[i]->key());
-            if (--u->second == 0) unpublished_.erase(u);
-            st[i] = s;
-            ++details_.quarantined_slots;
-          }
+          if (!items[i].write || !items[i].after_eviction) continue;
+          items[i].write = false;
+          auto u = unpublished_.find(bundles[i]->key());
+          if (--u->second == 0) unpublished_.erase(u);
+          st[i] = s;
+          details_.quarantined_bytes += items[i].units * kUnit;
         }
+        for (const Location& l : victim_at)
+          details_.quarantined_bytes += free_.RemoveFreeWithin(l.at, l.units) * kUnit;
       }
     }
   }
@@ -725,7 +711,7 @@ void SsdTierImpl::WriteData(UringQueue& q, std::vector<BundlePtr> bundles, Statu
   const uint64_t io = options_.io_bytes;
   for (size_t i = 0; i < n; ++i) {
     if (!items[i].write) continue;
-    for (uint64_t c = 0; c * io < items[i].aligned; ++c)
+    for (uint64_t c = 0; c * io < items[i].units * kUnit; ++c)
       ops.emplace_back(static_cast<uint32_t>(i), static_cast<uint32_t>(c));
   }
   const int rw_flags = options_.durability == Durability::kDsync ? RWF_DSYNC : 0;
@@ -735,20 +721,20 @@ void SsdTierImpl::WriteData(UringQueue& q, std::vector<BundlePtr> bundles, Statu
         const auto [i, c] = ops[k];
         const Item& it = items[i];
         const uint64_t off = uint64_t{c} * io;
-        op.file = it.file;
+        op.file = file_.get();
         op.kind = AsyncIo::Kind::kWrite;
-        op.offset = uint64_t{it.slot} * it.class_bytes + off;
+        op.offset = it.at * kUnit + off;
         // Written, never changed: the hooks leave a write's bytes alone (file_system.h).
         op.data = const_cast<std::byte*>(bundles[i]->padded_record().data()) + off;
-        op.length = std::min(io, it.aligned - off);
+        op.length = std::min(io, it.units * kUnit - off);
         op.rw_flags = rw_flags;
       },
       [&](uint64_t k, const UringOp& op) {
         const uint32_t i = ops[k].first;
         if (op.result < 0 && st[i].ok()) {
           ++io_errors;
-          st[i] = ErrnoStatus(-op.result, fmt::format("ssd tier: write {} at {}",
-                                                      items[i].file->path(), op.offset));
+          st[i] = ErrnoStatus(-op.result,
+                              fmt::format("ssd tier: write {} at {}", data_path_, op.offset));
         }
       });
   (void)ring;  // its failure reached every op it affected
@@ -781,52 +767,76 @@ void SsdTierImpl::CommitLoop() {
 }
 
 void SsdTierImpl::Commit(std::vector<PendingPut>& group) {
-  // Data first: one fdatasync per slab file for the whole group.
+  // Data first: one fdatasync of the data file for the whole group.
   if (options_.durability == Durability::kFdatasync) {
-    std::vector<RandomRWFile*> files;
+    bool wrote = false;
     for (const PendingPut& p : group) {
-      for (size_t i = 0; i < p.items.size(); ++i) {
-        if (p.items[i].write && p.st[i].ok()) files.push_back(p.items[i].file);
-      }
+      for (size_t i = 0; i < p.items.size(); ++i) wrote |= p.items[i].write && p.st[i].ok();
     }
-    std::sort(files.begin(), files.end());
-    files.erase(std::unique(files.begin(), files.end()), files.end());
-    for (RandomRWFile* f : files) {
-      const Status s = f->Sync();
-      if (s.ok()) continue;
+    const Status s = wrote ? file_->Sync() : Status::OK();
+    if (!s.ok()) {
       for (PendingPut& p : group) {
         ++p.io_errors;
         for (size_t i = 0; i < p.items.size(); ++i) {
-          if (p.items[i].write && p.items[i].file == f && p.st[i].ok())
-            p.st[i] = s.WithContext("ssd tier");
+          if (p.items[i].write && p.st[i].ok()) p.st[i] = s.WithContext("ssd tier");
         }
       }
     }
   }
 
   // Then the index entries of the records now durable, and the in-memory index, in batch order.
+  // Of several versions of one key, only the newest is published, and none over a newer one
+  // already held.
   MutexLock index_lock(index_mu_);
   rocksdb::WriteBatch batch;
+  std::unordered_map<BundleKey, std::pair<size_t, size_t>, BundleKeyHasher> newest;  // (p, i)
   {
     MutexLock lock(mu_);
-    for (PendingPut& p : group) {
+    for (size_t g = 0; g < group.size(); ++g) {
+      PendingPut& p = group[g];
       for (size_t i = 0; i < p.items.size(); ++i) {
         const Item& it = p.items[i];
         if (!it.write) continue;
-        if (!p.st[i].ok()) {
-          FreeSlotLocked(it.cls, it.slot);  // nothing names it
+        if (!p.st[i].ok()) continue;
+        const Bundle& b = *p.bundles[i];
+        auto held = entries_.find(b.key());
+        if (held != entries_.end() && held->second.sequence > b.sequence()) {
+          p.items[i].write = false;  // superseded: its space goes back below
+          ++stats_.superseded;
+          FreeExtentLocked(it.at, it.units);
+          auto u = unpublished_.find(b.key());
+          if (--u->second == 0) unpublished_.erase(u);
           continue;
         }
-        const Bundle& b = *p.bundles[i];
-        IndexValue v;
-        v.class_bytes = it.class_bytes;
-        v.slot = it.slot;
-        v.record_bytes = b.record_bytes();
-        v.checksum = b.checksum();
-        v.sequence = next_sequence_++;
-        v.segment_bytes = SegmentsOf(b);
-        batch.Put(EncodeBundleKey(b.key()), EncodeIndexValue(v));
+        auto [slot, fresh] = newest.try_emplace(b.key(), g, i);
+        if (!fresh) {
+          PendingPut& op = group[slot->second.first];
+          const size_t oi = slot->second.second;
+          const bool ours_newer = b.sequence() >= op.bundles[oi]->sequence();
+          PendingPut& lp = ours_newer ? op : p;  // the loser
+          const size_t li = ours_newer ? oi : i;
+          lp.items[li].write = false;
+          ++stats_.superseded;
+          FreeExtentLocked(lp.items[li].at, lp.items[li].units);
+          auto u = unpublished_.find(b.key());
+          if (--u->second == 0) unpublished_.erase(u);
+          if (ours_newer) slot->second = {g, i};
+        }
       }
+    }
+    for (const auto& [key, at] : newest) {
+      PendingPut& p = group[at.first];
+      const size_t i = at.second;
+      const Item& it = p.items[i];
+      const Bundle& b = *p.bundles[i];
+      IndexValue v;
+      v.at = it.at;
+      v.record_bytes = b.record_bytes();
+      v.checksum = b.checksum();
+      v.sequence = b.sequence();
+      v.written = next_written_++;
+      v.segment_bytes = SegmentsOf(b);
+      batch.Put(EncodeBundleKey(b.key()), EncodeIndexValue(v));
     }
   }
   const rocksdb::Status rs =
@@ -838,30 +848,30 @@ void SsdTierImpl::Commit(std::vector<PendingPut>& group) {
       if (it.write) {
         auto u = unpublished_.find(p.bundles[i]->key());
         if (--u->second == 0) unpublished_.erase(u);
-      }
-      if (it.write && p.st[i].ok()) {
-        if (!rs.ok()) {
+        if (!p.st[i].ok()) {
+          FreeExtentLocked(it.at, it.units);  // nothing names it
+        } else if (!rs.ok()) {
           p.st[i] = FromRocksDb(rs, "ssd tier: write index entries");
-          ++details_.quarantined_slots;  // the entry may have reached the index after all
+          details_.quarantined_bytes += it.units * kUnit;  // the entry may have landed after all
         } else {
           const Bundle& b = *p.bundles[i];
           auto old = entries_.find(b.key());
           if (old != entries_.end()) {
-            const uint32_t oc = old->second.cls;
-            const uint32_t os = old->second.slot;
+            const uint64_t oat = old->second.at;
+            const uint64_t ounits = UnitsOf(old->second.record_bytes);
             RemoveEntryLocked(old);
-            FreeSlotLocked(oc, os);  // the index entry just written replaced its entry
+            FreeExtentLocked(oat, ounits);  // the index entry just written replaced its entry
           }
-          SlabClass& c = *classes_[it.cls];
           Entry e;
-          e.cls = it.cls;
-          e.slot = it.slot;
+          e.at = it.at;
           e.record_bytes = b.record_bytes();
           e.checksum = b.checksum();
-          e.lru = c.lru.insert(c.lru.end(), b.key());
+          e.sequence = b.sequence();
+          e.lru = lru_.insert(lru_.end(), b.key());
           entries_.emplace(b.key(), e);
+          max_sequence_ = std::max(max_sequence_, b.sequence());
           stats_.bytes += b.record_bytes();
-          stats_.bytes_written += it.aligned;
+          stats_.bytes_written += it.units * kUnit;
         }
       }
       if (p.st[i].ok()) {
@@ -883,7 +893,6 @@ std::vector<Result<BundlePtr>> SsdTierImpl::DoGet(UringQueue& q,
     uint64_t record_bytes = 0;
     uint64_t aligned = 0;
     uint64_t offset = 0;
-    RandomRWFile* file = nullptr;
     RecordBuffer buf;
     uint64_t chunks_left = 0;
     Status st;
@@ -899,15 +908,13 @@ std::vector<Result<BundlePtr>> SsdTierImpl::DoGet(UringQueue& q,
         continue;
       }
       Item& it = items[i];
-      SlabClass& c = *classes_[e->second.cls];
-      c.lru.splice(c.lru.end(), c.lru, e->second.lru);
+      lru_.splice(lru_.end(), lru_, e->second.lru);
       it.found = true;
-      it.loc = {e->second.cls, e->second.slot, e->second.checksum};
       it.record_bytes = e->second.record_bytes;
-      it.aligned = AlignUp(it.record_bytes);
-      it.offset = uint64_t{e->second.slot} * c.class_bytes;
-      it.file = c.file.get();
-      ++pins_[SlotKey(it.loc.cls, it.loc.slot)];
+      it.aligned = UnitsOf(it.record_bytes) * kUnit;
+      it.loc = {e->second.at, UnitsOf(it.record_bytes), e->second.checksum};
+      it.offset = e->second.at * kUnit;
+      ++pins_[it.loc.at];
     }
   }
   std::vector<std::pair<uint32_t, uint32_t>> ops;
@@ -930,7 +937,7 @@ std::vector<Result<BundlePtr>> SsdTierImpl::DoGet(UringQueue& q,
         const auto [i, c] = ops[k];
         Item& it = items[i];
         const uint64_t off = uint64_t{c} * io;
-        op.file = it.file;
+        op.file = file_.get();
         op.kind = AsyncIo::Kind::kRead;
         op.offset = it.offset + off;
         op.data = it.buf.data() + off;
@@ -942,21 +949,20 @@ std::vector<Result<BundlePtr>> SsdTierImpl::DoGet(UringQueue& q,
         if (op.result < 0 && it.st.ok()) {
           ++io_errors;
           it.st = ErrnoStatus(-op.result,
-                              fmt::format("ssd tier: read {} at {}", it.file->path(), op.offset));
+                              fmt::format("ssd tier: read {} at {}", data_path_, op.offset));
         }
         if (--it.chunks_left > 0 || !it.st.ok()) return;
-        // The whole record is here: check it now, while later reads are in flight. The slot's
+        // The whole record is here: check it now, while later reads are in flight. The extent's
         // padding is not the bundle's: zero it, as a RecordBuffer promises.
         std::memset(it.buf.data() + it.record_bytes, 0, it.aligned - it.record_bytes);
         Result<BundlePtr> b = Bundle::AdoptRecord(std::move(it.buf), it.record_bytes, keys[i]);
         if (!b.ok()) {
-          it.st =
-              b.status().WithContext(fmt::format("ssd tier: {} at {}", it.file->path(), it.offset));
+          it.st = b.status().WithContext(fmt::format("ssd tier: {} at {}", data_path_, it.offset));
         } else if ((*b)->checksum() != it.loc.checksum) {
           it.st = Status::Corruption(fmt::format(
               "ssd tier: {} at {}: bundle {} holds checksum {:016x}, the index expects {:016x} (a "
               "stale record)",
-              it.file->path(), it.offset, keys[i].ToString(), (*b)->checksum(), it.loc.checksum));
+              data_path_, it.offset, keys[i].ToString(), (*b)->checksum(), it.loc.checksum));
         } else {
           it.bundle = std::move(*b);
         }
@@ -973,7 +979,7 @@ std::vector<Result<BundlePtr>> SsdTierImpl::DoGet(UringQueue& q,
     }
   }
   if (!corrupt_keys.empty()) {
-    const Status s = RemoveEntries(corrupt_keys, &corrupt_at, /*eviction=*/false);
+    const Status s = RemoveEntries(corrupt_keys, &corrupt_at, nullptr, /*eviction=*/false);
     if (!s.ok())
       spdlog::warn("ssd tier {}: erasing corrupt bundles: {}", options_.path, s.ToString());
   }
@@ -987,7 +993,7 @@ std::vector<Result<BundlePtr>> SsdTierImpl::DoGet(UringQueue& q,
       out.emplace_back(Status::NotFound("ssd tier: no bundle " + keys[i].ToString()));
       continue;
     }
-    UnpinLocked(it.loc.cls, it.loc.slot);
+    UnpinLocked(it.loc.at);
     if (it.st.ok()) {
       ++stats_.hits;
       stats_.bytes_read += it.aligned;

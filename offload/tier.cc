@@ -59,4 +59,11 @@ std::future<std::vector<Status>> Tier::Erase(std::vector<BundleKey> keys) {
   return std::move(f);
 }
 
+std::future<std::vector<Status>> Tier::EraseOlder(std::vector<BundleKey> keys,
+                                                  std::vector<uint64_t> below) {
+  auto [cb, f] = PromiseCallback<std::vector<Status>>();
+  EraseOlderAsync(std::move(keys), std::move(below), std::move(cb));
+  return std::move(f);
+}
+
 }  // namespace sparsekv

@@ -3,12 +3,15 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "sparsekv/thread_annotations.h"
+#include "worker_pool.h"
 
 namespace sparsekv {
 namespace {
@@ -37,16 +40,38 @@ Result<WritePolicy> ParseWritePolicy(std::string_view name) {
 struct TierChain::Shared {
   Mutex mu;
   std::condition_variable_any idle;
+  std::condition_variable_any moved;  // a move down landed (or failed)
   // Bundles evicted by tier `to - 1` and being written to tier `to`: findable meanwhile.
   struct Moving {
     BundlePtr bundle;
     size_t to = 0;
   };
   std::unordered_map<BundleKey, Moving, BundleKeyHasher> moving SPARSEKV_GUARDED_BY(mu);
-  // Keys erased while moving: erased from their destination once the move lands.
-  std::unordered_set<BundleKey, BundleKeyHasher> erased_while_moving SPARSEKV_GUARDED_BY(mu);
+  // Keys with a write, an erase, a read or a background copy in flight: the newest sequence
+  // written or erased since the first of them began. Gone once the last ends, when no tier can
+  // hold an older copy any more (the writes erased them, the copies settled).
+  struct Version {
+    uint64_t latest = 0;
+    uint32_t refs = 0;
+  };
+  std::unordered_map<BundleKey, Version, BundleKeyHasher> versions SPARSEKV_GUARDED_BY(mu);
   uint64_t in_flight SPARSEKV_GUARDED_BY(mu) = 0;
   TierChainStats stats SPARSEKV_GUARDED_BY(mu);
+  std::atomic<uint64_t> next_sequence{1};
+
+  void RefLocked(const BundleKey& k, uint64_t sequence) SPARSEKV_REQUIRES(mu) {
+    Version& v = versions[k];
+    v.latest = std::max(v.latest, sequence);
+    ++v.refs;
+  }
+  void UnrefLocked(const BundleKey& k) SPARSEKV_REQUIRES(mu) {
+    auto it = versions.find(k);
+    if (it != versions.end() && --it->second.refs == 0) versions.erase(it);
+  }
+  uint64_t LatestLocked(const BundleKey& k) const SPARSEKV_REQUIRES(mu) {
+    auto it = versions.find(k);
+    return it == versions.end() ? 0 : it->second.latest;
+  }
 };
 
 // One Promote: results filled as tiers answer; `done` runs when the last slot is resolved.
@@ -61,7 +86,13 @@ struct TierChain::PromoteState {
 };
 
 TierChain::TierChain(std::vector<std::unique_ptr<Tier>> tiers, TierChainOptions options)
-    : tiers_(std::move(tiers)), options_(options), shared_(std::make_shared<Shared>()) {
+    : tiers_(std::move(tiers)),
+      options_(options),
+      shared_(std::make_shared<Shared>()),
+      worker_(std::make_unique<offload::WorkerPool>("skv-chain", 1)) {
+  uint64_t held = 0;
+  for (const auto& t : tiers_) held = std::max(held, t->max_sequence());
+  shared_->next_sequence = held + 1;
   if (options_.write_policy != WritePolicy::kWriteBack) return;
   for (size_t i = 0; i + 1 < tiers_.size(); ++i) {
     const Status s = tiers_[i]->SetEvictionListener(
@@ -73,8 +104,18 @@ TierChain::TierChain(std::vector<std::unique_ptr<Tier>> tiers, TierChainOptions 
 
 TierChain::~TierChain() {
   WaitIdle();
+  worker_.reset();
   // Tiers go fastest first: nothing cascades any more.
   for (auto& t : tiers_) t->SetEvictionListener(nullptr).IgnoreError();
+}
+
+uint64_t TierChain::NextSequence() {
+  return shared_->next_sequence.fetch_add(1);
+}
+
+bool TierChain::IsStale(const BundleKey& key, uint64_t sequence) const {
+  MutexLock lock(shared_->mu);
+  return shared_->LatestLocked(key) > sequence;
 }
 
 void TierChain::BeginBackground() {
@@ -93,6 +134,14 @@ void TierChain::WaitIdle() {
       shared_->mu, [this]() SPARSEKV_NO_THREAD_SAFETY_ANALYSIS { return shared_->in_flight == 0; });
 }
 
+void TierChain::WaitNotMoving(const std::vector<BundleKey>& keys) {
+  MutexLock lock(shared_->mu);
+  shared_->moved.wait(shared_->mu, [&]() SPARSEKV_NO_THREAD_SAFETY_ANALYSIS {
+    return std::none_of(keys.begin(), keys.end(),
+                        [&](const BundleKey& k) { return shared_->moving.count(k) != 0; });
+  });
+}
+
 TierChainStats TierChain::Stats() const {
   MutexLock lock(shared_->mu);
   TierChainStats s = shared_->stats;
@@ -105,46 +154,136 @@ void TierChain::DemoteAsync(std::vector<BundlePtr> bundles, Tier::StatusesCallba
   {
     MutexLock lock(shared_->mu);
     shared_->stats.demoted += n;
+    for (const BundlePtr& b : bundles) {
+      if (b) shared_->RefLocked(b->key(), b->sequence());
+    }
   }
   const size_t targets = options_.write_policy == WritePolicy::kWriteThrough ? tiers_.size() : 1;
   struct Combine {
     Mutex mu;
     std::vector<Status> first_error SPARSEKV_GUARDED_BY(mu);
-    std::vector<size_t> stored SPARSEKV_GUARDED_BY(mu);  // tiers that took each item
+    std::vector<std::vector<bool>> stored SPARSEKV_GUARDED_BY(mu);  // [item][tier]
     size_t waiting SPARSEKV_GUARDED_BY(mu) = 0;
   };
   auto combine = std::make_shared<Combine>();
   {
     MutexLock lock(combine->mu);
     combine->first_error.resize(n);
-    combine->stored.assign(n, 0);
+    combine->stored.assign(n, std::vector<bool>(tiers_.size(), false));
     combine->waiting = targets;
   }
-  auto shared = shared_;
   for (size_t t = 0; t < targets; ++t) {
-    tiers_[t]->PutAsync(bundles, [combine, shared, done, n](std::vector<Status> st) {
+    tiers_[t]->PutAsync(bundles, [this, t, combine, bundles, done, n](std::vector<Status> st) {
       std::vector<Status> out;
-      uint64_t dropped = 0;
+      std::vector<std::vector<bool>> stored;
       {
         MutexLock lock(combine->mu);
         for (size_t i = 0; i < n; ++i) {
           if (st[i].ok()) {
-            ++combine->stored[i];
+            combine->stored[i][t] = true;
           } else if (combine->first_error[i].ok()) {
             combine->first_error[i] = std::move(st[i]);
           }
         }
         if (--combine->waiting > 0) return;
-        for (size_t i = 0; i < n; ++i) dropped += combine->stored[i] == 0;
         out = std::move(combine->first_error);
+        stored = std::move(combine->stored);
       }
-      if (dropped) {
-        MutexLock lock(shared->mu);
-        shared->stats.demote_dropped += dropped;
-      }
-      done(std::move(out));
+      Invalidate(bundles, std::move(stored), std::move(out), done);
     });
   }
+}
+
+void TierChain::Invalidate(std::vector<BundlePtr> bundles, std::vector<std::vector<bool>> stored,
+                           std::vector<Status> st, Tier::StatusesCallback done) {
+  const size_t n = bundles.size();
+  // Ends the demote: drops its references on the keys' versions (kept for good where an older
+  // copy may remain, so that reads go on skipping it) and answers.
+  auto finish = [shared = shared_, bundles, stored, done](
+                    std::vector<Status> st, std::vector<bool> poisoned, uint64_t invalidated) {
+    uint64_t dropped = 0;
+    {
+      MutexLock lock(shared->mu);
+      for (size_t i = 0; i < bundles.size(); ++i) {
+        if (!bundles[i]) continue;
+        dropped += std::none_of(stored[i].begin(), stored[i].end(), [](bool b) { return b; });
+        if (!poisoned[i]) shared->UnrefLocked(bundles[i]->key());
+      }
+      shared->stats.demote_dropped += dropped;
+      shared->stats.invalidated += invalidated;
+      shared->stats.invalidate_failures +=
+          static_cast<uint64_t>(std::count(poisoned.begin(), poisoned.end(), true));
+    }
+    done(std::move(st));
+  };
+  // Which keys may have an older copy somewhere they were not written: in a tier that holds
+  // the key, or on its way down. Unversioned bundles order nothing.
+  std::vector<BundleKey> keys;
+  std::vector<size_t> items;
+  for (size_t i = 0; i < n; ++i) {
+    if (bundles[i] && bundles[i]->sequence() != 0) {
+      keys.push_back(bundles[i]->key());
+      items.push_back(i);
+    }
+  }
+  bool needed = false;
+  {
+    MutexLock lock(shared_->mu);
+    for (const BundleKey& k : keys) needed |= shared_->moving.count(k) != 0;
+  }
+  for (size_t t = 0; t < tiers_.size() && !needed && !keys.empty(); ++t) {
+    const std::vector<bool> has = tiers_[t]->Contains(keys).get();
+    for (size_t j = 0; j < keys.size(); ++j) needed |= has[j] && !stored[items[j]][t];
+  }
+  if (!needed) {
+    finish(std::move(st), std::vector<bool>(n, false), 0);
+    return;
+  }
+  BeginBackground();
+  worker_->Submit([this, bundles = std::move(bundles), stored, st = std::move(st), keys, items,
+                   finish](size_t) mutable {
+    // A copy on its way down lands first, so that the erase below cannot miss it (and a crash
+    // cannot leave it behind after the demote was acknowledged).
+    WaitNotMoving(keys);
+    std::vector<bool> poisoned(bundles.size(), false);
+    uint64_t invalidated = 0;
+    for (size_t t = 0; t < tiers_.size(); ++t) {
+      std::vector<BundleKey> ask;
+      std::vector<size_t> at;
+      for (size_t j = 0; j < keys.size(); ++j) {
+        if (!stored[items[j]][t]) {
+          ask.push_back(keys[j]);
+          at.push_back(items[j]);
+        }
+      }
+      if (ask.empty()) continue;
+      const std::vector<bool> has = tiers_[t]->Contains(ask).get();
+      std::vector<BundleKey> erase;
+      std::vector<uint64_t> below;
+      std::vector<size_t> erase_at;
+      for (size_t j = 0; j < ask.size(); ++j) {
+        if (!has[j]) continue;
+        erase.push_back(ask[j]);
+        below.push_back(bundles[at[j]]->sequence());
+        erase_at.push_back(at[j]);
+      }
+      if (erase.empty()) continue;
+      const std::vector<Status> es = tiers_[t]->EraseOlder(erase, below).get();
+      for (size_t j = 0; j < es.size(); ++j) {
+        if (es[j].ok()) {
+          ++invalidated;
+          continue;
+        }
+        const size_t i = erase_at[j];
+        spdlog::warn("tier chain: erasing older copies of {} from {} failed: {}",
+                     erase[j].ToString(), tiers_[t]->name(), es[j].ToString());
+        poisoned[i] = true;
+        if (st[i].ok()) st[i] = es[j].WithContext("tier chain: erasing an older copy");
+      }
+    }
+    finish(std::move(st), std::move(poisoned), invalidated);
+    EndBackground();
+  });
 }
 
 std::future<std::vector<Status>> TierChain::Demote(std::vector<BundlePtr> bundles) {
@@ -159,31 +298,65 @@ void TierChain::Cascade(size_t from_tier, std::vector<BundlePtr> evicted) {
   {
     MutexLock lock(shared_->mu);
     ++shared_->in_flight;
-    for (const BundlePtr& b : evicted) shared_->moving[b->key()] = {b, to};
+    for (const BundlePtr& b : evicted) {
+      shared_->moving[b->key()] = {b, to};
+      shared_->RefLocked(b->key(), b->sequence());
+    }
   }
-  auto shared = shared_;
   Tier* dest = tiers_[to].get();
-  dest->PutAsync(evicted, [this, shared, evicted, dest](std::vector<Status> st) {
-    std::vector<BundleKey> erase_now;
+  dest->PutAsync(evicted, [this, evicted, dest, to](std::vector<Status> st) {
     {
-      MutexLock lock(shared->mu);
+      MutexLock lock(shared_->mu);
       for (size_t i = 0; i < evicted.size(); ++i) {
         const BundleKey& k = evicted[i]->key();
-        auto it = shared->moving.find(k);
-        if (it != shared->moving.end() && it->second.bundle == evicted[i]) shared->moving.erase(it);
-        if (shared->erased_while_moving.erase(k) && st[i].ok()) erase_now.push_back(k);
+        auto it = shared_->moving.find(k);
+        if (it != shared_->moving.end() && it->second.bundle == evicted[i])
+          shared_->moving.erase(it);
         if (st[i].ok()) {
-          ++shared->stats.cascaded;
+          ++shared_->stats.cascaded;
         } else {
-          ++shared->stats.demote_dropped;
+          ++shared_->stats.demote_dropped;
           spdlog::debug("tier chain: moving {} to {} failed, dropped: {}", k.ToString(),
                         dest->name(), st[i].ToString());
         }
       }
-      if (!erase_now.empty()) ++shared->in_flight;
+      shared_->moved.notify_all();
     }
-    if (!erase_now.empty()) {
-      dest->EraseAsync(std::move(erase_now), [this](std::vector<Status>) { EndBackground(); });
+    SettleBackground(to, evicted, st);
+    EndBackground();
+  });
+}
+
+void TierChain::SettleBackground(size_t tier, const std::vector<BundlePtr>& landed,
+                                 const std::vector<Status>& st) {
+  std::vector<BundleKey> again;
+  std::vector<uint64_t> below;
+  {
+    MutexLock lock(shared_->mu);
+    for (size_t i = 0; i < landed.size(); ++i) {
+      const BundleKey& k = landed[i]->key();
+      const uint64_t latest = shared_->LatestLocked(k);
+      if (st[i].ok() && latest > landed[i]->sequence()) {
+        again.push_back(k);  // superseded while it was copied: its reference goes after the erase
+        below.push_back(latest);
+      } else {
+        shared_->UnrefLocked(k);
+      }
+    }
+    if (!again.empty()) ++shared_->in_flight;
+  }
+  if (again.empty()) return;
+  tiers_[tier]->EraseOlderAsync(again, below, [this, again](std::vector<Status> es) {
+    {
+      MutexLock lock(shared_->mu);
+      for (size_t i = 0; i < again.size(); ++i) {
+        if (es[i].ok()) {
+          ++shared_->stats.invalidated;
+          shared_->UnrefLocked(again[i]);
+        } else {
+          ++shared_->stats.invalidate_failures;  // the reference stays: reads keep skipping it
+        }
+      }
     }
     EndBackground();
   });
@@ -252,8 +425,21 @@ void TierChain::PromoteImpl(std::vector<BundleKey> keys, bool onload, bool prefe
   state->keys = std::move(keys);
   state->onload = onload;
   state->prefetch = prefetch;
-  state->done = std::move(done);
+  // The read holds its keys' versions from before it looks anywhere, so that a write landing
+  // while it reads is known when its results (and their onload) are checked.
+  state->done = [shared = shared_, keys = state->keys,
+                 done = std::move(done)](std::vector<Result<BundlePtr>> out) {
+    {
+      MutexLock lock(shared->mu);
+      for (const BundleKey& k : keys) shared->UnrefLocked(k);
+    }
+    done(std::move(out));
+  };
   const size_t n = state->keys.size();
+  {
+    MutexLock lock(shared_->mu);
+    for (const BundleKey& k : state->keys) shared_->RefLocked(k, 0);
+  }
   std::vector<std::vector<size_t>> by_tier(tiers_.size());
   std::vector<BundlePtr> moving_hits;
   const std::vector<int> where = Locate(state->keys);
@@ -262,14 +448,16 @@ void TierChain::PromoteImpl(std::vector<BundleKey> keys, bool onload, bool prefe
     state->results.resize(n);
     MutexLock shared_lock(shared_->mu);
     for (size_t i = 0; i < n; ++i) {
-      auto m = shared_->moving.find(state->keys[i]);
-      if (m != shared_->moving.end()) {
-        state->results[i] = m->second.bundle;  // on its way down: serve it from memory
+      const BundleKey& k = state->keys[i];
+      auto m = shared_->moving.find(k);
+      if (m != shared_->moving.end() && where[i] == static_cast<int>(m->second.to) &&
+          shared_->LatestLocked(k) <= m->second.bundle->sequence()) {
+        // On its way down, and no faster tier holds the key: serve it from memory.
+        state->results[i] = m->second.bundle;
         moving_hits.push_back(m->second.bundle);
         ++shared_->stats.promoted;
       } else if (where[i] < 0) {
-        state->results[i] =
-            Status::NotFound("tier chain: no tier holds " + state->keys[i].ToString());
+        state->results[i] = Status::NotFound("tier chain: no tier holds " + k.ToString());
         ++shared_->stats.promote_misses;
       } else {
         by_tier[static_cast<size_t>(where[i])].push_back(i);
@@ -299,76 +487,93 @@ void TierChain::GetFrom(size_t tier, std::vector<size_t> slots,
   std::vector<BundleKey> keys;
   keys.reserve(slots.size());
   for (size_t i : slots) keys.push_back(state->keys[i]);
-  tiers_[tier]->GetAsync(
-      std::move(keys), [this, tier, slots, state](std::vector<Result<BundlePtr>> got) {
-        std::vector<BundlePtr> to_onload;
-        std::vector<std::vector<size_t>> retry(tiers_.size());
-        uint64_t promoted = 0, fallbacks = 0, misses = 0;
-        // A failed read falls through to the next tier that holds a copy.
-        std::vector<BundleKey> failed_keys;
-        std::vector<size_t> failed_slots;
-        for (size_t j = 0; j < slots.size(); ++j) {
-          if (!got[j].ok()) {
-            failed_keys.push_back(state->keys[slots[j]]);
-            failed_slots.push_back(j);
+  tiers_[tier]->GetAsync(std::move(keys), [this, tier, slots,
+                                           state](std::vector<Result<BundlePtr>> got) {
+    // A copy older than a version written meanwhile is stale: never returned.
+    std::vector<bool> stale(slots.size(), false);
+    {
+      MutexLock lock(shared_->mu);
+      for (size_t j = 0; j < slots.size(); ++j) {
+        if (got[j].ok() && shared_->LatestLocked(state->keys[slots[j]]) > (*got[j])->sequence()) {
+          stale[j] = true;
+          ++shared_->stats.stale_skipped;
+        }
+      }
+    }
+    std::vector<BundlePtr> to_onload;
+    std::vector<std::vector<size_t>> retry(tiers_.size());
+    uint64_t promoted = 0, fallbacks = 0, misses = 0;
+    // A failed or stale read falls through to the next tier that holds a copy.
+    std::vector<BundleKey> failed_keys;
+    for (size_t j = 0; j < slots.size(); ++j) {
+      if (!got[j].ok() || stale[j]) failed_keys.push_back(state->keys[slots[j]]);
+    }
+    std::vector<int> lower(failed_keys.size(), -1);
+    for (size_t t = tier + 1; t < tiers_.size() && !failed_keys.empty(); ++t) {
+      const std::vector<bool> has = tiers_[t]->Contains(failed_keys).get();
+      for (size_t j = 0; j < has.size(); ++j) {
+        if (has[j] && lower[j] < 0) lower[j] = static_cast<int>(t);
+      }
+    }
+    bool finished = false;
+    std::vector<Result<BundlePtr>> out;
+    {
+      MutexLock lock(state->mu);
+      size_t f = 0;
+      for (size_t j = 0; j < slots.size(); ++j) {
+        const size_t i = slots[j];
+        if (got[j].ok() && !stale[j]) {
+          if (state->onload && tier > 0) to_onload.push_back(*got[j]);
+          state->results[i] = std::move(got[j]);
+          ++promoted;
+          --state->unresolved;
+          continue;
+        }
+        const int next = lower[f++];
+        if (next >= 0) {
+          retry[static_cast<size_t>(next)].push_back(i);
+          ++fallbacks;
+          if (!stale[j]) {
+            spdlog::warn("tier chain: {} failed in {} ({}); reading the copy in {}",
+                         state->keys[i].ToString(), tiers_[tier]->name(),
+                         got[j].status().ToString(), tiers_[static_cast<size_t>(next)]->name());
           }
+          continue;
         }
-        std::vector<int> lower(failed_keys.size(), -1);
-        for (size_t t = tier + 1; t < tiers_.size() && !failed_keys.empty(); ++t) {
-          const std::vector<bool> has = tiers_[t]->Contains(failed_keys).get();
-          for (size_t j = 0; j < has.size(); ++j) {
-            if (has[j] && lower[j] < 0) lower[j] = static_cast<int>(t);
-          }
+        if (stale[j]) {
+          got[j] = Status::NotFound(fmt::format("tier chain: {} holds only an older version of {}",
+                                                tiers_[tier]->name(), state->keys[i].ToString()));
         }
-        bool finished = false;
-        std::vector<Result<BundlePtr>> out;
-        {
-          MutexLock lock(state->mu);
-          size_t f = 0;
-          for (size_t j = 0; j < slots.size(); ++j) {
-            const size_t i = slots[j];
-            if (got[j].ok()) {
-              if (state->onload && tier > 0) to_onload.push_back(*got[j]);
-              state->results[i] = std::move(got[j]);
-              ++promoted;
-              --state->unresolved;
-              continue;
-            }
-            const int next = lower[f++];
-            if (next >= 0) {
-              retry[static_cast<size_t>(next)].push_back(i);
-              ++fallbacks;
-              spdlog::warn("tier chain: {} failed in {} ({}); reading the copy in {}",
-                           state->keys[i].ToString(), tiers_[tier]->name(),
-                           got[j].status().ToString(), tiers_[static_cast<size_t>(next)]->name());
-              continue;
-            }
-            if (got[j].status().Is(StatusCode::kNotFound)) ++misses;
-            state->results[i] = std::move(got[j]);
-            --state->unresolved;
-          }
-          if (state->unresolved == 0) {
-            finished = true;
-            for (auto& r : state->results) out.push_back(std::move(*r));
-          }
-        }
-        {
-          MutexLock lock(shared_->mu);
-          shared_->stats.promoted += promoted;
-          shared_->stats.fallbacks += fallbacks;
-          shared_->stats.promote_misses += misses;
-        }
-        if (!to_onload.empty()) Onload(std::move(to_onload), state->prefetch);
-        for (size_t t = 0; t < retry.size(); ++t) {
-          if (!retry[t].empty()) GetFrom(t, std::move(retry[t]), state);
-        }
-        if (finished) state->done(std::move(out));
-      });
+        if (got[j].status().Is(StatusCode::kNotFound)) ++misses;
+        state->results[i] = std::move(got[j]);
+        --state->unresolved;
+      }
+      if (state->unresolved == 0) {
+        finished = true;
+        for (auto& r : state->results) out.push_back(std::move(*r));
+      }
+    }
+    {
+      MutexLock lock(shared_->mu);
+      shared_->stats.promoted += promoted;
+      shared_->stats.fallbacks += fallbacks;
+      shared_->stats.promote_misses += misses;
+    }
+    if (!to_onload.empty()) Onload(std::move(to_onload), state->prefetch);
+    for (size_t t = 0; t < retry.size(); ++t) {
+      if (!retry[t].empty()) GetFrom(t, std::move(retry[t]), state);
+    }
+    if (finished) state->done(std::move(out));
+  });
 }
 
 void TierChain::Onload(std::vector<BundlePtr> bundles, bool prefetch) {
-  BeginBackground();
-  tiers_[0]->PutAsync(std::move(bundles), [this, prefetch](std::vector<Status> st) {
+  {
+    MutexLock lock(shared_->mu);
+    ++shared_->in_flight;
+    for (const BundlePtr& b : bundles) shared_->RefLocked(b->key(), b->sequence());
+  }
+  tiers_[0]->PutAsync(bundles, [this, bundles, prefetch](std::vector<Status> st) {
     uint64_t ok = 0;
     for (const Status& s : st) ok += s.ok();
     {
@@ -379,17 +584,19 @@ void TierChain::Onload(std::vector<BundlePtr> bundles, bool prefetch) {
         shared_->stats.onloaded += ok;
       }
     }
+    SettleBackground(0, bundles, st);
     EndBackground();
   });
 }
 
 std::future<std::vector<Status>> TierChain::Erase(std::vector<BundleKey> keys) {
+  // The erase is a version of its own: every copy below it goes, wherever it is or lands.
+  const uint64_t version = NextSequence();
   {
     MutexLock lock(shared_->mu);
-    for (const BundleKey& k : keys) {
-      if (shared_->moving.erase(k)) shared_->erased_while_moving.insert(k);
-    }
+    for (const BundleKey& k : keys) shared_->RefLocked(k, version);
   }
+  WaitNotMoving(keys);
   struct Combine {
     Mutex mu;
     std::vector<Status> out SPARSEKV_GUARDED_BY(mu);
@@ -403,8 +610,9 @@ std::future<std::vector<Status>> TierChain::Erase(std::vector<BundleKey> keys) {
     combine->waiting = tiers_.size();
   }
   std::future<std::vector<Status>> f = combine->promise.get_future();
+  const std::vector<uint64_t> below(keys.size(), version);
   for (auto& t : tiers_) {
-    t->EraseAsync(keys, [combine](std::vector<Status> st) {
+    t->EraseOlderAsync(keys, below, [combine, keys, shared = shared_](std::vector<Status> st) {
       std::vector<Status> out;
       {
         MutexLock lock(combine->mu);
@@ -413,6 +621,18 @@ std::future<std::vector<Status>> TierChain::Erase(std::vector<BundleKey> keys) {
         }
         if (--combine->waiting > 0) return;
         out = std::move(combine->out);
+      }
+      {
+        // A key whose erase failed somewhere keeps its reference: reads go on skipping the
+        // copy that is left.
+        MutexLock lock(shared->mu);
+        for (size_t i = 0; i < keys.size(); ++i) {
+          if (out[i].ok()) {
+            shared->UnrefLocked(keys[i]);
+          } else {
+            ++shared->stats.invalidate_failures;
+          }
+        }
       }
       combine->promise.set_value(std::move(out));
     });

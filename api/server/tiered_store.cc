@@ -80,7 +80,8 @@ std::vector<wire::ItemStatus> TieredStore::Put(uint32_t ns, std::span<const wire
   std::vector<size_t> index;
   for (size_t i = 0; i < items.size(); ++i) {
     const std::span<const std::byte> segments[1] = {items[i].bundle};
-    auto b = Bundle::Make({ns, FromWire(items[i].hash)}, segments);
+    // Each PUT is a new version: copies of older ones are never served again (tier_chain.h).
+    auto b = Bundle::Make({ns, FromWire(items[i].hash)}, segments, chain_->NextSequence());
     if (!b.ok()) {
       out[i] = ToItem(b.status());
       continue;
@@ -101,6 +102,18 @@ std::vector<wire::ItemStatus> TieredStore::Put(uint32_t ns, std::span<const wire
   }
   {
     MutexLock l(mu_);
+    // A pinned key holds its newest version: GETs answer from the pin first.
+    for (size_t k = 0; k < st.size() && !pinned_.empty(); ++k) {
+      auto it = pinned_.find(bundles[k]->key());
+      if (it == pinned_.end()) continue;
+      pinned_bytes_ -= it->second.bundle->record_bytes();
+      if (st[k].ok()) {
+        it->second.bundle = bundles[k];
+        pinned_bytes_ += bundles[k]->record_bytes();
+      } else {
+        pinned_.erase(it);  // the new version may or may not have landed: the pin is no longer sure
+      }
+    }
     NamespaceCounters& c = counters_[ns];
     c.puts += ok;
     c.put_failures += items.size() - ok;
@@ -216,10 +229,13 @@ bool TieredStore::TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireH
     host.GetAsync(keys, [&](std::vector<Result<BundlePtr>> r) { got = std::move(r); });
   }
   if (got.size() != keys.size()) return false;
-  for (const auto& r : got) {
+  for (size_t i = 0; i < got.size(); ++i) {
+    const auto& r = got[i];
     // Evicted meanwhile: the general path answers. A corrupt bundle was dropped just now; it
     // is reported here, as the general path would only find it missing.
     if (!r.ok() && !r.status().data_loss()) return false;
+    // An older copy onloaded while a newer version was written: the chain knows, and skips it.
+    if (r.ok() && chain_->IsStale(keys[i], (*r)->sequence())) return false;
   }
   uint64_t bytes = 0, hits = 0;
   wire::EventRecord removed{2, 0, {}};

@@ -20,7 +20,7 @@
 namespace sparsekv::server {
 
 struct TieredStoreOptions {
-  // Tiers and their stacking. Default: a 1 GiB host tier only (slot_bytes must be set).
+  // Tiers and their stacking. Default: a 1 GiB host tier only.
   OffloadOptions offload;
   // Bytes of pinned blocks held in memory. Default: 256 MiB.
   uint64_t pin_budget_bytes = 256ull << 20;

@@ -66,9 +66,6 @@ int Run(DaemonConfig config) {
     store_options.offload = *offload;
   }
   ResolveOffloadPaths(store_options.offload, config.data_dir);
-  // A host slot holds one block of the model as a client sends it (one segment).
-  const uint64_t block_record = BundleHeaderBytes(1) + geometry->BytesPerBlock();
-  if (store_options.offload.host.slot_bytes == 0) store_options.offload.host.slot_bytes = block_record;
   store_options.pin_budget_bytes = config.pin_budget_bytes;
   // One namespace: the host arena is a memfd that shared-memory clients map read-only, so a GET
   // is lent in place rather than copied (server.h, lend_from_arena).

@@ -75,7 +75,7 @@ class DaemonTest : public ::testing::Test {
   void Start() {
     TieredStoreOptions so;
     so.offload.host.capacity_bytes = 64ull << 20;
-    so.offload.host.slot_bytes = 256 * 1024;
+    so.offload.host.max_record_bytes = 256 * 1024;
     ServerOptions opts;
     opts.tcp_listen = "127.0.0.1:0";
     opts.unix_path = (dir_ / "d.sock").string();
@@ -619,7 +619,9 @@ TEST_F(DaemonTest, LoadOf32ClientsHasNoErrorsAndBoundedMemory) {
 class DaemonArenaTest : public DaemonTest {
   void Configure(TieredStoreOptions& so, ServerOptions& opts) override {
     so.offload.host.backing = ArenaBacking::kMemfd;
-    so.offload.host.capacity_bytes = 3 * 256 * 1024;  // three slots
+    // 100 units of 4 KiB: three of the ~100 KB values below, or four of exactly 100,000 bytes
+    // (25 units each) fill it; a lend may pin a quarter, 102,400 bytes: one such value.
+    so.offload.host.capacity_bytes = 100 * 4096;
     opts.namespaces = {{"alpha", "alpha-token"}};
   }
 };
@@ -668,21 +670,21 @@ TEST_F(DaemonArenaTest, SharedMemoryGetsAreLentInPlaceAndPinnedUntilTheNextOne) 
 }
 
 TEST_F(DaemonArenaTest, LentPagesStayWithinAQuarterOfTheHostTier) {
-  // Three 256 KiB slots: at most 192 KiB may be pinned by lent bundles. The first client's
-  // 100 KB bundle is lent; a second would pass the budget, so the next two GETs are copied and
-  // their pages stay evictable: a PUT into the full tier still finds room.
+  // Four 100,000-byte bundles fill the tier; at most 102,400 bytes may be pinned by lent
+  // bundles. The first client's bundle is lent; a second would pass the budget, so the next
+  // GETs are copied and their records stay evictable: a PUT into the full tier still finds room.
   auto tcp = Connect("alpha", "alpha-token", false);
   ASSERT_NE(tcp, nullptr);
   std::vector<std::vector<std::byte>> v;
-  for (uint64_t i = 0; i < 4; ++i) {
+  for (uint64_t i = 0; i < 5; ++i) {
     v.push_back(Value(1200 + i, 100000));
-    if (i == 3) break;  // put later
+    if (i == 4) break;  // put later
     BundleRef ref{H(1200 + i), v[i]};
     auto r = tcp->Put(std::span<const BundleRef>(&ref, 1));
     ASSERT_TRUE(r.ok() && (*r)[0].ok()) << (r.ok() ? (*r)[0].ToString() : r.status().ToString());
   }
   std::vector<std::unique_ptr<Client>> readers;
-  for (uint64_t i = 0; i < 3; ++i) {
+  for (uint64_t i = 0; i < 4; ++i) {
     readers.push_back(Connect("alpha", "alpha-token", true));
     ASSERT_NE(readers.back(), nullptr);
     const WireBlockHash h = H(1200 + i);
@@ -690,19 +692,20 @@ TEST_F(DaemonArenaTest, LentPagesStayWithinAQuarterOfTheHostTier) {
     ASSERT_TRUE(got.ok());
     EXPECT_EQ((*got)[0].bytes, v[i]);
   }
-  // Slot 0 lent (pinned), 1 and 2 copied: the new bundle evicts 1, the least recently read.
-  BundleRef ref{H(1203), v[3]};
+  // 0 lent (pinned), 1 to 3 copied: the new bundle evicts 1, the least recently read.
+  BundleRef ref{H(1204), v[4]};
   auto r = tcp->Put(std::span<const BundleRef>(&ref, 1));
   ASSERT_TRUE(r.ok());
   EXPECT_TRUE((*r)[0].ok()) << (*r)[0].ToString();
-  std::vector<WireBlockHash> hs = {H(1200), H(1201), H(1202), H(1203)};
+  std::vector<WireBlockHash> hs = {H(1200), H(1201), H(1202), H(1203), H(1204)};
   auto lk = tcp->Lookup(hs);
   ASSERT_TRUE(lk.ok());
-  EXPECT_EQ(lk->tiers, (std::vector<BlockTier>{BlockTier::kHost, BlockTier::kAbsent, BlockTier::kHost, BlockTier::kHost}));
+  EXPECT_EQ(lk->tiers, (std::vector<BlockTier>{BlockTier::kHost, BlockTier::kAbsent, BlockTier::kHost,
+                                               BlockTier::kHost, BlockTier::kHost}));
   // The budget's gauge counts the one lent bundle.
   const std::string m = ScrapeMetrics();
   EXPECT_THAT(m, HasSubstr("sparsekv_pinned_reply_bytes 100000\n"));
-  EXPECT_THAT(m, HasSubstr("sparsekv_pinned_reply_bytes_limit 196608\n"));
+  EXPECT_THAT(m, HasSubstr("sparsekv_pinned_reply_bytes_limit 102400\n"));
 }
 
 TEST_F(DaemonArenaTest, TheArenaIsPassedReadOnly) {

@@ -13,10 +13,11 @@ using testing::KeyOf;
 using testing::MakeBundleOfBytes;
 using testing::SameBytes;
 
+// A tier of `slots` × `slot_bytes` bytes taking records of at most `slot_bytes`.
 std::unique_ptr<HostTier> OpenHost(uint64_t slots, uint64_t slot_bytes = 16384) {
   HostTierOptions o;
   o.capacity_bytes = slots * slot_bytes;
-  o.slot_bytes = slot_bytes;
+  o.max_record_bytes = slot_bytes;
   o.huge_pages = false;
   auto t = HostTier::Open(o);
   EXPECT_TRUE(t.ok()) << t.status().ToString();
@@ -31,7 +32,7 @@ TEST(HostTier, PutGetContainsEraseWithPerItemResults) {
   ASSERT_EQ(st.size(), 3u);
   EXPECT_TRUE(st[0].ok());
   EXPECT_TRUE(st[1].ok());
-  EXPECT_TRUE(st[2].Is(StatusCode::kInvalidArgument)) << st[2].ToString();  // larger than a slot
+  EXPECT_TRUE(st[2].Is(StatusCode::kInvalidArgument)) << st[2].ToString();  // too large
   auto got = tier->Get({KeyOf(2), KeyOf(1), KeyOf(3)}).get();
   ASSERT_TRUE(got[0].ok());
   EXPECT_TRUE(SameBytes(**got[0], *in[1]));
@@ -54,10 +55,17 @@ TEST(HostTier, PutGetContainsEraseWithPerItemResults) {
 }
 
 TEST(HostTier, GetPinnedReadsInPlaceAndHoldsThePageUntilReleased) {
-  // A slot size that is not a multiple of 4 KiB: the record's padding must still fit.
-  auto tier = OpenHost(2, 10000);
+  // Five 4 KiB units, records of at most 10000 bytes (not a multiple of 4 KiB: the record's
+  // padding must still fit). 9000 bytes take 3 units, 5000 and 6000 bytes 2.
+  HostTierOptions o;
+  o.capacity_bytes = 5 * 4096;
+  o.max_record_bytes = 10000;
+  o.huge_pages = false;
+  auto opened = HostTier::Open(o);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  auto tier = std::move(*opened);
   std::vector<BundlePtr> in = {MakeBundleOfBytes(1, 9000), MakeBundleOfBytes(2, 5000)};
-  ASSERT_TRUE(tier->Put(in).get()[0].ok());
+  ASSERT_TRUE(tier->Put({in[0]}).get()[0].ok());
   auto pinned = tier->GetPinned(KeyOf(1));
   ASSERT_TRUE(pinned.ok()) << pinned.status().ToString();
   EXPECT_TRUE(SameBytes(**pinned, *in[0]));
@@ -65,22 +73,27 @@ TEST(HostTier, GetPinnedReadsInPlaceAndHoldsThePageUntilReleased) {
   const auto padded = (*pinned)->padded_record();
   EXPECT_EQ(padded.size() % 4096, 0u);
   for (size_t i = (*pinned)->record_bytes(); i < padded.size(); ++i) ASSERT_EQ(padded[i], std::byte{0}) << i;
-  // While pinned the page is neither evicted nor reused: filling the tier evicts the other.
+  // While pinned the record is neither evicted nor reused: filling the tier evicts the other.
   ASSERT_TRUE(tier->Put({in[1]}).get()[0].ok());
-  auto third = tier->Put({MakeBundleOfBytes(3, 4000)}).get();
+  auto third = tier->Put({MakeBundleOfBytes(3, 6000)}).get();
   ASSERT_TRUE(third[0].ok()) << third[0].ToString();
   EXPECT_EQ(tier->Contains({KeyOf(1), KeyOf(2), KeyOf(3)}).get(), (std::vector<bool>{true, false, true}));
-  auto fourth = tier->Put({MakeBundleOfBytes(4, 4000)}).get();  // evicts 3: 1 is still pinned
+  auto fourth = tier->Put({MakeBundleOfBytes(4, 6000)}).get();  // evicts 3: 1 is still pinned
   EXPECT_TRUE(fourth[0].ok()) << fourth[0].ToString();
   EXPECT_EQ(tier->Contains({KeyOf(1), KeyOf(3), KeyOf(4)}).get(), (std::vector<bool>{true, false, true}));
   EXPECT_TRUE(SameBytes(**pinned, *in[0]));
-  // Erased while pinned: gone from the index at once, its page freed by the last owner.
+  // Evicting everything not pinned still leaves too little room: refused (4 went trying).
+  auto fifth = tier->Put({MakeBundleOfBytes(5, 9000)}).get();
+  EXPECT_TRUE(fifth[0].Is(StatusCode::kResourceExhausted)) << fifth[0].ToString();
+  EXPECT_TRUE(tier->Contains({KeyOf(1)}).get()[0]);
+  EXPECT_TRUE(SameBytes(**pinned, *in[0]));
+  // Erased while pinned: gone from the index at once, its space freed by the last owner.
   ASSERT_TRUE(tier->Erase({KeyOf(1)}).get()[0].ok());
   EXPECT_FALSE(tier->Contains({KeyOf(1)}).get()[0]);
   EXPECT_TRUE(SameBytes(**pinned, *in[0]));
   pinned = Status::Aborted("released");
-  ASSERT_TRUE(tier->Put({MakeBundleOfBytes(5, 4000)}).get()[0].ok());
-  EXPECT_EQ(tier->Contains({KeyOf(4), KeyOf(5)}).get(), (std::vector<bool>{true, true}));
+  ASSERT_TRUE(tier->Put({MakeBundleOfBytes(5, 6000)}).get()[0].ok());
+  EXPECT_EQ(tier->Contains({KeyOf(4), KeyOf(5)}).get(), (std::vector<bool>{false, true}));
 }
 
 TEST(HostTier, GetPinnedChecksTheRecordAndDropsACorruptOne) {
@@ -96,19 +109,19 @@ TEST(HostTier, GetPinnedChecksTheRecordAndDropsACorruptOne) {
 }
 
 TEST(HostTier, EvictsLeastRecentlyUsedAndHandsItOver) {
-  auto tier = OpenHost(4);
+  auto tier = OpenHost(4);  // four records of 16000 bytes fill it
   std::vector<BundlePtr> evicted;
   ASSERT_TRUE(tier->SetEvictionListener([&](std::vector<BundlePtr> b) {
                     for (auto& x : b) evicted.push_back(std::move(x));
                   })
                   .ok());
   for (uint64_t i = 0; i < 4; ++i)
-    ASSERT_TRUE(tier->Put({MakeBundleOfBytes(i, 4000)}).get()[0].ok());
+    ASSERT_TRUE(tier->Put({MakeBundleOfBytes(i, 16000)}).get()[0].ok());
   ASSERT_TRUE(tier->Get({KeyOf(0)}).get()[0].ok());  // 0 is now the most recent; 1 the least
-  ASSERT_TRUE(tier->Put({MakeBundleOfBytes(10, 4000)}).get()[0].ok());
+  ASSERT_TRUE(tier->Put({MakeBundleOfBytes(10, 16000)}).get()[0].ok());
   ASSERT_EQ(evicted.size(), 1u);
   EXPECT_EQ(evicted[0]->key(), KeyOf(1));
-  EXPECT_TRUE(SameBytes(*evicted[0], *MakeBundleOfBytes(1, 4000)));
+  EXPECT_TRUE(SameBytes(*evicted[0], *MakeBundleOfBytes(1, 16000)));
   EXPECT_EQ(tier->Contains({KeyOf(0), KeyOf(1), KeyOf(2), KeyOf(10)}).get(),
             (std::vector<bool>{true, false, true, true}));
   EXPECT_EQ(tier->Stats().evictions, 1u);
@@ -175,10 +188,16 @@ TEST(HostTier, ConcurrentReadersWritersAndErasers) {
 
 TEST(HostTier, RejectsBadOptions) {
   HostTierOptions o;
-  EXPECT_TRUE(HostTier::Open(o).status().Is(StatusCode::kInvalidArgument));  // slot_bytes unset
-  o.slot_bytes = 1 << 20;
-  o.capacity_bytes = 1000;
+  o.huge_pages = false;
+  o.capacity_bytes = 1000;  // below one 4 KiB unit
   EXPECT_TRUE(HostTier::Open(o).status().Is(StatusCode::kInvalidArgument));
+  o.capacity_bytes = 1 << 20;
+  o.max_record_bytes = 2 << 20;  // larger than the tier
+  EXPECT_TRUE(HostTier::Open(o).status().Is(StatusCode::kInvalidArgument));
+  o.max_record_bytes = 0;  // the capacity
+  auto t = HostTier::Open(o);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ((*t)->max_record_bytes(), 1u << 20);
 }
 
 }  // namespace

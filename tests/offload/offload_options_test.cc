@@ -18,7 +18,7 @@ TEST(OffloadOptions, DefaultsAndFullSection) {
   EXPECT_EQ(d->ssd.durability, Durability::kFdatasync);
   auto o = ParseOffloadOptionsJson(R"({
     "write_policy": "write-through", "prefetch_blocks": 8,
-    "host": {"capacity_bytes": "4GiB", "slot_bytes": 9437184},
+    "host": {"capacity_bytes": "4GiB", "max_record_bytes": 9437184},
     "ssd": {"enabled": true, "path": "l3", "capacity_bytes": "64 GiB", "queue_depth": 32, "io_threads": 2,
             "io_bytes": "2MiB", "durability": "dsync", "register_buffers": false},
     "rocksdb": {"enabled": true, "min_blob_size": "64KiB", "durability": "none", "use_direct_io": true}})");
@@ -26,7 +26,7 @@ TEST(OffloadOptions, DefaultsAndFullSection) {
   EXPECT_EQ(o->chain.write_policy, WritePolicy::kWriteThrough);
   EXPECT_EQ(o->chain.prefetch_blocks, 8u);
   EXPECT_EQ(o->host.capacity_bytes, 4ull << 30);
-  EXPECT_EQ(o->host.slot_bytes, 9437184u);
+  EXPECT_EQ(o->host.max_record_bytes, 9437184u);
   EXPECT_EQ(o->ssd.capacity_bytes, 64ull << 30);
   EXPECT_EQ(o->ssd.queue_depth, 32u);
   EXPECT_EQ(o->ssd.io_bytes, 2u << 20);
@@ -73,7 +73,7 @@ TEST(OffloadOptions, ErrorsNameTheKeyAndWhatWasExpected) {
 TEST(OffloadOptions, OpenTierChainBuildsTheEnabledTiers) {
   testing::TempDir dir("opts");
   auto o = ParseOffloadOptionsJson(
-      R"({"host": {"capacity_bytes": "1MiB", "slot_bytes": 65536, "huge_pages": false},
+      R"({"host": {"capacity_bytes": "1MiB", "max_record_bytes": 65536, "huge_pages": false},
                                        "ssd": {"enabled": true, "capacity_bytes": "16MiB", "slab_grow_bytes": "1MiB", "read_arena_bytes": "4MiB"},
                                        "rocksdb": {"enabled": true}})");
   ASSERT_TRUE(o.ok()) << o.status().ToString();
@@ -87,10 +87,18 @@ TEST(OffloadOptions, OpenTierChainBuildsTheEnabledTiers) {
   OffloadOptions none;
   none.host_enabled = false;
   EXPECT_TRUE(OpenTierChain(none).status().Is(StatusCode::kInvalidArgument));
-  OffloadOptions unset;  // host on, slot_bytes unset
-  auto e = OpenTierChain(unset);
-  EXPECT_NE(e.status().ToString().find("offload.host: host tier: slot_bytes"), std::string::npos)
+  OffloadOptions too_large;  // a record limit above the tier's capacity
+  too_large.host.capacity_bytes = 1 << 20;
+  too_large.host.max_record_bytes = 2 << 20;
+  too_large.host.huge_pages = false;
+  auto e = OpenTierChain(too_large);
+  EXPECT_NE(e.status().ToString().find("offload.host: host tier: max_record_bytes"),
+            std::string::npos)
       << e.status().ToString();
+  // The older name of the limit still reads, as the same limit.
+  auto old = ParseOffloadOptionsJson(R"({"host": {"slot_bytes": 65536}})");
+  ASSERT_TRUE(old.ok()) << old.status().ToString();
+  EXPECT_EQ(old->host.max_record_bytes, 65536u);
 }
 
 }  // namespace

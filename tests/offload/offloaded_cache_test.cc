@@ -43,8 +43,8 @@ Stack Build(const std::string& ssd_dir) {
   sizes.push_back(16);
   block_bytes = BundleRecordBytes(sizes);
   HostTierOptions h;
-  h.slot_bytes = block_bytes;
-  h.capacity_bytes = 2 * block_bytes;  // smaller than the prefix: it spills
+  h.max_record_bytes = block_bytes;
+  h.capacity_bytes = 2 * ((block_bytes + 4095) & ~uint64_t{4095});  // smaller than the prefix: it spills
   h.huge_pages = false;
   SsdTierOptions d;
   d.path = ssd_dir;

@@ -65,6 +65,11 @@ class GatedTier : public Tier {
   void EraseAsync(std::vector<BundleKey> keys, StatusesCallback done) override {
     inner_->EraseAsync(std::move(keys), std::move(done));
   }
+  void EraseOlderAsync(std::vector<BundleKey> keys, std::vector<uint64_t> below,
+                       StatusesCallback done) override {
+    inner_->EraseOlderAsync(std::move(keys), std::move(below), std::move(done));
+  }
+  uint64_t max_sequence() const override { return inner_->max_sequence(); }
 
  private:
   std::unique_ptr<Tier> inner_;
@@ -114,8 +119,8 @@ Stack Build(StackOptions o) {
   std::vector<std::unique_ptr<Tier>> tiers;
   if (o.host_blocks > 0) {
     HostTierOptions h;
-    h.slot_bytes = s.block_record_bytes;
-    h.capacity_bytes = o.host_blocks * s.block_record_bytes;
+    h.max_record_bytes = s.block_record_bytes;
+    h.capacity_bytes = o.host_blocks * ((s.block_record_bytes + 4095) & ~uint64_t{4095});
     h.huge_pages = false;
     tiers.push_back(HostTier::Open(h).value());
   }
@@ -298,7 +303,7 @@ TEST(OffloadedCacheWriteBack, AFailingTierDropsBlocksCleanlyAndL1KeepsWorking) {
   o.ssd_dir = dir.path();
   o.fs = &fault;
   Stack s = Build(o);
-  fault.AddRule({FaultOp::kWrite, FaultKind::kEio, "slab-", UINT64_MAX, 1.0});
+  fault.AddRule({FaultOp::kWrite, FaultKind::kEio, "data.dat", UINT64_MAX, 1.0});
   const auto p = Prompt(4 * kBt + 1, 1);
   const auto q = Prompt(7 * kBt + 1, 2);
   ASSERT_TRUE(Request(s, p).allocated);

@@ -53,7 +53,7 @@ class SsdFaultTest : public ::testing::Test {
 
 TEST_F(SsdFaultTest, WriteEioFailsOnlyTheItemsItHits) {
   auto before = Acked(0, 4);
-  fault_.AddRule({FaultOp::kWrite, FaultKind::kEio, "slab-", 1, 1.0});
+  fault_.AddRule({FaultOp::kWrite, FaultKind::kEio, "data.dat", 1, 1.0});
   std::vector<BundlePtr> batch;
   for (uint64_t i = 10; i < 16; ++i) batch.push_back(MakeBundleOfBytes(i, 100000));
   auto st = Put(batch);
@@ -63,7 +63,7 @@ TEST_F(SsdFaultTest, WriteEioFailsOnlyTheItemsItHits) {
     ++failed;
     EXPECT_TRUE(s.Is(StatusCode::kIOError)) << s.ToString();
     EXPECT_NE(s.ToString().find("Input/output error"), std::string::npos) << s.ToString();
-    EXPECT_NE(s.ToString().find("slab-"), std::string::npos) << s.ToString();
+    EXPECT_NE(s.ToString().find("data.dat"), std::string::npos) << s.ToString();
   }
   EXPECT_EQ(failed, 1);
   EXPECT_EQ(tier_->Stats().io_errors, 1u);
@@ -82,7 +82,7 @@ TEST_F(SsdFaultTest, WriteEioFailsOnlyTheItemsItHits) {
 
 TEST_F(SsdFaultTest, TornWriteIsAFailedPutAndLeavesNothingBehind) {
   auto before = Acked(0, 3);
-  fault_.AddRule({FaultOp::kWrite, FaultKind::kTornWrite, "slab-", 1, 1.0});
+  fault_.AddRule({FaultOp::kWrite, FaultKind::kTornWrite, "data.dat", 1, 1.0});
   auto st = Put({MakeBundleOfBytes(20, 100000)});
   EXPECT_TRUE(st[0].Is(StatusCode::kIOError)) << st[0].ToString();
   Reopen();
@@ -93,20 +93,20 @@ TEST_F(SsdFaultTest, TornWriteIsAFailedPutAndLeavesNothingBehind) {
 }
 
 TEST_F(SsdFaultTest, EnospcWhileGrowingIsRetryableAndRecovers) {
-  fault_.AddRule({FaultOp::kAllocate, FaultKind::kEnospc, "slab-", 1, 1.0});
+  fault_.AddRule({FaultOp::kAllocate, FaultKind::kEnospc, "data.dat", 1, 1.0});
   auto st = Put({MakeBundleOfBytes(1, 100000)});
   EXPECT_TRUE(st[0].Is(StatusCode::kResourceExhausted)) << st[0].ToString();
   EXPECT_TRUE(st[0].retryable());
   EXPECT_NE(st[0].ToString().find("No space left"), std::string::npos) << st[0].ToString();
   ASSERT_TRUE(Put({MakeBundleOfBytes(1, 100000)})[0].ok());
-  fault_.AddRule({FaultOp::kWrite, FaultKind::kEnospc, "slab-", 1, 1.0});
+  fault_.AddRule({FaultOp::kWrite, FaultKind::kEnospc, "data.dat", 1, 1.0});
   st = Put({MakeBundleOfBytes(2, 100000)});
   EXPECT_TRUE(st[0].Is(StatusCode::kResourceExhausted)) << st[0].ToString();
   ExpectIntact(1, MakeBundleOfBytes(1, 100000));
 }
 
 TEST_F(SsdFaultTest, FailedFdatasyncAcknowledgesNothing) {
-  fault_.AddRule({FaultOp::kSync, FaultKind::kEio, "slab-", 1, 1.0});
+  fault_.AddRule({FaultOp::kSync, FaultKind::kEio, "data.dat", 1, 1.0});
   auto st = Put({MakeBundleOfBytes(1, 50000), MakeBundleOfBytes(2, 50000)});
   EXPECT_TRUE(st[0].Is(StatusCode::kIOError)) << st[0].ToString();
   EXPECT_NE(st[0].ToString().find("fdatasync"), std::string::npos);
@@ -120,7 +120,7 @@ TEST_F(SsdFaultTest, FailedFdatasyncAcknowledgesNothing) {
 
 TEST_F(SsdFaultTest, ShortReadsAreContinued) {
   auto in = Acked(0, 5);
-  fault_.AddRule({FaultOp::kRead, FaultKind::kShortRead, "slab-", 20, 1.0});
+  fault_.AddRule({FaultOp::kRead, FaultKind::kShortRead, "data.dat", 20, 1.0});
   for (size_t i = 0; i < in.size(); ++i) ExpectIntact(i, in[i]);
   EXPECT_GT(fault_.Stats().short_reads, 5u);
   EXPECT_EQ(tier_->Stats().corrupt, 0u);
@@ -128,7 +128,7 @@ TEST_F(SsdFaultTest, ShortReadsAreContinued) {
 
 TEST_F(SsdFaultTest, ReadEioIsReportedAndTheBundleStays) {
   auto in = Acked(0, 2);
-  fault_.AddRule({FaultOp::kRead, FaultKind::kEio, "slab-", 1, 1.0});
+  fault_.AddRule({FaultOp::kRead, FaultKind::kEio, "data.dat", 1, 1.0});
   auto got = GetOne(0);
   EXPECT_TRUE(got.status().Is(StatusCode::kIOError)) << got.status().ToString();
   EXPECT_FALSE(got.status().data_loss());
@@ -138,14 +138,14 @@ TEST_F(SsdFaultTest, ReadEioIsReportedAndTheBundleStays) {
 
 TEST_F(SsdFaultTest, FlippedBitsAreDetectedNeverReturned) {
   auto in = Acked(0, 3);
-  fault_.AddRule({FaultOp::kRead, FaultKind::kFlipBit, "slab-", 1, 1.0});
+  fault_.AddRule({FaultOp::kRead, FaultKind::kFlipBit, "data.dat", 1, 1.0});
   auto got = GetOne(1);
   EXPECT_TRUE(got.status().Is(StatusCode::kCorruption)) << got.status().ToString();
   EXPECT_TRUE(got.status().data_loss());
   EXPECT_EQ(tier_->Stats().corrupt, 1u);
   EXPECT_TRUE(GetOne(1).status().Is(StatusCode::kNotFound));  // erased
   // Silent damage on the way to the disk: acknowledged, then caught by the checksum.
-  fault_.AddRule({FaultOp::kWrite, FaultKind::kFlipBit, "slab-", 1, 1.0});
+  fault_.AddRule({FaultOp::kWrite, FaultKind::kFlipBit, "data.dat", 1, 1.0});
   ASSERT_TRUE(Put({MakeBundleOfBytes(9, 100000)})[0].ok());
   Reopen();
   EXPECT_TRUE(GetOne(9).status().Is(StatusCode::kCorruption));
@@ -157,12 +157,12 @@ TEST_F(SsdFaultTest, RandomFaultsNeverLoseOrCorruptAcknowledgedBundles) {
   std::map<uint64_t, BundlePtr> acked;
   std::mt19937_64 rng(99);
   for (FaultKind k : {FaultKind::kEio, FaultKind::kTornWrite, FaultKind::kEnospc}) {
-    fault_.AddRule({FaultOp::kWrite, k, "slab-", UINT64_MAX, 0.03});
+    fault_.AddRule({FaultOp::kWrite, k, "data.dat", UINT64_MAX, 0.03});
   }
-  fault_.AddRule({FaultOp::kRead, FaultKind::kEio, "slab-", UINT64_MAX, 0.03});
-  fault_.AddRule({FaultOp::kRead, FaultKind::kShortRead, "slab-", UINT64_MAX, 0.05});
-  fault_.AddRule({FaultOp::kSync, FaultKind::kEio, "slab-", UINT64_MAX, 0.05});
-  fault_.AddRule({FaultOp::kAllocate, FaultKind::kEnospc, "slab-", UINT64_MAX, 0.1});
+  fault_.AddRule({FaultOp::kRead, FaultKind::kEio, "data.dat", UINT64_MAX, 0.03});
+  fault_.AddRule({FaultOp::kRead, FaultKind::kShortRead, "data.dat", UINT64_MAX, 0.05});
+  fault_.AddRule({FaultOp::kSync, FaultKind::kEio, "data.dat", UINT64_MAX, 0.05});
+  fault_.AddRule({FaultOp::kAllocate, FaultKind::kEnospc, "data.dat", UINT64_MAX, 0.1});
   int wrong = 0;
   for (int round = 0; round < 30; ++round) {
     std::vector<BundlePtr> batch;

@@ -33,22 +33,10 @@ std::unique_ptr<SsdTier> OpenSsd(const SsdTierOptions& o, FileSystem* fs = nullp
   return t.ok() ? std::move(*t) : nullptr;
 }
 
-TEST(SsdSlabClass, AtMostAnEighthWasted) {
-  EXPECT_EQ(SsdSlabClassBytes(1), 4096u);
-  EXPECT_EQ(SsdSlabClassBytes(4096), 4096u);
-  EXPECT_EQ(SsdSlabClassBytes(4097), 8192u);
-  EXPECT_EQ(SsdSlabClassBytes(1 << 20), 1u << 20);
-  EXPECT_EQ(SsdSlabClassBytes((1 << 20) + 1), (1u << 20) + (128u << 10));
-  for (uint64_t r = 1; r < (64ull << 20); r = r * 3 / 2 + 17) {
-    const uint64_t c = SsdSlabClassBytes(r);
-    EXPECT_GE(c, r);
-    EXPECT_EQ(c % 4096, 0u);
-    EXPECT_LE(c - r, std::max<uint64_t>(4095, c / 8)) << r;
-    EXPECT_EQ(SsdSlabClassBytes(c), c);  // a class is its own class
-  }
-}
+// The space a record takes in the data file: its size rounded up to 4 KiB.
+uint64_t Aligned(uint64_t record_bytes) { return (record_bytes + 4095) / 4096 * 4096; }
 
-TEST(SsdTier, RoundTripManySizesAcrossSlabClasses) {
+TEST(SsdTier, RoundTripManySizes) {
   testing::TempDir dir("ssd");
   auto tier = OpenSsd(SmallOptions(dir.path()));
   ASSERT_TRUE(tier);
@@ -70,7 +58,10 @@ TEST(SsdTier, RoundTripManySizesAcrossSlabClasses) {
   EXPECT_EQ(s.items, in.size());
   EXPECT_EQ(s.hits, in.size());
   EXPECT_EQ(s.misses, 1u);
-  EXPECT_GT(tier->Details().slab_files, 4u);
+  uint64_t taken = 0;
+  for (auto& b : in) taken += Aligned(b->record_bytes());
+  EXPECT_EQ(tier->Details().allocated_bytes - tier->Details().free_bytes, taken)
+      << "each record takes its size rounded to 4 KiB, nothing more";
   SsdTierDetails d = tier->Details();
   EXPECT_TRUE(d.buffers_registered);
   EXPECT_GT(d.fixed_ios, 0u);  // reads landed in the registered arena
@@ -103,8 +94,8 @@ TEST(SsdTier, PerItemResultsInOneBatch) {
 TEST(SsdTier, ReplaceEraseAndSlotReuseKeepTheFileSize) {
   testing::TempDir dir("ssd");
   SsdTierOptions o = SmallOptions(dir.path());
-  const uint64_t cb = SsdSlabClassBytes(MakeBundleOfBytes(0, 60000)->record_bytes());
-  o.slab_grow_bytes = 8 * cb;  // 8 slots at a time
+  const uint64_t cb = Aligned(MakeBundleOfBytes(0, 60000)->record_bytes());
+  o.slab_grow_bytes = 8 * cb;  // room for 8 records at a time
   auto tier = OpenSsd(o);
   for (uint64_t round = 0; round < 5; ++round) {
     std::vector<BundlePtr> batch;
@@ -118,7 +109,7 @@ TEST(SsdTier, ReplaceEraseAndSlotReuseKeepTheFileSize) {
   ASSERT_TRUE(got[0].ok());
   EXPECT_TRUE(SameBytes(**got[0], *MakeBundleOfBytes(0, 60000, 4)));
   EXPECT_TRUE(SameBytes(**got[1], *MakeBundleOfBytes(7, 60000, 4)));
-  // Replacements write to a fresh slot first, so at most 16 slots were ever needed.
+  // Replacements write to fresh space first, so at most 16 records' space was ever needed.
   EXPECT_LE(tier->Details().allocated_bytes, 16u * cb);
   EXPECT_EQ(tier->Stats().items, 8u);
   EXPECT_EQ(tier->Stats().erased, 6u);
@@ -131,7 +122,7 @@ TEST(SsdTier, ReplaceEraseAndSlotReuseKeepTheFileSize) {
 TEST(SsdTier, EvictsLeastRecentlyUsedAtCapacity) {
   testing::TempDir dir("ssd");
   SsdTierOptions o = SmallOptions(dir.path());
-  const uint64_t cb = SsdSlabClassBytes(MakeBundleOfBytes(0, 60000)->record_bytes());
+  const uint64_t cb = Aligned(MakeBundleOfBytes(0, 60000)->record_bytes());
   o.capacity_bytes = 4 * cb;
   o.slab_grow_bytes = cb;
   auto tier = OpenSsd(o);
@@ -143,14 +134,21 @@ TEST(SsdTier, EvictsLeastRecentlyUsedAtCapacity) {
             (std::vector<bool>{true, false, true, true, true}));
   EXPECT_EQ(tier->Stats().evictions, 1u);
   EXPECT_EQ(tier->Details().allocated_bytes, 4u * cb);
-  // A class with nothing to evict and no room left is refused cleanly.
+  // A larger record evicts least recently used bundles until a free extent holds it.
   auto big = tier->Put({MakeBundleOfBytes(9, 200000)}).get();
-  EXPECT_TRUE(big[0].Is(StatusCode::kResourceExhausted)) << big[0].ToString();
-  // The eviction survives a restart: the evicted key does not come back.
+  EXPECT_TRUE(big[0].ok()) << big[0].ToString();
+  EXPECT_TRUE(tier->Contains({KeyOf(9)}).get()[0]);
+  // One larger than the whole tier is refused cleanly, and nothing is evicted for it.
+  const uint64_t evictions = tier->Stats().evictions;
+  auto huge = tier->Put({MakeBundleOfBytes(10, 5 * 60000)}).get();
+  EXPECT_TRUE(huge[0].Is(StatusCode::kInvalidArgument)) << huge[0].ToString();
+  EXPECT_EQ(tier->Stats().evictions, evictions);
+  EXPECT_TRUE(tier->Contains({KeyOf(9)}).get()[0]);
+  // The evictions survive a restart: the evicted keys do not come back.
   tier.reset();
   tier = OpenSsd(o);
-  EXPECT_EQ(tier->Contains({KeyOf(0), KeyOf(1), KeyOf(4)}).get(),
-            (std::vector<bool>{true, false, true}));
+  EXPECT_EQ(tier->Contains({KeyOf(1), KeyOf(2), KeyOf(9)}).get(),
+            (std::vector<bool>{false, false, true}));
 }
 
 class SsdRestart : public ::testing::TestWithParam<Durability> {};
@@ -227,17 +225,23 @@ TEST(SsdTier, DamagedSlabBytesAreDetectedAfterRestartAndDropped) {
   EXPECT_EQ(tier->Details().recovered, 3u);
 }
 
-TEST(SsdTier, IndexEntriesPointingOutsideTheSlabsAreDroppedAtOpen) {
+TEST(SsdTier, IndexEntriesPointingOutsideTheDataFileAreDroppedAtOpen) {
   testing::TempDir dir("ssd");
   SsdTierOptions o = SmallOptions(dir.path());
   std::string file;
+  uint64_t end_of_1 = 0;
   {
     auto tier = OpenSsd(o);
-    ASSERT_TRUE(
-        tier->Put({MakeBundleOfBytes(1, 30000), MakeBundleOfBytes(2, 300000)}).get()[0].ok());
-    file = tier->Locate(KeyOf(2))->file;
+    ASSERT_TRUE(tier->Put({MakeBundleOfBytes(1, 30000)}).get()[0].ok());
+    ASSERT_TRUE(tier->Put({MakeBundleOfBytes(2, 300000)}).get()[0].ok());
+    auto l1 = tier->Locate(KeyOf(1));
+    auto l2 = tier->Locate(KeyOf(2));
+    ASSERT_TRUE(l1.ok() && l2.ok());
+    ASSERT_LT(l1->offset, l2->offset);
+    file = l2->file;
+    end_of_1 = Aligned(l1->offset + l1->record_bytes);
   }
-  std::filesystem::remove(file);  // the slab file of key 2's class is gone
+  std::filesystem::resize_file(file, end_of_1);  // key 2's record is cut off
   auto tier = OpenSsd(o);
   EXPECT_EQ(tier->Details().dropped_at_open, 1u);
   EXPECT_EQ(tier->Contains({KeyOf(1), KeyOf(2)}).get(), (std::vector<bool>{true, false}));

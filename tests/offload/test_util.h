@@ -46,11 +46,13 @@ inline BundleKey KeyOf(uint64_t id, uint32_t ns = 7) {
   return k;
 }
 
-// A bundle whose bytes are a function of (id, version): segments of the given sizes.
+// A bundle whose bytes are a function of (id, version): segments of the given sizes, stamped
+// with `sequence` (bundle.h).
 inline BundlePtr MakeBundle(uint64_t id, std::vector<uint64_t> segment_bytes, uint64_t version = 0,
-                            uint32_t ns = 7) {
-  auto b =
-      Bundle::MakeWith(KeyOf(id, ns), segment_bytes, [&](uint32_t seg, std::span<std::byte> out) {
+                            uint32_t ns = 7, uint64_t sequence = 0) {
+  auto b = Bundle::MakeWith(
+      KeyOf(id, ns), segment_bytes,
+      [&](uint32_t seg, std::span<std::byte> out) {
         std::mt19937_64 rng(id * 1000003 + version * 7919 + seg);
         size_t i = 0;
         for (; i + 8 <= out.size(); i += 8) {
@@ -58,14 +60,16 @@ inline BundlePtr MakeBundle(uint64_t id, std::vector<uint64_t> segment_bytes, ui
           std::memcpy(out.data() + i, &v, 8);
         }
         for (; i < out.size(); ++i) out[i] = std::byte(rng() & 0xff);
-      });
+      },
+      sequence);
   return b.ok() ? *b : nullptr;
 }
 
 // Three kinds, like a V3.2 block in miniature: latent, indexer keys, a small state.
-inline BundlePtr MakeBundleOfBytes(uint64_t id, uint64_t payload_bytes, uint64_t version = 0) {
+inline BundlePtr MakeBundleOfBytes(uint64_t id, uint64_t payload_bytes, uint64_t version = 0,
+                                   uint64_t sequence = 0) {
   const uint64_t a = payload_bytes * 3 / 4, b = payload_bytes / 5, c = payload_bytes - a - b;
-  return MakeBundle(id, {a, b, c}, version);
+  return MakeBundle(id, {a, b, c}, version, 7, sequence);
 }
 
 inline bool SameBytes(const Bundle& a, const Bundle& b) {

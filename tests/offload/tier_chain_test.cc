@@ -19,8 +19,8 @@ class TierChainTest : public ::testing::Test {
  protected:
   std::unique_ptr<TierChain> Make(WritePolicy policy, uint64_t host_slots = 4) {
     HostTierOptions h;
-    h.slot_bytes = 32768;
-    h.capacity_bytes = host_slots * h.slot_bytes;
+    h.max_record_bytes = 32768;
+    h.capacity_bytes = host_slots * 5 * 4096;  // host_slots records of kPayload (5 units each)
     h.huge_pages = false;
     SsdTierOptions s;
     s.path = dir_.path();

@@ -7,11 +7,17 @@
 // a damaged or misplaced record from a good one without trusting its own metadata.
 //
 // Record layout (little-endian; the header is padded to a multiple of 8 bytes):
-//   0  u32 magic "SKVB"        4  u16 format version (1)     6  u16 segment count
+//   0  u32 magic "SKVB"        4  u16 format version (2)     6  u16 segment count
 //   8  u64 XXH3-64 (seed 0) of every byte from offset 16 to the end of the payload
 //  16  u32 namespace id       20  u32 flags (0)
 //  24  u64 hash.lo            32  u64 hash.hi                40  u64 payload bytes
-//  48  u32 segment bytes × segment count, then zero padding, then the payload
+//  48  u64 sequence
+//  56  u32 segment bytes × segment count, then zero padding, then the payload
+//
+// The sequence orders the versions of one key: a TierChain stamps every new version with a
+// larger one (TierChain::NextSequence), every copy carries it, and no tier lets a copy replace
+// one with a larger sequence. It is covered by the checksum, so a damaged sequence is caught
+// like any damaged byte. Sequence 0 means "unversioned" (made outside a chain).
 //
 // Ownership: a Bundle owns its record (a RecordBuffer) and is immutable once made; tiers and
 // callers share it as a BundlePtr (shared_ptr<const Bundle>), so one bundle written to several
@@ -49,9 +55,9 @@ struct BundleKeyHasher {
 };
 
 inline constexpr uint32_t kBundleMagic = 0x42564b53;  // "SKVB" read as little-endian bytes
-inline constexpr uint16_t kBundleFormatVersion = 1;
+inline constexpr uint16_t kBundleFormatVersion = 2;
 inline constexpr uint32_t kMaxBundleSegments = 64;
-inline constexpr uint64_t kBundleFixedHeaderBytes = 48;
+inline constexpr uint64_t kBundleFixedHeaderBytes = 56;
 
 // Header bytes of a record with `segment_count` segments.
 constexpr uint64_t BundleHeaderBytes(uint32_t segment_count) {
@@ -96,16 +102,17 @@ class RecordBuffer {
 
 class Bundle {
  public:
-  // Gathers `segments` (one per cache kind, in the model's pool order) under `key`: builds the
-  // header, copies the payload and computes the checksum. Errors: more than kMaxBundleSegments
-  // segments, or a segment of 4 GiB or more.
+  // Gathers `segments` (one per cache kind, in the model's pool order) under `key` as version
+  // `sequence`: builds the header, copies the payload and computes the checksum. Errors: more
+  // than kMaxBundleSegments segments, or a segment of 4 GiB or more.
   static Result<BundlePtr> Make(const BundleKey& key,
-                                std::span<const std::span<const std::byte>> segments);
+                                std::span<const std::span<const std::byte>> segments,
+                                uint64_t sequence = 0);
   // As Make, with segments of the given sizes filled in place by `fill(index, destination)`:
   // spares a copy when the caller gathers from pages itself.
   static Result<BundlePtr> MakeWith(
       const BundleKey& key, std::span<const uint64_t> segment_bytes,
-      const std::function<void(uint32_t, std::span<std::byte>)>& fill);
+      const std::function<void(uint32_t, std::span<std::byte>)>& fill, uint64_t sequence = 0);
 
   // Checks a record read back from storage: magic, version, sizes against `record.size()`, the
   // checksum, and that it is filed under `expected`. Returns Corruption (data_loss) naming what
@@ -126,6 +133,8 @@ class Bundle {
   static Status VerifyRecordLayout(std::span<const std::byte> record, const BundleKey& expected);
 
   const BundleKey& key() const { return key_; }
+  // The version this copy holds (see the record layout above).
+  uint64_t sequence() const { return sequence_; }
   uint32_t segment_count() const { return segment_count_; }
   uint64_t segment_bytes(uint32_t i) const;
   // Precondition: i < segment_count().
@@ -148,6 +157,7 @@ class Bundle {
   static Result<BundlePtr> FromVerified(RecordBuffer buffer, uint64_t record_bytes);
 
   BundleKey key_;
+  uint64_t sequence_ = 0;
   uint32_t segment_count_ = 0;
   uint64_t header_bytes_ = 0;
   uint64_t record_bytes_ = 0;

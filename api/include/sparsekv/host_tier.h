@@ -1,16 +1,16 @@
-// HostTier: the host-DRAM offload tier (L2), bundles in the fixed-size pages of a PagePool.
+// HostTier: the host-DRAM offload tier (L2): records in one arena, allocated by the byte.
 //
-// Each bundle takes one page ("slot") of `slot_bytes`; a bundle whose record is larger is
-// refused with InvalidArgument. Stored bundles sit in the pool's LRU of cached pages: a get
-// pins the page while it copies and checks the record, then puts it back at the most recently
-// used end; a put that finds no free page evicts the least recently used bundle. With an
-// eviction listener set, evicted bundles are copied out first and handed over (write-back to
-// the next tier). Every operation completes on the caller's thread before the call returns.
-// Each slot takes `slot_bytes` rounded up to 4 KiB of memory, so a record in place can be
-// handed out as a bundle (GetPinned), padding included.
+// Each bundle's record takes a contiguous extent of 4 KiB units of the arena (its size rounded
+// up to 4 KiB, so a record in place can be handed out as a bundle with its padding, GetPinned),
+// so a 64 KiB value takes 64 KiB whatever the largest bundle is: any mix of sizes fills the
+// arena before the first eviction. A put that does not fit evicts least recently used bundles
+// (never one being read) until a free extent holds it; with an eviction listener set, evicted
+// bundles are copied out first and handed over (write-back to the next tier). A put never
+// replaces a copy with a larger sequence (tier.h). Every operation completes on the caller's
+// thread before the call returns.
 //
-// Ownership: the tier owns its pool. Thread safety: every method is thread-safe; page copies
-// run outside the tier's lock.
+// Ownership: the tier owns its arena. Thread safety: every method is thread-safe; record
+// copies into and out of the arena run outside the tier's lock.
 #pragma once
 
 #include <cstdint>
@@ -25,11 +25,11 @@ namespace sparsekv {
 struct HostTierOptions {
   // Name used in messages and statistics. Default: "host".
   std::string name = "host";
-  // Bytes of host memory for bundles; rounded down to whole slots. Default: 1 GiB.
+  // Bytes of host memory for bundles; rounded down to 4 KiB. Default: 1 GiB.
   uint64_t capacity_bytes = 1ull << 30;
-  // Bytes per slot: the largest record stored. The daemon sets it to BundleRecordBytes of the
-  // model's block. Default: 0 (must be set).
-  uint64_t slot_bytes = 0;
+  // The largest record accepted; larger ones are refused with InvalidArgument. 0: the
+  // capacity. Default: 0.
+  uint64_t max_record_bytes = 0;
   // What backs the pool (a memfd lets another process map it). Default: kAnonymous.
   ArenaBacking backing = ArenaBacking::kAnonymous;
   // Ask for transparent huge pages. Default: true.
@@ -38,7 +38,8 @@ struct HostTierOptions {
 
 class HostTier : public Tier {
  public:
-  // Errors: slot_bytes of 0, a capacity below one slot, a pool that cannot be mapped.
+  // Errors: a capacity below 4 KiB, a max_record_bytes above the capacity or below a header,
+  // an arena that cannot be mapped.
   static Result<std::unique_ptr<HostTier>> Open(const HostTierOptions& options);
 
   // A stored bundle without copying it: checked like any read, and its bytes are the tier's

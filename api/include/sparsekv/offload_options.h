@@ -3,7 +3,7 @@
 //
 // JSON shape (every key optional; sizes are integers of bytes or strings such as "64GiB"):
 //   {"write_policy": "write-back", "promote_into_first_tier": true, "prefetch_blocks": 4,
-//    "host":    {"enabled": true, "capacity_bytes": "4GiB", "slot_bytes": 0, "huge_pages": true},
+//    "host":    {"enabled": true, "capacity_bytes": "4GiB", "max_record_bytes": 0, "huge_pages": true},
 //    "ssd":     {"enabled": false, "path": "ssd", "capacity_bytes": "64GiB", "queue_depth": 16,
 //                "io_threads": 1, "io_bytes": "1MiB", "max_record_bytes": "64MiB",
 //                "slab_grow_bytes": "256MiB", "durability": "fdatasync", "register_buffers": true,
@@ -31,7 +31,7 @@
 namespace sparsekv {
 
 struct OffloadOptions {
-  // The host DRAM tier (L2). Default: enabled (its slot_bytes must still be set).
+  // The host DRAM tier (L2). Default: enabled.
   bool host_enabled = true;
   HostTierOptions host;
   // The SSD tier (L3). Default: disabled.

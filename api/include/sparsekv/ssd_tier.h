@@ -1,11 +1,14 @@
-// SsdTier: the local-SSD offload tier (L3): slab files written and read with io_uring and
+// SsdTier: the local-SSD offload tier (L3): one data file written and read with io_uring and
 // O_DIRECT, indexed in RocksDB.
 //
-// Storage. Records are stored in slots of slab files, one file per size class
-// ("slab-<class bytes>.dat", classes are multiples of 4 KiB with at most 1/8 waste), grown in
-// preallocated steps (fallocate) while the tier is under capacity. Freed slots (erase,
-// eviction, replacement) are reused lowest first; when a class has no free slot and the tier
-// is full, the least recently used bundle of that class is evicted.
+// Storage. Each record takes a contiguous extent of 4 KiB units of one data file
+// ("data.dat"): space is allocated by the byte (rounded to 4 KiB), not by slot or size class,
+// so any mix of record sizes fills the tier to its capacity before the first eviction (a tier
+// that kept one slab file per size class refused puts as "full" with most of its space
+// preallocated to classes nobody used). The file grows in preallocated steps (fallocate,
+// `slab_grow_bytes`) up to `capacity_bytes`; past that, a put evicts least recently used
+// bundles (never one being read) until a free extent holds it, best fit, freed neighbours
+// coalescing. A put never replaces a copy with a larger sequence (tier.h).
 //
 // I/O. Each I/O thread owns one io_uring; a batch's records are cut into I/Os of at most
 // `io_bytes` and kept `queue_depth` deep, with O_DIRECT. Nothing is copied on the way: a write
@@ -16,14 +19,15 @@
 // through the RandomRWFile hooks of the FileSystem (file_system.h), so faults can be injected
 // into the io_uring path.
 //
-// Durability and recovery. The index (RocksDB, in "<path>/index": key -> class, slot, length,
-// checksum, kind sizes) is written only after the batch's data is durable (Durability): a
-// committer thread takes every batch whose data is written, syncs each slab file they touched
+// Durability and recovery. The index (RocksDB, in "<path>/index": key -> extent, length,
+// checksum, sequence, kind sizes) is written only after the batch's data is durable
+// (Durability): a committer thread takes every batch whose data is written, syncs the data file
 // once, writes all their index entries in one RocksDB batch and then acknowledges them (group
 // commit), while the I/O threads go on with the next batches. An index entry is deleted before
-// its slot is rewritten, so after a crash every acknowledged bundle is found and no entry points
-// at another bundle's bytes. At open, entries that point
-// outside the slab files are dropped; entries whose bytes turn out damaged are detected on read
+// its extent is written again, and an erase is acknowledged only once its delete is written, so
+// after a crash every acknowledged bundle is found, no erased one comes back, and no entry
+// points at another bundle's bytes. At open, entries that point outside the data file or
+// overlap another are dropped; entries whose bytes turn out damaged are detected on read
 // (checksum, key and length in the record), reported as Corruption, counted and erased.
 //
 // Ownership: the tier owns its files, index and threads; one process may open a directory at a
@@ -46,7 +50,7 @@ struct SsdTierOptions {
   std::string name = "ssd";
   // Directory of the slab files and the index; created if missing. Default: "" (must be set).
   std::string path;
-  // Bytes of slab space (whole slots). Default: 16 GiB.
+  // Bytes of the data file (rounded down to 4 KiB). Default: 16 GiB.
   uint64_t capacity_bytes = 16ull << 30;
   // I/Os in flight per I/O thread. Default: 16.
   uint32_t queue_depth = 16;
@@ -59,7 +63,7 @@ struct SsdTierOptions {
   uint64_t read_arena_bytes = 256ull << 20;
   // Largest record accepted. Default: 64 MiB.
   uint64_t max_record_bytes = 64ull << 20;
-  // Bytes a slab file grows by at a time (preallocated). Default: 256 MiB.
+  // Bytes the data file grows by at a time (preallocated with fallocate). Default: 256 MiB.
   uint64_t slab_grow_bytes = 256ull << 20;
   // Default: kFdatasync.
   Durability durability = Durability::kFdatasync;
@@ -78,12 +82,13 @@ struct SsdRecordLocation {
 };
 
 struct SsdTierDetails {
-  uint64_t slab_files = 0;
-  uint64_t allocated_bytes = 0;  // slot space in the slab files
-  uint64_t free_slots = 0;
-  uint64_t recovered = 0;          // index entries loaded at open
-  uint64_t dropped_at_open = 0;    // index entries that pointed outside the slab files
-  uint64_t quarantined_slots = 0;  // slots held back after a failed index update, until restart
+  uint64_t allocated_bytes = 0;     // size of the data file
+  uint64_t free_bytes = 0;          // free space inside it
+  uint64_t free_extents = 0;        // free runs it is cut into
+  uint64_t largest_free_bytes = 0;  // the largest record that fits without growing or evicting
+  uint64_t recovered = 0;           // index entries loaded at open
+  uint64_t dropped_at_open = 0;     // index entries that pointed outside the file or overlapped
+  uint64_t quarantined_bytes = 0;   // space held back after a failed index update, until restart
   bool buffers_registered = false;
   uint64_t fixed_ios = 0;           // submissions into the registered arena
   uint64_t plain_ios = 0;           // submissions from or into other memory (writes, arena full)
@@ -102,8 +107,5 @@ class SsdTier : public Tier {
   virtual std::vector<BundleKey> Keys() const = 0;
   virtual SsdTierDetails Details() const = 0;
 };
-
-// The slab class (slot bytes) of a record: a multiple of 4 KiB with at most 1/8 waste.
-uint64_t SsdSlabClassBytes(uint64_t record_bytes);
 
 }  // namespace sparsekv

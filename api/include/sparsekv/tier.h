@@ -9,7 +9,14 @@
 // A tier has a capacity in bytes and evicts its least recently used bundles to make room for
 // new ones. It checks the checksum of every bundle it reads (bundle.h): a bundle that fails is
 // reported as Corruption (data_loss), counted in TierStats::corrupt, erased, and never
-// returned. Putting a key that is present replaces its bundle.
+// returned. Putting a key that is present replaces its bundle, unless the bundle held has a
+// larger sequence (bundle.h): a copy never overwrites a newer one, so a late write-back or
+// onload of an old version cannot undo a newer put. Such a put is skipped, reported OK, and
+// counted in TierStats::superseded.
+//
+// Space holds bytes, not slots: a tier that is full evicts least recently used bundles until
+// the new one fits, and refuses a put only for a record larger than the tier can ever hold
+// (InvalidArgument) or when everything it could evict is being read (ResourceExhausted).
 //
 // Ownership: a tier shares the bundles it is given (BundlePtr) and returns new ones it owns
 // jointly with the caller. Destroying a tier first completes every operation in flight.
@@ -50,6 +57,7 @@ struct TierStats {
   uint64_t put_failures = 0;  // puts refused or failed (full, too large, I/O error)
   uint64_t evictions = 0;     // bundles dropped for room
   uint64_t erased = 0;        // bundles erased on request
+  uint64_t superseded = 0;    // puts skipped because the tier held a newer copy of the key
   uint64_t corrupt = 0;       // bundles that failed their checks on read (then erased)
   uint64_t io_errors = 0;     // operations the device failed
   uint64_t bytes_written = 0;
@@ -82,6 +90,14 @@ class Tier {
   // Per item: OK (erased, or was absent) or an error; an erased key is not found again, even
   // after a restart.
   virtual void EraseAsync(std::vector<BundleKey> keys, StatusesCallback done) = 0;
+  // Per item: erases the copy of keys[i] if its sequence is below `below[i]` (a newer version
+  // was written elsewhere, or the key was deleted); a copy at or above it stays. OK when erased
+  // or when nothing older was held; durable like EraseAsync.
+  virtual void EraseOlderAsync(std::vector<BundleKey> keys, std::vector<uint64_t> below,
+                               StatusesCallback done) = 0;
+  // The largest sequence of any bundle held (0 when empty): where a chain reopened over this
+  // tier resumes numbering, so new versions sort after everything that survived a restart.
+  virtual uint64_t max_sequence() const { return 0; }
 
   // Tiers that keep evicted bundles' bytes at hand (the host tier) pass them to `listener`,
   // on the thread that caused the eviction, outside the tier's locks. Others return
@@ -95,6 +111,8 @@ class Tier {
   std::future<std::vector<Result<BundlePtr>>> Get(std::vector<BundleKey> keys);
   std::future<std::vector<bool>> Contains(std::vector<BundleKey> keys);
   std::future<std::vector<Status>> Erase(std::vector<BundleKey> keys);
+  std::future<std::vector<Status>> EraseOlder(std::vector<BundleKey> keys,
+                                              std::vector<uint64_t> below);
 };
 
 }  // namespace sparsekv

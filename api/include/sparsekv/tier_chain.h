@@ -12,6 +12,18 @@
 // falls through to the next tier holding a copy; a hit below the first tier is copied into the
 // first tier in the background (onload). Prefetch does the same without returning the bundles.
 //
+// Versions. The rule: a key's value is its last acknowledged Demote; after an acknowledged Erase
+// it is not found. Every bundle carries a sequence (bundle.h) that NextSequence hands out in
+// increasing order, resumed after a restart from the largest sequence the tiers hold. No tier
+// lets a copy replace a newer one (tier.h). A Demote is acknowledged only once no tier it did
+// not write keeps an older copy (EraseOlder, durable in the durable tiers; a copy of the key on
+// its way down is waited for first, so a crash cannot leave it behind); an Erase likewise, for
+// every tier. While a write or a background copy (write-back move, onload, prefetch) of a key is
+// in flight, the chain remembers the newest sequence written or erased for it, and a read that
+// finds an older copy skips it as stale (counted) and falls through, so no interleaving of
+// background copies with new writes returns an older version. Unversioned bundles
+// (sequence 0) take no part: they neither invalidate nor are invalidated by one another.
+//
 // Ownership: the chain owns its tiers. Destruction waits for the background work. Thread
 // safety: every method is thread-safe; callbacks run on tier threads or the caller's.
 #pragma once
@@ -27,6 +39,9 @@
 #include "sparsekv/tier.h"
 
 namespace sparsekv {
+namespace offload {
+class WorkerPool;
+}  // namespace offload
 
 enum class WritePolicy : uint8_t {
   kWriteBack = 0,  // demote into the first tier; its evictions flow down
@@ -54,6 +69,9 @@ struct TierChainStats {
   uint64_t onloaded = 0;        // bundles copied into the first tier after a lower-tier hit
   uint64_t prefetched = 0;      // bundles Prefetch brought into the first tier
   uint64_t in_flight = 0;       // background writes not finished
+  uint64_t stale_skipped = 0;   // copies a read found older than the key's newest version
+  uint64_t invalidated = 0;     // older copies erased from tiers a new version did not reach
+  uint64_t invalidate_failures = 0;  // erasures of older copies that failed (the write failed)
 };
 
 class TierChain {
@@ -64,8 +82,13 @@ class TierChain {
   TierChain(const TierChain&) = delete;
   TierChain& operator=(const TierChain&) = delete;
 
+  // A sequence larger than every one handed out before, and than every sequence the tiers held
+  // when the chain was made: stamp each new version with one (Bundle::Make).
+  uint64_t NextSequence();
+
   // Per item: OK once the bundle is in the first tier (write-back) or in every tier
-  // (write-through: the first error otherwise).
+  // (write-through: the first error otherwise), and no other tier holds an older copy of its
+  // key (the error of that erasure otherwise).
   void DemoteAsync(std::vector<BundlePtr> bundles, Tier::StatusesCallback done);
   std::future<std::vector<Status>> Demote(std::vector<BundlePtr> bundles);
 
@@ -80,8 +103,14 @@ class TierChain {
   // Brings keys held below the first tier into it, in the background.
   void Prefetch(std::vector<BundleKey> keys);
 
-  // Erases from every tier. Per item: the first error, or OK.
+  // Erases from every tier, as a version of its own: a copy of the key on its way down is waited
+  // for and erased too, and a background copy landing later is erased again. Per item: the
+  // first error, or OK. May block the caller while such a copy lands.
   std::future<std::vector<Status>> Erase(std::vector<BundleKey> keys);
+
+  // Whether a copy of `key` with `sequence` is older than the newest version the chain knows
+  // of (a read that bypasses Promote, such as the daemon's in-place host reads, checks this).
+  bool IsStale(const BundleKey& key, uint64_t sequence) const;
 
   // Blocks until no background write is in flight.
   void WaitIdle();
@@ -95,6 +124,15 @@ class TierChain {
   struct Shared;
   struct PromoteState;
   void Cascade(size_t from_tier, std::vector<BundlePtr> evicted);
+  // Erases copies older than each bundle from the tiers that do not hold it (stored[i][t] says
+  // which do), then calls done with `st` updated; may run on the chain's worker.
+  void Invalidate(std::vector<BundlePtr> bundles, std::vector<std::vector<bool>> stored,
+                  std::vector<Status> st, Tier::StatusesCallback done);
+  // After a background copy landed in `tier`: erases it again where a newer version was written
+  // or erased meanwhile, then drops the copies' references on their keys' versions.
+  void SettleBackground(size_t tier, const std::vector<BundlePtr>& landed,
+                        const std::vector<Status>& st);
+  void WaitNotMoving(const std::vector<BundleKey>& keys);
   void PromoteImpl(std::vector<BundleKey> keys, bool onload, bool prefetch,
                    Tier::BundlesCallback done);
   void GetFrom(size_t tier, std::vector<size_t> slots, std::shared_ptr<PromoteState> state);
@@ -105,6 +143,9 @@ class TierChain {
   std::vector<std::unique_ptr<Tier>> tiers_;
   const TierChainOptions options_;
   std::shared_ptr<Shared> shared_;
+  // Runs invalidations that must wait (for a copy on its way down, for tier I/O) off the tier
+  // threads that complete puts.
+  std::unique_ptr<offload::WorkerPool> worker_;
 };
 
 }  // namespace sparsekv

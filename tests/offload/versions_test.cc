@@ -1,0 +1,435 @@
+// The rule every tier and the chain keep: a key's value is its last acknowledged put, and after
+// an acknowledged erase it is not found — through demotion, promotion, onload, failed writes
+// and restarts (tier_chain.h). Each test builds one interleaving that used to return an older
+// version, with the timing made deterministic by tiers that hold results back.
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "offload/extent_allocator.h"
+#include "sparsekv/fault_injection_file_system.h"
+#include "sparsekv/host_tier.h"
+#include "sparsekv/ssd_tier.h"
+#include "sparsekv/tier_chain.h"
+#include "tests/offload/test_util.h"
+
+namespace sparsekv {
+namespace {
+
+using testing::KeyOf;
+using testing::MakeBundleOfBytes;
+using testing::SameBytes;
+
+constexpr uint64_t kPayload = 20000;  // 5 units of 4 KiB as a record
+
+// A tier over another that can hold back the results of gets (the read is done, its answer
+// waits) and the puts (nothing is written until opened): a read or a move stays in flight for
+// as long as a test needs.
+class HoldingTier : public Tier {
+ public:
+  explicit HoldingTier(std::unique_ptr<Tier> inner) : inner_(std::move(inner)) {}
+  ~HoldingTier() override { Release(); }
+
+  void HoldGets(bool on) {
+    std::lock_guard<std::mutex> l(mu_);
+    hold_gets_ = on;
+  }
+  void HoldPuts(bool on) {
+    std::lock_guard<std::mutex> l(mu_);
+    hold_puts_ = on;
+  }
+  // Lets everything held go, and holds nothing more.
+  void Release() {
+    std::vector<std::function<void()>> go;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      hold_gets_ = hold_puts_ = false;
+      go.swap(held_);
+    }
+    for (auto& f : go) f();
+  }
+  size_t held() {
+    std::lock_guard<std::mutex> l(mu_);
+    return held_.size();
+  }
+
+  std::string_view name() const override { return inner_->name(); }
+  uint64_t capacity_bytes() const override { return inner_->capacity_bytes(); }
+  uint64_t max_record_bytes() const override { return inner_->max_record_bytes(); }
+  uint64_t max_sequence() const override { return inner_->max_sequence(); }
+  TierStats Stats() const override { return inner_->Stats(); }
+  void PutAsync(std::vector<BundlePtr> bundles, StatusesCallback done) override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (hold_puts_) {
+        held_.push_back([this, bundles = std::move(bundles), done = std::move(done)]() mutable {
+          inner_->PutAsync(std::move(bundles), std::move(done));
+        });
+        return;
+      }
+    }
+    inner_->PutAsync(std::move(bundles), std::move(done));
+  }
+  void GetAsync(std::vector<BundleKey> keys, BundlesCallback done) override {
+    inner_->GetAsync(std::move(keys), [this, done = std::move(done)](
+                                          std::vector<Result<BundlePtr>> got) mutable {
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        if (hold_gets_) {
+          auto shared = std::make_shared<std::vector<Result<BundlePtr>>>(std::move(got));
+          held_.push_back([shared, done = std::move(done)] { done(std::move(*shared)); });
+          return;
+        }
+      }
+      done(std::move(got));
+    });
+  }
+  void ContainsAsync(std::vector<BundleKey> keys, ContainsCallback done) override {
+    inner_->ContainsAsync(std::move(keys), std::move(done));
+  }
+  void EraseAsync(std::vector<BundleKey> keys, StatusesCallback done) override {
+    inner_->EraseAsync(std::move(keys), std::move(done));
+  }
+  void EraseOlderAsync(std::vector<BundleKey> keys, std::vector<uint64_t> below,
+                       StatusesCallback done) override {
+    inner_->EraseOlderAsync(std::move(keys), std::move(below), std::move(done));
+  }
+
+ private:
+  std::unique_ptr<Tier> inner_;
+  std::mutex mu_;
+  bool hold_gets_ = false;
+  bool hold_puts_ = false;
+  std::vector<std::function<void()>> held_;
+};
+
+class VersionsTest : public ::testing::Test {
+ protected:
+  // A host tier of `host_records` records of kPayload over an SSD tier in dir_ (held in a
+  // HoldingTier, reachable as ssd_), durability as given.
+  std::unique_ptr<TierChain> Make(WritePolicy policy, uint64_t host_records = 4,
+                                  FileSystem* fs = nullptr) {
+    HostTierOptions h;
+    h.capacity_bytes = host_records * 5 * 4096;
+    h.huge_pages = false;
+    std::vector<std::unique_ptr<Tier>> tiers;
+    tiers.push_back(HostTier::Open(h).value());
+    auto ssd = SsdTier::Open(SsdOptions(), fs);
+    EXPECT_TRUE(ssd.ok()) << ssd.status().ToString();
+    auto holding = std::make_unique<HoldingTier>(std::move(*ssd));
+    ssd_ = holding.get();
+    tiers.push_back(std::move(holding));
+    TierChainOptions o;
+    o.write_policy = policy;
+    return std::make_unique<TierChain>(std::move(tiers), o);
+  }
+  SsdTierOptions SsdOptions() {
+    SsdTierOptions s;
+    s.path = dir_.path();
+    s.capacity_bytes = 16 << 20;
+    s.io_bytes = 64 << 10;
+    s.slab_grow_bytes = 1 << 20;
+    s.read_arena_bytes = 8 << 20;
+    s.durability = Durability::kFdatasync;
+    return s;
+  }
+  // Version `v` of key `id`, stamped by the chain as a new version.
+  static BundlePtr Version(TierChain& chain, uint64_t id, uint64_t v) {
+    return MakeBundleOfBytes(id, kPayload, v, chain.NextSequence());
+  }
+  static void Put(TierChain& chain, const BundlePtr& b) {
+    const std::vector<Status> st = chain.Demote({b}).get();
+    ASSERT_TRUE(st[0].ok()) << st[0].ToString();
+  }
+  // Puts filler keys until everything older has been pushed out of the host tier.
+  static void PushDown(TierChain& chain, uint64_t first_filler, uint64_t count = 6) {
+    for (uint64_t i = 0; i < count; ++i) Put(chain, Version(chain, first_filler + i, 0));
+    chain.WaitIdle();
+  }
+  // What a read of `id` returns: the version's bytes must be `want` (nullptr: not found).
+  static void ExpectRead(TierChain& chain, uint64_t id, const BundlePtr& want) {
+    auto got = chain.Promote({KeyOf(id)}).get();
+    if (want == nullptr) {
+      EXPECT_TRUE(got[0].status().Is(StatusCode::kNotFound))
+          << (got[0].ok() ? "returned a bundle of sequence " + std::to_string((*got[0])->sequence())
+                          : got[0].status().ToString());
+      return;
+    }
+    ASSERT_TRUE(got[0].ok()) << got[0].status().ToString();
+    EXPECT_EQ((*got[0])->sequence(), want->sequence());
+    EXPECT_TRUE(SameBytes(**got[0], *want));
+  }
+
+  testing::TempDir dir_{"versions"};
+  HoldingTier* ssd_ = nullptr;
+};
+
+TEST_F(VersionsTest, WriteBackOverwriteOfAKeyPushedToTheSsdReturnsTheNewVersion) {
+  auto chain = Make(WritePolicy::kWriteBack);
+  const BundlePtr v1 = Version(*chain, 1, 1);
+  Put(*chain, v1);
+  PushDown(*chain, 100);
+  ASSERT_EQ(chain->Locate(std::vector<BundleKey>{KeyOf(1)})[0], 1) << "v1 is on the SSD";
+  const BundlePtr v2 = Version(*chain, 1, 2);
+  Put(*chain, v2);  // into the host tier only
+  ExpectRead(*chain, 1, v2);
+  EXPECT_FALSE(chain->tier(1).Contains({KeyOf(1)}).get()[0])
+      << "the acknowledged put erased the older copy below it";
+  PushDown(*chain, 200);  // v2 goes down too
+  ExpectRead(*chain, 1, v2);
+  chain->WaitIdle();
+  ExpectRead(*chain, 1, v2);  // and again from the host tier it was onloaded into
+}
+
+TEST_F(VersionsTest, WriteBackOverwriteLeavesNoOlderCopyToFindAfterACrash) {
+  {
+    auto chain = Make(WritePolicy::kWriteBack);
+    Put(*chain, Version(*chain, 1, 1));
+    PushDown(*chain, 100);
+    Put(*chain, Version(*chain, 1, 2));  // acknowledged from host memory only
+    // The process dies here: what only the host tier held is gone.
+  }
+  auto ssd = SsdTier::Open(SsdOptions());
+  ASSERT_TRUE(ssd.ok()) << ssd.status().ToString();
+  EXPECT_FALSE((*ssd)->Contains({KeyOf(1)}).get()[0])
+      << "v1 must not come back after v2 was acknowledged";
+}
+
+TEST_F(VersionsTest, SequencesResumeAboveEverythingTheTiersHold) {
+  uint64_t last = 0;
+  {
+    auto chain = Make(WritePolicy::kWriteThrough);
+    for (uint64_t i = 0; i < 5; ++i) Put(*chain, Version(*chain, i, 0));
+    last = chain->NextSequence();
+  }
+  auto chain = Make(WritePolicy::kWriteThrough);
+  EXPECT_GE(chain->NextSequence(), last - 1) << "a restart must not hand out old sequences";
+  // And so a new version after the restart wins over what survived.
+  const BundlePtr v = Version(*chain, 3, 9);
+  Put(*chain, v);
+  PushDown(*chain, 100, 8);
+  ExpectRead(*chain, 3, v);
+}
+
+TEST_F(VersionsTest, WriteThroughPutRefusedBelowErasesTheOlderCopyThere) {
+  FaultInjectionFileSystem fault(FileSystem::Default(), 3);
+  auto chain = Make(WritePolicy::kWriteThrough, 4, &fault);
+  const BundlePtr v1 = Version(*chain, 1, 1);
+  Put(*chain, v1);
+  fault.AddRule({FaultOp::kWrite, FaultKind::kEio, "data.dat", 1, 1.0});
+  const BundlePtr v2 = Version(*chain, 1, 2);
+  const std::vector<Status> st = chain->Demote({v2}).get();
+  EXPECT_FALSE(st[0].ok()) << "the SSD tier failed the write";
+  EXPECT_FALSE(chain->tier(1).Contains({KeyOf(1)}).get()[0]) << "v1 was erased below";
+  ExpectRead(*chain, 1, v2);  // the host tier took it: a failed put may land
+  // Once the host tier evicts v2 the key is gone, never back to v1.
+  PushDown(*chain, 100);
+  ExpectRead(*chain, 1, nullptr);
+}
+
+TEST_F(VersionsTest, AReadOfAnOldCopyThatLandsAfterANewPutIsSkippedAndNotOnloaded) {
+  auto chain = Make(WritePolicy::kWriteBack);
+  const BundlePtr v1 = Version(*chain, 1, 1);
+  Put(*chain, v1);
+  PushDown(*chain, 100);
+  // A read of key 1 finds v1 on the SSD; its answer is held back...
+  ssd_->HoldGets(true);
+  auto reading = chain->Promote({KeyOf(1)});
+  for (int i = 0; i < 2000 && ssd_->held() == 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_EQ(ssd_->held(), 1u);
+  // ...while v2 is put and pushed down to the SSD as well.
+  ssd_->HoldGets(false);
+  const BundlePtr v2 = Version(*chain, 1, 2);
+  Put(*chain, v2);
+  PushDown(*chain, 200);
+  ASSERT_EQ(chain->Locate(std::vector<BundleKey>{KeyOf(1)})[0], 1);
+  ssd_->Release();
+  auto got = reading.get();
+  if (got[0].ok()) {
+    EXPECT_EQ((*got[0])->sequence(), v2->sequence()) << "the old read returned v1";
+  }
+  chain->WaitIdle();
+  EXPECT_GE(chain->Stats().stale_skipped, 1u);
+  // Nothing stale was onloaded: every later read sees v2.
+  ExpectRead(*chain, 1, v2);
+  chain->WaitIdle();
+  ExpectRead(*chain, 1, v2);
+}
+
+TEST_F(VersionsTest, AnEraseWaitsForAMoveDownAndTheKeyStaysGone) {
+  auto chain = Make(WritePolicy::kWriteBack);
+  Put(*chain, Version(*chain, 1, 1));
+  ssd_->HoldPuts(true);  // the cascade of key 1 will sit on its way down
+  for (uint64_t i = 0; i < 6; ++i) Put(*chain, Version(*chain, 100 + i, 0));
+  ASSERT_GE(ssd_->held(), 1u);
+  std::vector<Status> erased;
+  std::thread eraser([&] { erased = chain->Erase({KeyOf(1)}).get(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ssd_->Release();
+  eraser.join();
+  ASSERT_TRUE(erased[0].ok()) << erased[0].ToString();
+  chain->WaitIdle();
+  ExpectRead(*chain, 1, nullptr);
+  EXPECT_FALSE(chain->tier(1).Contains({KeyOf(1)}).get()[0]);
+  chain.reset();
+  auto ssd = SsdTier::Open(SsdOptions());
+  ASSERT_TRUE(ssd.ok());
+  EXPECT_FALSE((*ssd)->Contains({KeyOf(1)}).get()[0]) << "the erase is durable";
+}
+
+TEST_F(VersionsTest, APutOverAnOldCopyOnItsWayDownWinsAndSurvivesARestart) {
+  BundlePtr v2;
+  {
+    auto chain = Make(WritePolicy::kWriteBack);
+    Put(*chain, Version(*chain, 1, 1));
+    ssd_->HoldPuts(true);
+    for (uint64_t i = 0; i < 6; ++i) Put(*chain, Version(*chain, 100 + i, 0));
+    ASSERT_GE(ssd_->held(), 1u);
+    v2 = Version(*chain, 1, 2);
+    std::vector<Status> st;
+    std::thread putter([&] { st = chain->Demote({v2}).get(); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ssd_->Release();
+    putter.join();
+    ASSERT_TRUE(st[0].ok()) << st[0].ToString();
+    ExpectRead(*chain, 1, v2);
+    chain->WaitIdle();
+    EXPECT_FALSE(chain->tier(1).Contains({KeyOf(1)}).get()[0]) << "v1 landed and was erased";
+  }
+  auto ssd = SsdTier::Open(SsdOptions());
+  ASSERT_TRUE(ssd.ok());
+  EXPECT_FALSE((*ssd)->Contains({KeyOf(1)}).get()[0]);
+}
+
+TEST_F(VersionsTest, TiersNeverLetAnOlderCopyReplaceANewerOne) {
+  HostTierOptions h;
+  h.capacity_bytes = 1 << 20;
+  h.huge_pages = false;
+  auto host = HostTier::Open(h).value();
+  auto ssd = SsdTier::Open(SsdOptions()).value();
+  for (Tier* t : {static_cast<Tier*>(host.get()), static_cast<Tier*>(ssd.get())}) {
+    const BundlePtr newer = MakeBundleOfBytes(1, kPayload, 2, 20);
+    const BundlePtr older = MakeBundleOfBytes(1, kPayload, 1, 10);
+    ASSERT_TRUE(t->Put({newer}).get()[0].ok());
+    ASSERT_TRUE(t->Put({older}).get()[0].ok()) << "skipped, not an error";
+    auto got = t->Get({KeyOf(1)}).get();
+    ASSERT_TRUE(got[0].ok());
+    EXPECT_EQ((*got[0])->sequence(), 20u) << t->name();
+    EXPECT_EQ(t->Stats().superseded, 1u) << t->name();
+    // Erasing what is older than 20 leaves it; older than 21 erases it.
+    ASSERT_TRUE(t->EraseOlder({KeyOf(1)}, {20}).get()[0].ok());
+    EXPECT_TRUE(t->Contains({KeyOf(1)}).get()[0]) << t->name();
+    ASSERT_TRUE(t->EraseOlder({KeyOf(1)}, {21}).get()[0].ok());
+    EXPECT_FALSE(t->Contains({KeyOf(1)}).get()[0]) << t->name();
+    // Two versions in one batch: the newer lands whatever the order.
+    ASSERT_TRUE(t->Put({newer, older}).get()[0].ok());
+    EXPECT_EQ((*t->Get({KeyOf(1)}).get()[0])->sequence(), 20u) << t->name();
+  }
+  EXPECT_EQ(ssd->max_sequence(), 20u);
+}
+
+// Random record sizes from 4 KiB to a 6 MB V3.2 block (log-uniform), into a tier until its
+// first eviction: the space held by live records then is at least 90% of the tier.
+template <typename OpenFn>
+double FillUntilFirstEviction(OpenFn open, uint64_t capacity, uint64_t seed) {
+  auto tier = open();
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> log_size(std::log(4096.0), std::log(6.0 * (1 << 20)));
+  uint64_t live = 0;
+  for (uint64_t id = 0; id < 100000; ++id) {
+    const auto bytes = static_cast<uint64_t>(std::exp(log_size(rng)));
+    const TierStats before = tier->Stats();
+    const Status st = tier->Put({MakeBundleOfBytes(id, bytes)}).get()[0];
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    if (tier->Stats().evictions > 0) return static_cast<double>(before.bytes) / capacity;
+    live = tier->Stats().bytes;
+  }
+  ADD_FAILURE() << "no eviction after " << live << " bytes";
+  return 0;
+}
+
+TEST(TierSpace, AnyMixOfSizesFillsTheHostTierBeforeTheFirstEviction) {
+  const uint64_t capacity = 64ull << 20;
+  for (uint64_t seed : {1, 2, 3}) {
+    const double live = FillUntilFirstEviction(
+        [&] {
+          HostTierOptions h;
+          h.capacity_bytes = capacity;
+          h.huge_pages = false;
+          return HostTier::Open(h).value();
+        },
+        capacity, seed);
+    EXPECT_GE(live, 0.90) << "seed " << seed;
+  }
+}
+
+TEST(TierSpace, AnyMixOfSizesFillsTheSsdTierBeforeTheFirstEviction) {
+  const uint64_t capacity = 128ull << 20;
+  for (uint64_t seed : {1, 2}) {
+    testing::TempDir dir("fill");
+    const double live = FillUntilFirstEviction(
+        [&] {
+          SsdTierOptions s;
+          s.path = dir.path();
+          s.capacity_bytes = capacity;
+          s.slab_grow_bytes = 16 << 20;
+          s.read_arena_bytes = 8 << 20;
+          s.durability = Durability::kNone;
+          return SsdTier::Open(s).value();
+        },
+        capacity, seed);
+    EXPECT_GE(live, 0.90) << "seed " << seed;
+  }
+}
+
+TEST(TierSpace, ThirtyNineDistinctSizesAllFitASmallSsdTier) {
+  // The case that used to be refused after 144 KiB: distinct sizes, each once.
+  testing::TempDir dir("sizes");
+  SsdTierOptions s;
+  s.path = dir.path();
+  s.capacity_bytes = 8 << 20;
+  s.slab_grow_bytes = 1 << 20;
+  s.read_arena_bytes = 4 << 20;
+  s.durability = Durability::kNone;
+  auto tier = SsdTier::Open(s).value();
+  uint64_t total = 0;
+  for (uint64_t i = 0; i < 39; ++i) {
+    const uint64_t bytes = 4096 + i * 4096;
+    total += bytes;
+    const Status st = tier->Put({MakeBundleOfBytes(i, bytes)}).get()[0];
+    ASSERT_TRUE(st.ok()) << i << ": " << st.ToString();
+  }
+  EXPECT_EQ(tier->Stats().items, 39u);
+  EXPECT_EQ(tier->Stats().evictions, 0u);
+  EXPECT_LE(tier->Details().allocated_bytes, total + (2 << 20)) << "no size-class reservations";
+}
+
+TEST(ExtentAllocator, BestFitSplitsAndCoalesces) {
+  offload::ExtentAllocator a;
+  a.AddFree(0, 100);
+  EXPECT_EQ(a.Allocate(10), 0u);
+  EXPECT_EQ(a.Allocate(20), 10u);
+  EXPECT_EQ(a.Allocate(30), 30u);
+  EXPECT_EQ(a.free_units(), 40u);
+  a.Free(10, 20);  // a hole of 20 between used extents
+  EXPECT_EQ(a.Allocate(15), 10u) << "best fit: the 20-unit hole, not the 40-unit tail";
+  EXPECT_FALSE(a.Allocate(41).has_value());
+  a.Free(0, 10);
+  a.Free(30, 30);
+  a.Free(10, 15);
+  EXPECT_EQ(a.free_extents(), 1u) << "freed neighbours merge";
+  EXPECT_EQ(a.largest_free(), 100u);
+  EXPECT_EQ(a.RemoveFreeWithin(40, 20), 20u);
+  EXPECT_EQ(a.free_units(), 80u);
+  EXPECT_EQ(a.free_extents(), 2u);
+  EXPECT_EQ(a.RemoveFreeWithin(30, 40), 20u) << "only the free parts of the range are taken";
+  EXPECT_EQ(a.free_units(), 60u);
+  EXPECT_EQ(a.Allocate(30), 0u);
+}
+
+}  // namespace
+}  // namespace sparsekv
