@@ -158,11 +158,9 @@ class RocksDbTierImpl final : public RocksDbTier {
 
   void EraseOlderAsync(std::vector<BundleKey> keys, std::vector<uint64_t> below,
                        StatusesCallback done) override {
-    workers_->Submit([this, keys = std::move(keys), below = std::move(below),
-                      done = std::move(done)](size_t) mutable {
-      const Status s = Remove(keys, nullptr, below.empty() ? nullptr : &below);
-      done(std::vector<Status>(keys.size(), s));
-    });
+    // On the caller's thread, as the SSD tier's: one index write, no queueing behind reads.
+    const Status s = Remove(keys, nullptr, below.empty() ? nullptr : &below);
+    done(std::vector<Status>(keys.size(), s));
   }
 
   Status PutRawForTesting(const BundleKey& key, std::span<const std::byte> record) override {

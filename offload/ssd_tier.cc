@@ -205,14 +205,11 @@ class SsdTierImpl final : public SsdTier {
 
   void EraseOlderAsync(std::vector<BundleKey> keys, std::vector<uint64_t> below,
                        StatusesCallback done) override {
-    workers_->Submit([this, keys = std::move(keys), below = std::move(below),
-                      done = std::move(done)](size_t) mutable {
-      std::vector<Status> out(keys.size());
-      const Status s = RemoveEntries(keys, nullptr, below.empty() ? nullptr : &below,
-                                     /*eviction=*/false);
-      for (auto& o : out) o = s;
-      done(std::move(out));
-    });
+    // On the caller's thread: an index write needs no ring, and an erase a put waits for
+    // should not queue behind reads and writes (concurrent callers share RocksDB's group commit).
+    const Status s = RemoveEntries(keys, nullptr, below.empty() ? nullptr : &below,
+                                   /*eviction=*/false);
+    done(std::vector<Status>(keys.size(), s));
   }
 
   Result<SsdRecordLocation> Locate(const BundleKey& key) const override {

@@ -55,6 +55,16 @@ struct TierChain::Shared {
     uint32_t refs = 0;
   };
   std::unordered_map<BundleKey, Version, BundleKeyHasher> versions SPARSEKV_GUARDED_BY(mu);
+  // Demotes waiting for older copies of their keys to be erased (TierChain::Invalidate), and
+  // whether the worker is draining them.
+  struct Invalidation {
+    std::vector<BundlePtr> bundles;
+    std::vector<std::vector<bool>> stored;  // [item][tier]: the tiers that took each bundle
+    std::vector<Status> st;
+    std::function<void(std::vector<Status>, std::vector<bool>, uint64_t)> finish;
+  };
+  std::vector<Invalidation> invalidations SPARSEKV_GUARDED_BY(mu);
+  bool invalidating SPARSEKV_GUARDED_BY(mu) = false;
   uint64_t in_flight SPARSEKV_GUARDED_BY(mu) = 0;
   TierChainStats stats SPARSEKV_GUARDED_BY(mu);
   std::atomic<uint64_t> next_sequence{1};
@@ -239,51 +249,83 @@ void TierChain::Invalidate(std::vector<BundlePtr> bundles, std::vector<std::vect
     finish(std::move(st), std::vector<bool>(n, false), 0);
     return;
   }
-  BeginBackground();
-  worker_->Submit([this, bundles = std::move(bundles), stored, st = std::move(st), keys, items,
-                   finish](size_t) mutable {
-    // A copy on its way down lands first, so that the erase below cannot miss it (and a crash
-    // cannot leave it behind after the demote was acknowledged).
-    WaitNotMoving(keys);
-    std::vector<bool> poisoned(bundles.size(), false);
-    uint64_t invalidated = 0;
+  {
+    MutexLock lock(shared_->mu);
+    ++shared_->in_flight;
+    shared_->invalidations.push_back(
+        {std::move(bundles), std::move(stored), std::move(st), std::move(finish)});
+    if (shared_->invalidating) return;  // the worker's drain takes it
+    shared_->invalidating = true;
+  }
+  worker_->Submit([this](size_t) { DrainInvalidations(); });
+}
+
+void TierChain::DrainInvalidations() {
+  for (;;) {
+    std::vector<Shared::Invalidation> batch;
+    {
+      MutexLock lock(shared_->mu);
+      batch.swap(shared_->invalidations);
+      if (batch.empty()) {
+        shared_->invalidating = false;
+        return;
+      }
+    }
+    // Every demote waiting is served by one erase per tier (one index write in the durable
+    // tiers). A copy on its way down lands first, so that the erase cannot miss it (and a
+    // crash cannot leave it behind after the demote was acknowledged).
+    std::vector<BundleKey> all;
+    for (const auto& inv : batch) {
+      for (const BundlePtr& b : inv.bundles) {
+        if (b && b->sequence() != 0) all.push_back(b->key());
+      }
+    }
+    WaitNotMoving(all);
+    std::vector<std::vector<bool>> poisoned(batch.size());
+    std::vector<uint64_t> invalidated(batch.size(), 0);
+    for (size_t b = 0; b < batch.size(); ++b) poisoned[b].assign(batch[b].bundles.size(), false);
     for (size_t t = 0; t < tiers_.size(); ++t) {
       std::vector<BundleKey> ask;
-      std::vector<size_t> at;
-      for (size_t j = 0; j < keys.size(); ++j) {
-        if (!stored[items[j]][t]) {
-          ask.push_back(keys[j]);
-          at.push_back(items[j]);
+      std::vector<std::pair<size_t, size_t>> at;  // (demote, item)
+      for (size_t b = 0; b < batch.size(); ++b) {
+        const auto& inv = batch[b];
+        for (size_t i = 0; i < inv.bundles.size(); ++i) {
+          if (!inv.bundles[i] || inv.bundles[i]->sequence() == 0 || inv.stored[i][t]) continue;
+          ask.push_back(inv.bundles[i]->key());
+          at.emplace_back(b, i);
         }
       }
       if (ask.empty()) continue;
       const std::vector<bool> has = tiers_[t]->Contains(ask).get();
       std::vector<BundleKey> erase;
       std::vector<uint64_t> below;
-      std::vector<size_t> erase_at;
+      std::vector<std::pair<size_t, size_t>> erase_at;
       for (size_t j = 0; j < ask.size(); ++j) {
         if (!has[j]) continue;
         erase.push_back(ask[j]);
-        below.push_back(bundles[at[j]]->sequence());
+        below.push_back(batch[at[j].first].bundles[at[j].second]->sequence());
         erase_at.push_back(at[j]);
       }
       if (erase.empty()) continue;
       const std::vector<Status> es = tiers_[t]->EraseOlder(erase, below).get();
       for (size_t j = 0; j < es.size(); ++j) {
+        const auto [b, i] = erase_at[j];
         if (es[j].ok()) {
-          ++invalidated;
+          ++invalidated[b];
           continue;
         }
-        const size_t i = erase_at[j];
         spdlog::warn("tier chain: erasing older copies of {} from {} failed: {}",
                      erase[j].ToString(), tiers_[t]->name(), es[j].ToString());
-        poisoned[i] = true;
-        if (st[i].ok()) st[i] = es[j].WithContext("tier chain: erasing an older copy");
+        poisoned[b][i] = true;
+        if (batch[b].st[i].ok())
+          batch[b].st[i] = es[j].WithContext("tier chain: erasing an older copy");
       }
     }
-    finish(std::move(st), std::move(poisoned), invalidated);
-    EndBackground();
-  });
+    for (size_t b = 0; b < batch.size(); ++b) {
+      batch[b].finish(std::move(batch[b].st), std::move(poisoned[b]), invalidated[b]);
+      EndBackground();
+    }
+  }
 }
 
 std::future<std::vector<Status>> TierChain::Demote(std::vector<BundlePtr> bundles) {

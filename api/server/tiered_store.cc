@@ -440,7 +440,18 @@ void TieredStore::RenderMetrics(std::string& out) {
   series("sparsekv_tier_corrupt_total", "Bundles that failed their checksum (erased, never served).", "counter",
          [](const TierStats& s) { return s.corrupt; });
   series("sparsekv_tier_io_errors_total", "Operations the device failed.", "counter", [](const TierStats& s) { return s.io_errors; });
+  series("sparsekv_tier_superseded_total", "Puts skipped because the tier held a newer version of the key.",
+         "counter", [](const TierStats& s) { return s.superseded; });
   const TierChainStats c = chain_->Stats();
+  gauge_header("sparsekv_chain_stale_skipped_total", "Copies a read found older than the key's newest version (skipped).",
+               "counter");
+  out += fmt::format("sparsekv_chain_stale_skipped_total {}\n", c.stale_skipped);
+  gauge_header("sparsekv_chain_invalidated_total", "Older copies erased from tiers a new version or a delete did not reach.",
+               "counter");
+  out += fmt::format("sparsekv_chain_invalidated_total {}\n", c.invalidated);
+  gauge_header("sparsekv_chain_invalidate_failures_total",
+               "Erasures of older copies that failed (reads keep skipping those copies).", "counter");
+  out += fmt::format("sparsekv_chain_invalidate_failures_total {}\n", c.invalidate_failures);
   gauge_header("sparsekv_chain_demote_dropped_total", "Demotes that failed; the block was dropped.", "counter");
   out += fmt::format("sparsekv_chain_demote_dropped_total {}\n", c.demote_dropped);
   gauge_header("sparsekv_chain_cascaded_total", "Evicted bundles moved to the next tier.", "counter");

@@ -7,7 +7,7 @@
 // Capacity counts record bytes; the least recently used bundles are evicted beyond it.
 //
 // Ownership: the tier owns its database and worker threads. Thread safety: every method is
-// thread-safe; callbacks run on the worker threads (contains completes inline).
+// thread-safe; callbacks run on the worker threads (contains and erases complete inline).
 #pragma once
 
 #include <cstddef>

@@ -32,7 +32,8 @@
 //
 // Ownership: the tier owns its files, index and threads; one process may open a directory at a
 // time (RocksDB's lock enforces it). Thread safety: every method is thread-safe; callbacks run
-// on the I/O threads and, for puts, on the committer thread (contains completes inline).
+// on the I/O threads and, for puts, on the committer thread (contains and erases complete
+// inline).
 #pragma once
 
 #include <cstdint>

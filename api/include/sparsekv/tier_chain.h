@@ -125,9 +125,11 @@ class TierChain {
   struct PromoteState;
   void Cascade(size_t from_tier, std::vector<BundlePtr> evicted);
   // Erases copies older than each bundle from the tiers that do not hold it (stored[i][t] says
-  // which do), then calls done with `st` updated; may run on the chain's worker.
+  // which do), then calls done with `st` updated; may hand the work to the chain's worker.
   void Invalidate(std::vector<BundlePtr> bundles, std::vector<std::vector<bool>> stored,
                   std::vector<Status> st, Tier::StatusesCallback done);
+  // The worker: every demote waiting to invalidate, one erase per tier for all of them.
+  void DrainInvalidations();
   // After a background copy landed in `tier`: erases it again where a newer version was written
   // or erased meanwhile, then drops the copies' references on their keys' versions.
   void SettleBackground(size_t tier, const std::vector<BundlePtr>& landed,
