@@ -1,11 +1,15 @@
 // `sparsekv stress offload`: SIGKILL the SSD tier's writer at random moments and check that
 // nothing acknowledged is lost or returned corrupt (bench/offload_stress.h). The hidden
 // `stress offload-child` is the process being killed.
+// `sparsekv stress daemon`: N clients against sparsekvd, every GET checked against the last
+// acknowledged PUT or DELETE, optionally killing and restarting the daemon
+// (bench/daemon_stress.h).
 #include <cstdio>
 #include <memory>
 
 #include "cli/model_options.h"
 #include "cli/registry.h"
+#include "daemon_stress.h"
 #include "offload_stress.h"
 
 namespace sparsekv::cli {
@@ -64,6 +68,110 @@ SPARSEKV_CLI_COMMAND(stress) {
           static_cast<unsigned long long>(j["flip"]["detected"].get<uint64_t>()),
           static_cast<unsigned long long>(j["flip"]["returned"].get<uint64_t>()),
           j["ok"].get<bool>() ? "OK" : "FAILED");
+    }
+    if (!j["ok"].get<bool>()) exit_code = 1;
+  });
+
+  struct DaemonArgs {
+    bench::DaemonStressOptions options;
+    std::string durability = "fdatasync";
+    std::string write_policy = "write-back";
+    bool no_shared_memory = false;
+    bool json = false;
+  };
+  auto d = std::make_shared<DaemonArgs>();
+  auto& o = d->options;
+  CLI::App* dc = stress->add_subcommand(
+      "daemon",
+      "N clients PUT/GET/LOOKUP/DELETE self-checking values against sparsekvd; every GET must "
+      "return the last acknowledged value; optionally kill and restart the daemon K times");
+  dc->add_option(
+      "--addr", o.addr,
+      "HOST:PORT or unix:PATH of a running daemon (default 127.0.0.1:7420); with --spawn: "
+      "tcp or unix (default unix)");
+  dc->add_option("--namespace", o.namespace_name, "Namespace")->capture_default_str();
+  dc->add_option("--token", o.token, "Namespace token");
+  dc->add_flag("--no-shared-memory", d->no_shared_memory,
+               "Unix socket: send values over the socket");
+  dc->add_option("--clients", o.clients, "Clients, one thread and connection each")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  dc->add_option("--seconds", o.seconds, "Seconds of load (restarts add to it)")
+      ->check(CLI::Range(0.05, 86400.0))
+      ->capture_default_str();
+  dc->add_option("--max-ops", o.max_ops_per_client, "Operations per client at most")
+      ->capture_default_str();
+  dc->add_option("--keys-per-client", o.keys_per_client, "Keys each client owns")
+      ->check(CLI::Range(1u, 1000000u))
+      ->capture_default_str();
+  dc->add_option("--min-value-bytes", o.min_value_bytes, "Smallest value (log-uniform sizes)")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  dc->add_option("--max-value-bytes", o.max_value_bytes, "Largest value")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  dc->add_option("--seed", o.seed, "Seed (0: random)")->capture_default_str();
+  dc->add_option("--kill-cycles", o.kill_cycles,
+                 "SIGKILLs and restarts of the daemon during the run")
+      ->check(CLI::Range(0, 10000))
+      ->capture_default_str();
+  dc->add_option("--kill-cmd", o.kill_command, "External daemon: shell command that kills it");
+  dc->add_option("--restart-cmd", o.restart_command,
+                 "External daemon: shell command that starts it again (returns once started)");
+  dc->add_option("--restart-timeout", o.restart_timeout_seconds,
+                 "Seconds a restarted daemon may take to answer")
+      ->check(CLI::Range(1.0, 3600.0))
+      ->capture_default_str();
+  dc->add_flag("--expect-durable", o.expect_durable,
+               "Require lost == 0 after kills (write-through with a durable SSD tier)");
+  dc->add_flag("--spawn", o.spawn,
+               "Start the daemon here: in this process, or with --kill-cycles the sparsekvd binary "
+               "as a child");
+  dc->add_option("--dir", o.dir,
+                 "With --spawn: where its temporary directory goes (default: the system's)");
+  dc->add_flag("--keep", o.keep, "With --spawn: keep the directory (data, config, log)");
+  dc->add_option("--host-bytes", o.host_bytes, "With --spawn: host memory tier")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  dc->add_option("--ssd-bytes", o.ssd_bytes, "With --spawn: SSD tier")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  dc->add_option("--write-policy", d->write_policy, "With --spawn: write-back or write-through")
+      ->capture_default_str();
+  AddDurabilityOption(dc, d->durability);
+  dc->add_option("--daemon-binary", o.daemon_binary,
+                 "With --spawn and --kill-cycles: sparsekvd (default: beside this executable)");
+  dc->add_flag("--json", d->json, "Print JSON");
+  dc->callback([d, &exit_code] {
+    if (!ParseDurabilityOption(d->durability, d->options.durability, exit_code)) return;
+    auto policy = ParseWritePolicy(d->write_policy);
+    if (!policy.ok()) {
+      exit_code = Fail(policy.status().WithContext("--write-policy"));
+      return;
+    }
+    d->options.write_policy = *policy;
+    d->options.shared_memory = !d->no_shared_memory;
+    auto r = bench::RunDaemonStress(d->options);
+    if (!r.ok()) {
+      exit_code = Fail(r.status());
+      return;
+    }
+    const auto& j = *r;
+    auto n = [&j](const char* key) {
+      return static_cast<unsigned long long>(j[key].get<uint64_t>());
+    };
+    if (d->json) {
+      std::printf("%s\n", j.dump(2).c_str());
+    } else {
+      std::printf(
+          "acknowledged %llu  gets %llu (hits %llu, misses %llu)  stale_returned %llu  "
+          "deleted_returned %llu  "
+          "corrupt_returned %llu  refused %llu  errors %llu  lost %llu  reconnects %llu  "
+          "(%d clients, %d kills, %.1f s, %.0f ops/s)\n%s\n",
+          n("acknowledged"), n("gets"), n("hits"), n("misses"), n("stale_returned"),
+          n("deleted_returned"), n("corrupt_returned"), n("refused"), n("errors"), n("lost"),
+          n("reconnects"), d->options.clients, d->options.kill_cycles, j["seconds"].get<double>(),
+          j["ops_per_s"].get<double>(), j["ok"].get<bool>() ? "OK" : "FAILED");
     }
     if (!j["ok"].get<bool>()) exit_code = 1;
   });
