@@ -22,17 +22,13 @@
 #include <sys/uio.h>
 
 #include <algorithm>
-#include <bit>
 #include <cerrno>
-#include <charconv>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <list>
-#include <queue>
 #include <thread>
 #include <unordered_map>
-#include <unordered_set>
 
 #include "extent_allocator.h"
 #include "io_status.h"

@@ -8,7 +8,6 @@
 #include <condition_variable>
 #include <optional>
 #include <unordered_map>
-#include <unordered_set>
 
 #include "sparsekv/thread_annotations.h"
 #include "worker_pool.h"
