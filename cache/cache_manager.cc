@@ -103,6 +103,7 @@ class CacheManager::Impl {
   SubscriptionId Subscribe(KvEventListener listener) SPARSEKV_EXCLUDES(mu_);
   void Unsubscribe(SubscriptionId id) SPARSEKV_EXCLUDES(mu_, delivery_mu_);
   CacheStats Stats() const SPARSEKV_EXCLUDES(mu_);
+  Status CheckInvariants() const SPARSEKV_EXCLUDES(mu_);
 
   const CacheManagerOptions options_;
   const BlockGeometry geometry_;
@@ -161,6 +162,17 @@ class CacheManager::Impl {
 
   void RecordLookupLocked(uint64_t hit_tokens, uint64_t prompt_tokens) SPARSEKV_REQUIRES(mu_);
 
+  // ---- invariants ----
+  class ChangeCheck;
+  // The manager's bookkeeping against the pools (see CheckInvariants in the header).
+  Status CheckAllLocked() const SPARSEKV_REQUIRES(mu_);
+  // One sequence's shape and pages; adds its references to `refs` ([pool][page]) when given.
+  Status CheckSequenceLocked(SequenceId id, const SequenceEntry& s,
+                             std::vector<std::vector<uint32_t>>* refs) const SPARSEKV_REQUIRES(mu_);
+  // At the end of a call that changed the manager: the whole check with check_invariants, else,
+  // in debug builds, the sequences the call changed (0: none).
+  void AfterChangeLocked(SequenceId a, SequenceId b) SPARSEKV_REQUIRES(mu_);
+
   const uint32_t block_tokens_;
   const uint32_t window_tokens_;
   const uint32_t window_blocks_;
@@ -188,6 +200,12 @@ class CacheManager::Impl {
   PinId next_pin_ SPARSEKV_GUARDED_BY(mu_) = 1;
   std::vector<std::vector<PageId>> alloc_scratch_ SPARSEKV_GUARDED_BY(mu_);
   mutable std::vector<RecordId> chain_scratch_ SPARSEKV_GUARDED_BY(mu_);
+  // CheckAllLocked's counts, kept so that checking after every call allocates nothing.
+  mutable std::vector<std::vector<uint32_t>> check_refs_ SPARSEKV_GUARDED_BY(mu_);
+  mutable std::vector<uint8_t> check_live_ SPARSEKV_GUARDED_BY(mu_);
+  // The automatic check found a violation: it is counted once and checking stops, so that the
+  // first one stays the reported one and a broken manager does not pay for the check again.
+  bool invariants_broken_ SPARSEKV_GUARDED_BY(mu_) = false;
 
   // Statistics.
   CacheStats stats_ SPARSEKV_GUARDED_BY(mu_);
@@ -519,6 +537,270 @@ void CacheManager::Impl::RecordLookupLocked(uint64_t hit_tokens, uint64_t prompt
 }
 
 // ---------------------------------------------------------------------------------------------
+// Invariants
+
+// Runs AfterChangeLocked when a changing call's locked section ends, whichever return it takes.
+// Declared right after the MutexLock it relies on, so it runs before the lock is released (and
+// after any token lock declared later is released: the check takes token locks itself).
+class CacheManager::Impl::ChangeCheck {
+ public:
+  ChangeCheck(Impl& impl, SequenceId seq) : impl_(impl), a_(seq) {}
+  ChangeCheck(const ChangeCheck&) = delete;
+  ChangeCheck& operator=(const ChangeCheck&) = delete;
+  // A second sequence the call changed (Fork's child).
+  void Also(SequenceId seq) { b_ = seq; }
+  // The analysis cannot see that the lock outlives this object; the declaration order ensures it.
+  ~ChangeCheck() SPARSEKV_NO_THREAD_SAFETY_ANALYSIS { impl_.AfterChangeLocked(a_, b_); }
+
+ private:
+  Impl& impl_;
+  SequenceId a_;
+  SequenceId b_ = 0;
+};
+
+namespace {
+
+#ifdef NDEBUG
+constexpr bool kDebugBuild = false;
+#else
+constexpr bool kDebugBuild = true;
+#endif
+
+const char* PageStateName(PageState st) {
+  switch (st) {
+    case PageState::kFree:
+      return "free";
+    case PageState::kLocal:
+      return "in a thread cache";
+    case PageState::kInUse:
+      return "in use";
+    case PageState::kCached:
+      return "cached";
+  }
+  return "?";
+}
+
+}  // namespace
+
+void CacheManager::Impl::AfterChangeLocked(SequenceId a, SequenceId b) {
+  if (invariants_broken_ || (!options_.check_invariants && !kDebugBuild)) return;
+  Status st;
+  if (options_.check_invariants) {
+    st = CheckAllLocked();
+  } else {
+    for (SequenceId id : {a, b}) {
+      const SequenceEntry* s = id != 0 ? FindLocked(id) : nullptr;
+      if (s != nullptr) st = CheckSequenceLocked(id, *s, nullptr);
+      if (!st.ok()) break;
+    }
+  }
+  if (!st.ok()) {
+    invariants_broken_ = true;
+    Internal(st);
+  }
+}
+
+Status CacheManager::Impl::CheckSequenceLocked(SequenceId id, const SequenceEntry& s,
+                                               std::vector<std::vector<uint32_t>>* refs) const {
+  auto fail = [id](std::string what) {
+    return Status::Internal(fmt::format("invariant: sequence {}: {}", id, what));
+  };
+  const uint32_t n = s.num_blocks;
+  if (s.tables.size() != P() || s.released_upto.size() != P())
+    return fail(fmt::format("{} tables for {} pools", s.tables.size(), P()));
+  if (s.records.size() != n)
+    return fail(fmt::format("{} block records for {} blocks", s.records.size(), n));
+  // Every block holds at least one slot: a table entry past the slots would be a page nobody
+  // writes, still held (a leak until Free), and the next allocation would count from there.
+  if (s.slot_tokens > uint64_t{n} * block_tokens_ ||
+      (n > 0 && s.slot_tokens <= uint64_t{n - 1} * block_tokens_)) {
+    return fail(
+        fmt::format("{} slot tokens in {} blocks of {} tokens", s.slot_tokens, n, block_tokens_));
+  }
+  if (s.computed > s.slot_tokens)
+    return fail(fmt::format("{} computed tokens but {} slots", s.computed, s.slot_tokens));
+  if (s.registered_upto > n)
+    return fail(fmt::format("blocks below {} registered but only {} blocks", s.registered_upto, n));
+  {
+    MutexLock tl(s.tokens->mu);
+    if (s.computed > s.tokens->num_tokens) {
+      return fail(
+          fmt::format("{} computed tokens but {} appended", s.computed, s.tokens->num_tokens));
+    }
+  }
+  for (uint32_t b = 0; b < n; ++b) {
+    if (s.records[b] != kNoRecord && b >= s.registered_upto)
+      return fail(fmt::format("block {} has a record but lies past the registered blocks", b));
+  }
+  for (size_t q = 0; q < P(); ++q) {
+    const std::vector<PageId>& table = s.tables[q];
+    if (table.size() != n)
+      return fail(fmt::format("pool {}: table of {} entries for {} blocks", q, table.size(), n));
+    if (s.released_upto[q] > n)
+      return fail(fmt::format("pool {}: released up to block {} of {}", q, s.released_upto[q], n));
+    const PagePool& pool = *pools_[q];
+    for (uint32_t b = 0; b < n; ++b) {
+      const PageId page = table[b];
+      // Pages are released early (window and snapshot roles only) from the front, and only there.
+      if ((page == kInvalidPage) != (b < s.released_upto[q])) {
+        return fail(page == kInvalidPage
+                        ? fmt::format("pool {} block {}: no page, but released only below block {}",
+                                      q, b, s.released_upto[q])
+                        : fmt::format("pool {} block {}: page {} kept below block {}, where "
+                                      "pages were released",
+                                      q, b, page, s.released_upto[q]));
+      }
+      if (page == kInvalidPage) continue;
+      if (!pool.Valid(page))
+        return fail(fmt::format("pool {} block {}: page {} is out of range", q, b, page));
+      const PageState st = pool.State(page);
+      if (st != PageState::kInUse || pool.RefCount(page) == 0) {
+        return fail(fmt::format("pool {} block {}: page {} is {} with {} references", q, b, page,
+                                PageStateName(st), pool.RefCount(page)));
+      }
+      // A block's page that a record owns is shared with the cache: only a sequence that knows it
+      // (records[b]) may hold it, or its release would free the cache's page.
+      const RecordId owner = owners_[q][page];
+      if (owner != kNoRecord && s.records[b] != owner) {
+        return fail(
+            fmt::format("pool {} block {}: page {} belongs to cached block record {}, "
+                        "which the sequence does not know",
+                        q, b, page, owner));
+      }
+      if (refs != nullptr) ++(*refs)[q][page];
+    }
+  }
+  return Status::OK();
+}
+
+Status CacheManager::Impl::CheckAllLocked() const {
+  check_refs_.resize(P());
+  for (size_t q = 0; q < P(); ++q) check_refs_[q].assign(pools_[q]->capacity(), 0);
+  for (const auto& [id, s] : seqs_) {
+    SPARSEKV_RETURN_IF_ERROR(CheckSequenceLocked(id, s, &check_refs_));
+  }
+  for (const auto& [id, pin] : pins_) {
+    for (const auto& [q, page] : pin.pages) {
+      if (q >= P() || !pools_[q]->Valid(page)) {
+        return Status::Internal(
+            fmt::format("invariant: pin {}: page {} of pool {} does not exist", id, page, q));
+      }
+      ++check_refs_[q][page];
+    }
+  }
+  if (seqs_.size() != stats_.sequences) {
+    return Status::Internal(fmt::format("invariant: {} sequences, but the statistics count {}",
+                                        seqs_.size(), stats_.sequences));
+  }
+
+  // Records: live unless in the free list (once), findable under their own hash, each page owned
+  // back, every full-history page present.
+  check_live_.assign(max_records_, 1);
+  for (RecordId r : free_records_) {
+    if (r >= max_records_ || !check_live_[r]) {
+      return Status::Internal(
+          fmt::format("invariant: block record {} is in the free list twice or out of range", r));
+    }
+    check_live_[r] = 0;
+  }
+  uint64_t live = 0;
+  for (RecordId r = 0; r < max_records_; ++r) {
+    bool any = false;
+    for (size_t q = 0; q < P(); ++q) {
+      const PageId page = RecPage(r, q);
+      if (page == kInvalidPage) {
+        if (check_live_[r] && roles_[q] == PoolRole::kFullHistory) {
+          return Status::Internal(fmt::format(
+              "invariant: cached block record {} has no page in full-history pool {}", r, q));
+        }
+        continue;
+      }
+      if (!check_live_[r]) {
+        return Status::Internal(fmt::format(
+            "invariant: free block record {} still names page {} of pool {}", r, page, q));
+      }
+      if (!pools_[q]->Valid(page) || owners_[q][page] != r) {
+        return Status::Internal(fmt::format(
+            "invariant: block record {}: page {} of pool {} is owned by record {}", r, page, q,
+            pools_[q]->Valid(page) ? static_cast<int64_t>(owners_[q][page]) : -1));
+      }
+      any = true;
+    }
+    if (!check_live_[r]) continue;
+    ++live;
+    if (!any) return Status::Internal(fmt::format("invariant: block record {} has no page", r));
+    if (index_.Find(record_digest_[r].hash) != r) {
+      return Status::Internal(
+          fmt::format("invariant: block record {} is not what the index finds under its hash", r));
+    }
+  }
+  if (live != index_.size()) {
+    return Status::Internal(
+        fmt::format("invariant: {} live block records but {} indexed", live, index_.size()));
+  }
+
+  // Pages: each reference is a table's or a pin's; cached pages are findable; no page that a
+  // record names is free.
+  for (size_t q = 0; q < P(); ++q) {
+    const PagePool& pool = *pools_[q];
+    uint64_t used = 0, cached = 0;
+    for (PageId page = 0; page < pool.capacity(); ++page) {
+      const uint32_t want = check_refs_[q][page];
+      const uint32_t rc = pool.RefCount(page);
+      const PageState st = pool.State(page);
+      const RecordId owner = owners_[q][page];
+      if (rc != want || (want > 0) != (st == PageState::kInUse)) {
+        return Status::Internal(fmt::format(
+            "invariant: pool {} page {} is {} with {} references, but {} tables and pins hold it",
+            q, page, PageStateName(st), rc, want));
+      }
+      if (st == PageState::kCached && owner == kNoRecord) {
+        return Status::Internal(fmt::format(
+            "invariant: pool {} page {} is cached but belongs to no block record", q, page));
+      }
+      if (owner != kNoRecord) {
+        if (!check_live_[owner] || RecPage(owner, q) != page) {
+          return Status::Internal(fmt::format(
+              "invariant: pool {} page {} is owned by block record {}, which does not name it", q,
+              page, owner));
+        }
+        if (st != PageState::kCached && st != PageState::kInUse) {
+          return Status::Internal(
+              fmt::format("invariant: pool {} page {} of cached block record {} is {}", q, page,
+                          owner, PageStateName(st)));
+        }
+      }
+      used += st == PageState::kInUse;
+      cached += st == PageState::kCached;
+    }
+    const PagePoolStats ps = pool.Stats();
+    if (ps.used != used || ps.cached != cached) {
+      return Status::Internal(fmt::format(
+          "invariant: pool {} counts {} used and {} cached pages, its pages say {} and {}", q,
+          ps.used, ps.cached, used, cached));
+    }
+  }
+  return Status::OK();
+}
+
+Status CacheManager::Impl::CheckInvariants() const {
+  MutexLock l(mu_);
+  SPARSEKV_RETURN_IF_ERROR(CheckAllLocked());
+  if (stats_.internal_errors != 0) {
+    return Status::Internal(fmt::format("invariant: {} internal errors counted, the first: {}",
+                                        stats_.internal_errors, stats_.first_internal_error));
+  }
+  for (size_t q = 0; q < P(); ++q) {
+    const uint64_t misuse = pools_[q]->Stats().misuse;
+    if (misuse != 0) {
+      return Status::Internal(
+          fmt::format("invariant: pool {} ({}) counted {} misuses", q, pools_[q]->name(), misuse));
+    }
+  }
+  return Status::OK();
+}
+
+// ---------------------------------------------------------------------------------------------
 // Events
 
 void CacheManager::Impl::QueueEventLocked(KvEventType type, KindSet kinds,
@@ -621,6 +903,7 @@ Result<SequenceId> CacheManager::Impl::CreateSequence(const SequenceOptions& opt
   if (tokens->hashing) tokens->root = hasher_.Root(options.namespace_salt);
   MutexLock l(mu_);
   const SequenceId id = next_seq_++;
+  ChangeCheck check(*this, id);
   SequenceEntry& s = seqs_[id];
   s.tokens = std::move(tokens);
   s.tables.resize(P());
@@ -660,6 +943,7 @@ Status CacheManager::Impl::AppendTokens(SequenceId seq, std::span<const TokenId>
 
 Result<PrefixMatch> CacheManager::Impl::AcquireCachedPrefix(SequenceId seq) {
   MutexLock l(mu_);
+  ChangeCheck check(*this, seq);
   SequenceEntry* s = FindLocked(seq);
   if (s == nullptr) return Status::NotFound(SeqNotFound(seq));
   if (s->num_blocks != 0 || s->computed != 0 || s->looked_up) {
@@ -703,6 +987,7 @@ Result<SlotAllocation> CacheManager::Impl::AllocateSlots(SequenceId seq, uint64_
   bool events = false;
   {
     MutexLock l(mu_);
+    ChangeCheck check(*this, seq);
     SequenceEntry* s = FindLocked(seq);
     if (s == nullptr) return Status::NotFound(SeqNotFound(seq));
     const uint64_t want64 = (num_tokens + block_tokens_ - 1) / block_tokens_;
@@ -770,7 +1055,11 @@ Result<SlotAllocation> CacheManager::Impl::AllocateSlots(SequenceId seq, uint64_
       for (uint32_t i = 0; i < new_blocks; ++i)
         s->tables[q].push_back(alloc_scratch_[q][used[q]++]);
     }
-    s->records.resize(want, kNoRecord);
+    // Fewer tokens than the sequence holds slots for (lookahead taken before a fork) copies the
+    // shared blocks it writes but keeps every block: the tables keep their length, and so must
+    // the records and the count, or the blocks past `want` are held by nobody's bookkeeping.
+    const uint32_t blocks = std::max(old_blocks, want);
+    s->records.resize(blocks, kNoRecord);
     if (new_blocks > 0 && old_blocks > 0) {
       for (uint32_t q : state_pools_) {
         const PageId src = s->tables[q][old_blocks - 1];
@@ -778,7 +1067,7 @@ Result<SlotAllocation> CacheManager::Impl::AllocateSlots(SequenceId seq, uint64_
           out.copies.push_back({q, src, s->tables[q][old_blocks], CopyReason::kCarryState});
       }
     }
-    s->num_blocks = want;
+    s->num_blocks = blocks;
     s->slot_tokens = std::max(s->slot_tokens, num_tokens);
     out.first_new_block = old_blocks;
     out.new_blocks = new_blocks;
@@ -793,6 +1082,7 @@ Status CacheManager::Impl::CommitComputed(SequenceId seq, uint64_t num_tokens) {
   bool events = false;
   {
     MutexLock l(mu_);
+    ChangeCheck check(*this, seq);
     SequenceEntry* s = FindLocked(seq);
     if (s == nullptr) return Status::NotFound(SeqNotFound(seq));
     SequenceTokens& t = *s->tokens;
@@ -806,6 +1096,25 @@ Status CacheManager::Impl::CommitComputed(SequenceId seq, uint64_t num_tokens) {
       return Status::FailedPrecondition(fmt::format(
           "sequence {}: commit of {} tokens but only {} have slots and {} were appended", seq,
           num_tokens, s->slot_tokens, t.num_tokens));
+    }
+    // The new tokens' KV went into these blocks. A page still shared with a fork (slots taken
+    // before the fork, no AllocateSlots since) now holds this sequence's KV where the fork expects
+    // its own, and registering it would give the cache a page the fork frees at its end.
+    if (num_tokens > s->computed) {
+      const uint32_t first = static_cast<uint32_t>(s->computed / block_tokens_);
+      const uint32_t end = static_cast<uint32_t>(
+          std::min<uint64_t>((num_tokens + block_tokens_ - 1) / block_tokens_, s->num_blocks));
+      for (uint32_t b = first; b < end; ++b) {
+        for (size_t q = 0; q < P(); ++q) {
+          const PageId page = s->tables[q][b];
+          if (page == kInvalidPage || pools_[q]->RefCount(page) <= 1) continue;
+          return Status::FailedPrecondition(fmt::format(
+              "sequence {}: commit of tokens {}..{}, but block {} is still shared with a fork "
+              "(page {} of pool {}); call AllocateSlots for these tokens before writing them and "
+              "make the copies it lists (nothing was committed)",
+              seq, s->computed, num_tokens - 1, b, page, q));
+        }
+      }
     }
     s->computed = num_tokens;
 
@@ -905,6 +1214,7 @@ Status CacheManager::Impl::CommitComputed(SequenceId seq, uint64_t num_tokens) {
 
 Result<SequenceId> CacheManager::Impl::Fork(SequenceId seq) {
   MutexLock l(mu_);
+  ChangeCheck check(*this, seq);
   const SequenceEntry* parent = FindLocked(seq);
   if (parent == nullptr) return Status::NotFound(SeqNotFound(seq));
   SequenceEntry child = *parent;
@@ -933,6 +1243,7 @@ Result<SequenceId> CacheManager::Impl::Fork(SequenceId seq) {
     }
   }
   const SequenceId id = next_seq_++;
+  check.Also(id);
   seqs_.emplace(id, std::move(child));
   ++stats_.sequences;
   return id;
@@ -940,6 +1251,7 @@ Result<SequenceId> CacheManager::Impl::Fork(SequenceId seq) {
 
 Status CacheManager::Impl::Free(SequenceId seq) {
   MutexLock l(mu_);
+  ChangeCheck check(*this, 0);
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) return Status::NotFound(SeqNotFound(seq));
   SequenceEntry& s = it->second;
@@ -1011,6 +1323,7 @@ Result<PinInfo> CacheManager::Impl::PinPrefix(const PrefixQuery& query, uint32_t
   hasher_.HashFullBlocks(hasher_.Root(query.namespace_salt), query.tokens, query.extra_keys,
                          &digests);
   MutexLock l(mu_);
+  ChangeCheck check(*this, 0);
   const PrefixMatch m = FindResumableLocked(digests, digests.size(), &chain_scratch_);
   if (m.blocks == 0) {
     return Status::NotFound(
@@ -1040,6 +1353,7 @@ Result<PinInfo> CacheManager::Impl::PinPrefix(const PrefixQuery& query, uint32_t
 
 Status CacheManager::Impl::Unpin(PinId pin) {
   MutexLock l(mu_);
+  ChangeCheck check(*this, 0);
   auto it = pins_.find(pin);
   if (it == pins_.end()) {
     return Status::NotFound(
@@ -1055,6 +1369,7 @@ Status CacheManager::Impl::Unpin(PinId pin) {
 Status CacheManager::Impl::Reset() {
   {
     MutexLock l(mu_);
+    ChangeCheck check(*this, 0);
     uint64_t holding = 0;
     for (const auto& [id, s] : seqs_) {
       for (const auto& table : s.tables) {
@@ -1192,6 +1507,9 @@ void CacheManager::Unsubscribe(SubscriptionId id) {
 }
 CacheStats CacheManager::Stats() const {
   return impl_->Stats();
+}
+Status CacheManager::CheckInvariants() const {
+  return impl_->CheckInvariants();
 }
 
 }  // namespace sparsekv

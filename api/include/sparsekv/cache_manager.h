@@ -45,6 +45,14 @@
 // events come too late for that (they are delivered after the allocation returned the pages).
 // SetBlockEvictHook installs a function called at exactly that point; see BlockEvictHook.
 //
+// Invariants. CheckInvariants verifies the bookkeeping against the pools: every sequence's table
+// has `blocks` entries in every pool and its slots fit in them, every page's reference count is
+// the number of tables and pins holding it, no page is in use without a holder or cached without
+// a block, and every indexed block's pages are cached or held. With
+// CacheManagerOptions::check_invariants it runs after every call that changes the manager; debug
+// builds (NDEBUG undefined) always check the one sequence a call changed, which costs only that
+// sequence's table. A violation found that way is counted as an internal error (CacheStats).
+//
 // Thread safety. Every method is thread-safe: one annotated mutex guards the index, records,
 // tables and statistics; token hashing for AppendTokens and the query forms of LookupPrefix and
 // PinPrefix runs outside it. Calls on one sequence from several threads are safe, but their order
@@ -94,6 +102,13 @@ struct CacheManagerOptions {
   bool enable_prefix_caching = true;
   // Lookups over which CacheStats::recent_token_hit_ratio is computed. Default: 1000.
   uint32_t stats_window_requests = 1000;
+  // Run CheckInvariants after every call that changes the manager, under its lock, counting a
+  // violation as an internal error (the first one named in CacheStats::first_internal_error;
+  // checking stops there). Costs O(pages of every pool + table entries + pins + block records)
+  // per call: about a microsecond for a few hundred pages, far too much for a production-sized
+  // cache, so it is for tests and stress runs. Off, debug builds still check the sequence a call
+  // changed (O(its table)). Default: false.
+  bool check_invariants = false;
 };
 
 using SequenceId = uint64_t;
@@ -247,14 +262,20 @@ class CacheManager {
   // the sequence has no pages yet (FailedPrecondition otherwise).
   Result<PrefixMatch> AcquireCachedPrefix(SequenceId seq);
   // Pages in every pool for tokens [0, num_tokens) (num_tokens may exceed the appended tokens,
-  // for lookahead), copying a partial block shared with a fork before it is written. All or
-  // nothing: on ResourceExhausted no page, count, cached block or pin has changed.
+  // for lookahead), copying a partial block shared with a fork before it is written. Asking for
+  // fewer tokens than the sequence holds slots for keeps every block it holds; only the shared
+  // blocks that tokens [computed, num_tokens) fall in are copied. All or nothing: on
+  // ResourceExhausted no page, count, cached block or pin has changed.
   Result<SlotAllocation> AllocateSlots(SequenceId seq, uint64_t num_tokens);
   // The KV of tokens [0, num_tokens) is written. Registers the full blocks among them (stored
   // events), then releases window and snapshot pages that left the sequence's window.
-  // Preconditions: computed <= num_tokens <= min(appended tokens, slot tokens).
+  // Preconditions: computed <= num_tokens <= min(appended tokens, slot tokens), and no block that
+  // tokens [computed, num_tokens) fall in is still shared with a fork (FailedPrecondition, nothing
+  // changed: the KV was written into a page another sequence holds; see Fork).
   Status CommitComputed(SequenceId seq, uint64_t num_tokens);
-  // A new sequence with the same tokens and pages (references shared).
+  // A new sequence with the same tokens and pages (references shared), lookahead blocks included.
+  // Afterwards either sequence must call AllocateSlots for the tokens it is about to compute, even
+  // where it already holds slots for them: that is where a shared block gets its copy.
   Result<SequenceId> Fork(SequenceId seq);
   // Releases the sequence's pages tail first and forgets it.
   Status Free(SequenceId seq);
@@ -289,6 +310,14 @@ class CacheManager {
   SubscriptionId Subscribe(KvEventListener listener);
   void Unsubscribe(SubscriptionId id);
   CacheStats Stats() const;
+
+  // ---- checking ----
+  // OK when every invariant of the contract holds ("Invariants" above), and when no internal
+  // error was counted and no pool saw a misuse; otherwise Internal, naming the first violation
+  // found (sequence, pool, block, page). Read-only; takes the manager's lock and, one at a time,
+  // each sequence's token lock. Cost: O(pages of every pool + table entries + pins + block
+  // records), with no allocation after the first call.
+  Status CheckInvariants() const;
 
  private:
   class Impl;
