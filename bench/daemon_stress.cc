@@ -29,20 +29,12 @@
 namespace sparsekv::bench {
 namespace {
 
-uint64_t Mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  return x ^ (x >> 33);
-}
-
 // splitmix64: the filler stream of one (key, version).
 struct FillerStream {
   uint64_t x;
   uint64_t Next() {
     x += 0x9e3779b97f4a7c15ull;
-    return Mix(x);
+    return MixBits(x);
   }
 };
 
@@ -94,7 +86,7 @@ WireBlockHash DaemonStressChecker::Hash(uint32_t key) const {
 }
 
 uint64_t DaemonStressChecker::FillerSeed(uint32_t key, uint64_t version) const {
-  return Mix(seed_ ^ Mix((uint64_t{key} << 40) ^ version));
+  return MixBits(seed_ ^ MixBits((uint64_t{key} << 40) ^ version));
 }
 
 uint64_t DaemonStressChecker::NextVersion(uint32_t key) {
@@ -480,7 +472,7 @@ class StressClient {
       : s_(s),
         id_(id),
         first_key_(static_cast<uint32_t>(id) * s.o.keys_per_client),
-        rng_(Mix(seed + static_cast<uint64_t>(id) + 1)) {}
+        rng_(MixBits(seed + static_cast<uint64_t>(id) + 1)) {}
 
   void Run() {
     const bool set_up = Connect() && DeleteOwnKeys();

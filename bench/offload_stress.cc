@@ -60,22 +60,14 @@ BundleKey StressKey(uint64_t id) {
   return k;
 }
 
-uint64_t Mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  return x ^ (x >> 33);
-}
-
 // The bundle of (id, version): its size and bytes are functions of both; the first segment
 // starts with the id and the version, so a read says which version it found.
 BundlePtr StressBundle(uint64_t id, uint64_t version) {
-  const uint64_t payload = kMinPayload + Mix(id * 31 + version) % (kMaxPayload - kMinPayload);
+  const uint64_t payload = kMinPayload + MixBits(id * 31 + version) % (kMaxPayload - kMinPayload);
   const uint64_t a = payload * 3 / 4, b = payload / 5;
   const uint64_t sizes[] = {a, b, payload - a - b};
   auto r = Bundle::MakeWith(StressKey(id), sizes, [&](uint32_t seg, std::span<std::byte> d) {
-    uint64_t x = Mix(id ^ (version << 20) ^ (uint64_t{seg} << 56)) | 1;
+    uint64_t x = MixBits(id ^ (version << 20) ^ (uint64_t{seg} << 56)) | 1;
     size_t i = 0;
     if (seg == 0) {
       std::memcpy(d.data(), &id, 8);

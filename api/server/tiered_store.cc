@@ -102,6 +102,9 @@ std::vector<wire::ItemStatus> TieredStore::Put(uint32_t ns, std::span<const wire
   }
   {
     MutexLock l(mu_);
+    if (pinning_ > 0) {
+      for (const BundlePtr& b : bundles) changed_while_pinning_.insert(b->key());
+    }
     // A pinned key holds its newest version: GETs answer from the pin first.
     for (size_t k = 0; k < st.size() && !pinned_.empty(); ++k) {
       auto it = pinned_.find(bundles[k]->key());
@@ -254,6 +257,36 @@ bool TieredStore::TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireH
   return true;
 }
 
+std::vector<Result<BundlePtr>> TieredStore::FetchForPin(const std::vector<BundleKey>& keys) {
+  // A PUT or DELETE of a key between its read here and its pinning would leave the pin holding
+  // the version before it (the PUT found no pin to update): such keys are read again, and Pin
+  // checks once more, under the lock it pins under, before it pins them.
+  {
+    MutexLock l(mu_);
+    ++pinning_;
+  }
+  std::vector<Result<BundlePtr>> got = chain_->Promote(keys).get();
+  for (int attempt = 0;; ++attempt) {
+    std::vector<size_t> again;
+    {
+      MutexLock l(mu_);
+      for (size_t k = 0; k < keys.size(); ++k) {
+        if (changed_while_pinning_.erase(keys[k])) again.push_back(k);
+      }
+      if (again.empty() || attempt == 3) {
+        for (size_t k : again) {
+          got[k] = Status::Aborted("block changed while it was being pinned; pin it again");
+        }
+        return got;  // still counted in pinning_: Pin checks once more as it pins
+      }
+    }
+    std::vector<BundleKey> retry;
+    for (size_t k : again) retry.push_back(keys[k]);
+    std::vector<Result<BundlePtr>> re = chain_->Promote(retry).get();
+    for (size_t j = 0; j < again.size(); ++j) got[again[j]] = std::move(re[j]);
+  }
+}
+
 std::vector<wire::ItemStatus> TieredStore::Pin(uint32_t ns, std::span<const wire::WireHash> hashes, uint8_t priority) {
   std::vector<BundleKey> keys;
   for (const auto& h : hashes) keys.push_back({ns, FromWire(h)});
@@ -274,11 +307,14 @@ std::vector<wire::ItemStatus> TieredStore::Pin(uint32_t ns, std::span<const wire
     }
   }
   std::vector<Result<BundlePtr>> got;
-  if (!fetch.empty()) got = chain_->Promote(fetch).get();
+  if (!fetch.empty()) got = FetchForPin(fetch);
   std::vector<BundlePtr> displaced;
   {
     MutexLock l(mu_);
     for (size_t k = 0; k < fetch.size(); ++k) {
+      if (got[k].ok() && changed_while_pinning_.erase(fetch[k])) {
+        got[k] = Status::Aborted("block changed while it was being pinned; pin it again");
+      }
       if (!got[k].ok()) {
         out[index[k]] = ToItem(got[k].status());
         continue;
@@ -308,6 +344,7 @@ std::vector<wire::ItemStatus> TieredStore::Pin(uint32_t ns, std::span<const wire
       pinned_.emplace(fetch[k], Pinned{b, priority});
       pinned_bytes_ += need;
     }
+    if (!fetch.empty() && --pinning_ == 0) changed_while_pinning_.clear();
     NamespaceCounters& c = counters_[ns];
     ++c.pins;
   }
@@ -347,6 +384,7 @@ std::vector<wire::ItemStatus> TieredStore::Delete(uint32_t ns, std::span<const w
         pinned_bytes_ -= it->second.bundle->record_bytes();
         pinned_.erase(it);
       }
+      if (pinning_ > 0) changed_while_pinning_.insert(k);
     }
     counters_[ns].deletes += keys.size();
   }

@@ -11,6 +11,7 @@
 
 #include <memory>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "server/daemon_store.h"
 #include "sparsekv/offload_options.h"
@@ -53,6 +54,8 @@ class TieredStore : public DaemonStore {
  private:
   explicit TieredStore(const TieredStoreOptions& options, std::unique_ptr<TierChain> chain);
   uint8_t WireTier(int chain_index) const;
+  // The blocks of `keys` from the chain, each the newest version when the call returns.
+  std::vector<Result<BundlePtr>> FetchForPin(const std::vector<BundleKey>& keys) SPARSEKV_EXCLUDES(mu_);
   void Emit(uint32_t ns, const wire::EventRecord& e);
   void CountGets(uint32_t ns, uint64_t asked, uint64_t hits, uint64_t bytes, uint64_t corrupt);
 
@@ -74,6 +77,9 @@ class TieredStore : public DaemonStore {
   Mutex mu_;
   std::unordered_map<BundleKey, Pinned, BundleKeyHasher> pinned_ SPARSEKV_GUARDED_BY(mu_);
   uint64_t pinned_bytes_ SPARSEKV_GUARDED_BY(mu_) = 0;
+  // Pins reading their blocks, and the keys PUT or DELETEd meanwhile (FetchForPin).
+  uint32_t pinning_ SPARSEKV_GUARDED_BY(mu_) = 0;
+  std::unordered_set<BundleKey, BundleKeyHasher> changed_while_pinning_ SPARSEKV_GUARDED_BY(mu_);
   std::unordered_map<uint32_t, NamespaceCounters> counters_ SPARSEKV_GUARDED_BY(mu_);
   struct Subscriber {
     uint32_t ns;

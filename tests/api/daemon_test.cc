@@ -531,7 +531,7 @@ TEST_F(DaemonTest, PipelinedGetsThatQueueStillCarryTheirVerdicts) {
 
 TEST_F(DaemonTest, PinsOutliveEvictionAndRespectPriority) {
   auto c = Connect("alpha", "alpha-token", false);
-  // 64 MiB host tier of 256 KiB slots: 256 slots. Pin one block, then overfill the tier.
+  // A 64 MiB host tier holds about 330 of these 200 KB values. Pin one, then overfill the tier.
   auto v = Value(4, 200000);
   BundleRef ref{H(1000), v};
   ASSERT_TRUE(c->Put(std::span<const BundleRef>(&ref, 1)).ok());
@@ -555,6 +555,30 @@ TEST_F(DaemonTest, PinsOutliveEvictionAndRespectPriority) {
   ASSERT_TRUE(unpin.ok());
   EXPECT_TRUE((*unpin)[0].ok());
   EXPECT_EQ((*c->Unpin(std::span<const WireBlockHash>(&pinned, 1)))[0].code(), StatusCode::kNotFound);
+}
+
+// A pinned block is answered from the pin first: an overwrite must move the pin to the new
+// version and a delete must drop it, or GET would serve the version before.
+TEST_F(DaemonTest, APinnedBlockFollowsOverwritesAndDeletes) {
+  auto c = Connect("alpha", "alpha-token", false);
+  const WireBlockHash h = H(2000);
+  auto v1 = Value(21, 50000);
+  auto v2 = Value(22, 60000);
+  BundleRef r1{h, v1};
+  ASSERT_TRUE((*c->Put(std::span<const BundleRef>(&r1, 1)))[0].ok());
+  ASSERT_TRUE((*c->Pin(std::span<const WireBlockHash>(&h, 1), 3))[0].ok());
+  BundleRef r2{h, v2};
+  ASSERT_TRUE((*c->Put(std::span<const BundleRef>(&r2, 1)))[0].ok());
+  auto got = c->Get(std::span<const WireBlockHash>(&h, 1));
+  ASSERT_TRUE(got.ok() && (*got)[0].status.ok());
+  EXPECT_EQ((*got)[0].bytes, v2);
+  auto stats = c->Stats();
+  EXPECT_THAT(*stats, HasSubstr("\"pinned_bytes\":"));
+  ASSERT_TRUE((*c->Delete(std::span<const WireBlockHash>(&h, 1)))[0].ok());
+  got = c->Get(std::span<const WireBlockHash>(&h, 1));
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ((*got)[0].status.code(), StatusCode::kNotFound);
+  EXPECT_EQ((*c->Unpin(std::span<const WireBlockHash>(&h, 1)))[0].code(), StatusCode::kNotFound);
 }
 
 // 32 concurrent clients, mixed PUT/GET/LOOKUP, bounded in count and time, on loopback.

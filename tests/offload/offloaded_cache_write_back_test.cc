@@ -25,9 +25,9 @@ namespace {
 
 // A tier in front of another that holds puts back until Open(): a demote stays on its way for
 // as long as a test needs.
-class GatedTier : public Tier {
+class GatedTier : public testing::ForwardingTier {
  public:
-  explicit GatedTier(std::unique_ptr<Tier> inner) : inner_(std::move(inner)) {}
+  explicit GatedTier(std::unique_ptr<Tier> inner) : ForwardingTier(std::move(inner)) {}
   ~GatedTier() override { Open(); }
   void Open() {
     std::vector<std::pair<std::vector<BundlePtr>, StatusesCallback>> held;
@@ -42,10 +42,6 @@ class GatedTier : public Tier {
     std::lock_guard<std::mutex> l(mu_);
     return held_.size();
   }
-  std::string_view name() const override { return inner_->name(); }
-  uint64_t capacity_bytes() const override { return inner_->capacity_bytes(); }
-  uint64_t max_record_bytes() const override { return inner_->max_record_bytes(); }
-  TierStats Stats() const override { return inner_->Stats(); }
   void PutAsync(std::vector<BundlePtr> bundles, StatusesCallback done) override {
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -56,23 +52,8 @@ class GatedTier : public Tier {
     }
     inner_->PutAsync(std::move(bundles), std::move(done));
   }
-  void GetAsync(std::vector<BundleKey> keys, BundlesCallback done) override {
-    inner_->GetAsync(std::move(keys), std::move(done));
-  }
-  void ContainsAsync(std::vector<BundleKey> keys, ContainsCallback done) override {
-    inner_->ContainsAsync(std::move(keys), std::move(done));
-  }
-  void EraseAsync(std::vector<BundleKey> keys, StatusesCallback done) override {
-    inner_->EraseAsync(std::move(keys), std::move(done));
-  }
-  void EraseOlderAsync(std::vector<BundleKey> keys, std::vector<uint64_t> below,
-                       StatusesCallback done) override {
-    inner_->EraseOlderAsync(std::move(keys), std::move(below), std::move(done));
-  }
-  uint64_t max_sequence() const override { return inner_->max_sequence(); }
 
  private:
-  std::unique_ptr<Tier> inner_;
   std::mutex mu_;
   bool open_ = false;
   std::vector<std::pair<std::vector<BundlePtr>, StatusesCallback>> held_;
@@ -406,13 +387,15 @@ ModelSpec SmallV4Spec() {
   s.window_tokens = 128;
   const StorageFormat kv = StorageFormat::kFp8V4;
   s.layers.push_back(LayerSpec{{KindSpec{CacheKind::kSwaWindow, kv, 512, 1, 0}}});
-  s.layers.push_back(LayerSpec{{KindSpec{CacheKind::kSwaWindow, kv, 512, 1, 0},
-                                KindSpec{CacheKind::kCsaCompressed, kv, 512, 4, 0},
-                                KindSpec{CacheKind::kIndexerKey, StorageFormat::kIdxFp8, 128, 4, 0},
-                                KindSpec{CacheKind::kCompressorState, StorageFormat::kFp32, 1024, 4, 8}}});
-  s.layers.push_back(LayerSpec{{KindSpec{CacheKind::kSwaWindow, kv, 512, 1, 0},
-                                KindSpec{CacheKind::kHcaCompressed, kv, 512, 128, 0},
-                                KindSpec{CacheKind::kCompressorState, StorageFormat::kFp32, 512, 128, 128}}});
+  s.layers.push_back(
+      LayerSpec{{KindSpec{CacheKind::kSwaWindow, kv, 512, 1, 0},
+                 KindSpec{CacheKind::kCsaCompressed, kv, 512, 4, 0},
+                 KindSpec{CacheKind::kIndexerKey, StorageFormat::kIdxFp8, 128, 4, 0},
+                 KindSpec{CacheKind::kCompressorState, StorageFormat::kFp32, 1024, 4, 8}}});
+  s.layers.push_back(
+      LayerSpec{{KindSpec{CacheKind::kSwaWindow, kv, 512, 1, 0},
+                 KindSpec{CacheKind::kHcaCompressed, kv, 512, 128, 0},
+                 KindSpec{CacheKind::kCompressorState, StorageFormat::kFp32, 512, 128, 128}}});
   return s;
 }
 
@@ -465,8 +448,9 @@ ModelSpec SmallSpec() {
   ModelSpec s;
   s.name = "small-v32";
   for (int l = 0; l < 2; ++l) {
-    s.layers.push_back(LayerSpec{{KindSpec{CacheKind::kMlaLatent, StorageFormat::kFp8DsMla, 576, 1, 0},
-                                  KindSpec{CacheKind::kIndexerKey, StorageFormat::kIdxFp8, 128, 1, 0}}});
+    s.layers.push_back(
+        LayerSpec{{KindSpec{CacheKind::kMlaLatent, StorageFormat::kFp8DsMla, 576, 1, 0},
+                   KindSpec{CacheKind::kIndexerKey, StorageFormat::kIdxFp8, 128, 1, 0}}});
   }
   return s;
 }

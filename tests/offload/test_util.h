@@ -1,4 +1,5 @@
-// Helpers shared by the offload tests: temporary directories and deterministic bundles.
+// Helpers shared by the offload tests: temporary directories, deterministic bundles and a tier
+// wrapper to build test tiers on.
 #pragma once
 
 #include <unistd.h>
@@ -7,11 +8,13 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "sparsekv/bundle.h"
+#include "sparsekv/tier.h"
 
 namespace sparsekv::testing {
 
@@ -76,5 +79,35 @@ inline bool SameBytes(const Bundle& a, const Bundle& b) {
   return a.record_bytes() == b.record_bytes() &&
          std::memcmp(a.record().data(), b.record().data(), a.record_bytes()) == 0;
 }
+
+// A tier that passes every call to another; tests derive from it to hold back or change some.
+class ForwardingTier : public Tier {
+ public:
+  explicit ForwardingTier(std::unique_ptr<Tier> inner) : inner_(std::move(inner)) {}
+  std::string_view name() const override { return inner_->name(); }
+  uint64_t capacity_bytes() const override { return inner_->capacity_bytes(); }
+  uint64_t max_record_bytes() const override { return inner_->max_record_bytes(); }
+  uint64_t max_sequence() const override { return inner_->max_sequence(); }
+  TierStats Stats() const override { return inner_->Stats(); }
+  void PutAsync(std::vector<BundlePtr> bundles, StatusesCallback done) override {
+    inner_->PutAsync(std::move(bundles), std::move(done));
+  }
+  void GetAsync(std::vector<BundleKey> keys, BundlesCallback done) override {
+    inner_->GetAsync(std::move(keys), std::move(done));
+  }
+  void ContainsAsync(std::vector<BundleKey> keys, ContainsCallback done) override {
+    inner_->ContainsAsync(std::move(keys), std::move(done));
+  }
+  void EraseAsync(std::vector<BundleKey> keys, StatusesCallback done) override {
+    inner_->EraseAsync(std::move(keys), std::move(done));
+  }
+  void EraseOlderAsync(std::vector<BundleKey> keys, std::vector<uint64_t> below,
+                       StatusesCallback done) override {
+    inner_->EraseOlderAsync(std::move(keys), std::move(below), std::move(done));
+  }
+
+ protected:
+  std::unique_ptr<Tier> inner_;
+};
 
 }  // namespace sparsekv::testing

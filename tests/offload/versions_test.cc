@@ -14,6 +14,7 @@
 #include "offload/extent_allocator.h"
 #include "sparsekv/fault_injection_file_system.h"
 #include "sparsekv/host_tier.h"
+#include "sparsekv/rocksdb_tier.h"
 #include "sparsekv/ssd_tier.h"
 #include "sparsekv/tier_chain.h"
 #include "tests/offload/test_util.h"
@@ -30,9 +31,9 @@ constexpr uint64_t kPayload = 20000;  // 5 units of 4 KiB as a record
 // A tier over another that can hold back the results of gets (the read is done, its answer
 // waits) and the puts (nothing is written until opened): a read or a move stays in flight for
 // as long as a test needs.
-class HoldingTier : public Tier {
+class HoldingTier : public testing::ForwardingTier {
  public:
-  explicit HoldingTier(std::unique_ptr<Tier> inner) : inner_(std::move(inner)) {}
+  explicit HoldingTier(std::unique_ptr<Tier> inner) : ForwardingTier(std::move(inner)) {}
   ~HoldingTier() override { Release(); }
 
   void HoldGets(bool on) {
@@ -58,11 +59,6 @@ class HoldingTier : public Tier {
     return held_.size();
   }
 
-  std::string_view name() const override { return inner_->name(); }
-  uint64_t capacity_bytes() const override { return inner_->capacity_bytes(); }
-  uint64_t max_record_bytes() const override { return inner_->max_record_bytes(); }
-  uint64_t max_sequence() const override { return inner_->max_sequence(); }
-  TierStats Stats() const override { return inner_->Stats(); }
   void PutAsync(std::vector<BundlePtr> bundles, StatusesCallback done) override {
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -89,19 +85,8 @@ class HoldingTier : public Tier {
       done(std::move(got));
     });
   }
-  void ContainsAsync(std::vector<BundleKey> keys, ContainsCallback done) override {
-    inner_->ContainsAsync(std::move(keys), std::move(done));
-  }
-  void EraseAsync(std::vector<BundleKey> keys, StatusesCallback done) override {
-    inner_->EraseAsync(std::move(keys), std::move(done));
-  }
-  void EraseOlderAsync(std::vector<BundleKey> keys, std::vector<uint64_t> below,
-                       StatusesCallback done) override {
-    inner_->EraseOlderAsync(std::move(keys), std::move(below), std::move(done));
-  }
 
  private:
-  std::unique_ptr<Tier> inner_;
   std::mutex mu_;
   bool hold_gets_ = false;
   bool hold_puts_ = false;
@@ -313,7 +298,13 @@ TEST_F(VersionsTest, TiersNeverLetAnOlderCopyReplaceANewerOne) {
   h.huge_pages = false;
   auto host = HostTier::Open(h).value();
   auto ssd = SsdTier::Open(SsdOptions()).value();
-  for (Tier* t : {static_cast<Tier*>(host.get()), static_cast<Tier*>(ssd.get())}) {
+  testing::TempDir rocks_dir("versions-rocksdb");
+  RocksDbTierOptions r;
+  r.path = rocks_dir.path();
+  r.worker_threads = 1;
+  auto rocks = RocksDbTier::Open(r).value();
+  for (Tier* t : {static_cast<Tier*>(host.get()), static_cast<Tier*>(ssd.get()),
+                  static_cast<Tier*>(rocks.get())}) {
     const BundlePtr newer = MakeBundleOfBytes(1, kPayload, 2, 20);
     const BundlePtr older = MakeBundleOfBytes(1, kPayload, 1, 10);
     ASSERT_TRUE(t->Put({newer}).get()[0].ok());
@@ -332,6 +323,12 @@ TEST_F(VersionsTest, TiersNeverLetAnOlderCopyReplaceANewerOne) {
     EXPECT_EQ((*t->Get({KeyOf(1)}).get()[0])->sequence(), 20u) << t->name();
   }
   EXPECT_EQ(ssd->max_sequence(), 20u);
+  EXPECT_EQ(rocks->max_sequence(), 20u);
+  // Both durable tiers report it again after a restart, where a chain resumes numbering.
+  ssd.reset();
+  rocks.reset();
+  EXPECT_EQ(SsdTier::Open(SsdOptions()).value()->max_sequence(), 20u);
+  EXPECT_EQ(RocksDbTier::Open(r).value()->max_sequence(), 20u);
 }
 
 // Random record sizes from 4 KiB to a 6 MB V3.2 block (log-uniform), into a tier until its
