@@ -3,8 +3,11 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <array>
@@ -13,6 +16,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <filesystem>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -47,6 +51,142 @@ Result<asio::ip::tcp::endpoint> ParseTcp(const std::string& address) {
   if (port > 65535) return Status::InvalidArgument(fmt::format("listen address '{}': bad port", address));
   return asio::ip::tcp::endpoint(ip, static_cast<uint16_t>(port));
 }
+
+// Every memfd a client can reach is sealed against size changes: a client that shrank one the
+// daemon maps would make the daemon's next access to the lost pages die of SIGBUS, taking every
+// other client's cache with it. F_SEAL_SEAL last, so that the seals the daemon checked are the
+// ones the memfd keeps: no client can add others afterwards.
+constexpr int kSizeSeals = F_SEAL_SHRINK | F_SEAL_GROW;
+
+std::string SealNames(int seals) {
+  static constexpr std::pair<int, const char*> kNames[] = {{F_SEAL_SEAL, "F_SEAL_SEAL"},
+                                                           {F_SEAL_SHRINK, "F_SEAL_SHRINK"},
+                                                           {F_SEAL_GROW, "F_SEAL_GROW"},
+                                                           {F_SEAL_WRITE, "F_SEAL_WRITE"},
+                                                           {F_SEAL_FUTURE_WRITE, "F_SEAL_FUTURE_WRITE"}};
+  std::string out;
+  for (const auto& [bit, name] : kNames) {
+    if ((seals & bit) == 0) continue;
+    if (!out.empty()) out += '|';
+    out += name;
+  }
+  return out.empty() ? "none" : out;
+}
+
+// OK when memfd `fd` carries every seal of `required`, as F_GET_SEALS reports them now.
+Status CheckSeals(int fd, int required, std::string_view what) {
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  if (seals < 0) {
+    return Status::FailedPrecondition(fmt::format("{} is not a sealable memfd (F_GET_SEALS: {}); shared memory "
+                                                  "needs a memfd created with MFD_ALLOW_SEALING",
+                                                  what, std::strerror(errno)));
+  }
+  if ((seals & required) != required) {
+    return Status::FailedPrecondition(fmt::format("{} is sealed with {}; shared memory needs at least {}", what,
+                                                  SealNames(seals), SealNames(required)));
+  }
+  return Status::OK();
+}
+
+// Adds the seals of `required` that memfd `fd` lacks, then F_SEAL_SEAL, and checks the outcome.
+// Idempotent: a memfd sealed before (the store's arena, when a server starts again on the same
+// store) passes as it is.
+Status SealMemfd(int fd, int required, std::string_view what) {
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  if (seals >= 0 && (seals & F_SEAL_SEAL) == 0) {
+    const int add = (required & ~seals) | F_SEAL_SEAL;
+    if (::fcntl(fd, F_ADD_SEALS, add) != 0) {
+      return Status::FailedPrecondition(
+          fmt::format("cannot seal {} (F_ADD_SEALS {:#x}: {})", what, add, std::strerror(errno)));
+    }
+  }
+  return CheckSeals(fd, required | F_SEAL_SEAL, what);
+}
+
+// Claims `path` for a listening Unix socket. Nothing there, or a stale socket file (nobody
+// accepts on it: ECONNREFUSED) is fine, and the stale file is removed; a socket a process still
+// accepts on is never removed, since that would cut its clients off for good. The probe connects
+// without blocking, so a listener whose backlog is full (EAGAIN) counts as alive too.
+Status ClaimUnixPath(const std::string& path) {
+  struct stat st{};
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return Status::OK();
+    return Status::IOError(fmt::format("unix socket path {}: {}", path, std::strerror(errno)));
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return Status::AlreadyExists(
+        fmt::format("unix socket path {} exists and is not a socket; expected a socket file or nothing there", path));
+  }
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(sa.sun_path)) {
+    return Status::InvalidArgument(
+        fmt::format("unix socket path {} is {} bytes; at most {} fit", path, path.size(), sizeof(sa.sun_path) - 1));
+  }
+  std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
+  const int probe = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (probe < 0) return Status::IOError(fmt::format("unix socket {}: socket(): {}", path, std::strerror(errno)));
+  int rc;
+  do {
+    rc = ::connect(probe, reinterpret_cast<const sockaddr*>(&sa), sizeof(sa));
+  } while (rc != 0 && errno == EINTR);
+  const int err = rc == 0 ? 0 : errno;
+  std::string owner;
+  if (rc == 0) {
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    if (::getsockopt(probe, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid > 0) {
+      owner = fmt::format(" (pid {})", cred.pid);
+    }
+  }
+  ::close(probe);
+  if (rc == 0 || err == EAGAIN) {
+    return Status::AlreadyExists(fmt::format(
+        "unix socket {} is in use: another daemon{} accepts connections on it; stop it or choose another "
+        "unix_socket",
+        path, owner));
+  }
+  if (err == ENOENT) return Status::OK();  // removed meanwhile
+  if (err != ECONNREFUSED) {
+    return Status::IOError(fmt::format("unix socket {}: cannot tell whether a daemon serves it (connect: {}); "
+                                       "left in place",
+                                       path, std::strerror(err)));
+  }
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    return Status::IOError(fmt::format("unix socket {}: cannot remove the stale socket file: {}", path,
+                                       std::strerror(errno)));
+  }
+  spdlog::info("removed the stale socket file {} (nobody accepted on it)", path);
+  return Status::OK();
+}
+
+// Holds an flock on a directory for one scope. Two daemons that start at once on the same
+// socket path both see a stale file; without this, the later one's unlink could remove the
+// socket the other has just bound. The wait is bounded: a directory someone else keeps locked
+// costs the protection against that race, not the start.
+class DirectoryLock {
+ public:
+  explicit DirectoryLock(const std::string& dir) {
+    fd_ = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd_ < 0) return;
+    for (int i = 0; i < 200; ++i) {
+      if (::flock(fd_, LOCK_EX | LOCK_NB) == 0) return;
+      if (errno != EWOULDBLOCK && errno != EINTR) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    spdlog::warn("could not lock directory {} while claiming its unix socket; going on without", dir);
+    ::close(fd_);
+    fd_ = -1;
+  }
+  ~DirectoryLock() {
+    if (fd_ >= 0) ::close(fd_);  // releases the lock
+  }
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
 
 // Constant-time comparison, so a token cannot be guessed byte by byte from reply timing.
 bool TokenEquals(const std::string& a, const std::string& b) {
@@ -147,6 +287,7 @@ class Server::Impl {
         signals_(io_),
         control_(asio::make_strand(io_)) {}
   ~Impl() {
+    ReleaseUnixPath();  // a Start that failed after binding it
     if (arena_ro_fd_ >= 0) ::close(arena_ro_fd_);
   }
 
@@ -162,6 +303,8 @@ class Server::Impl {
   void OnSessionClosed(Session* s);
   void FinishIfDrained();
   Status Wait();
+  Status BindUnix();
+  void ReleaseUnixPath();
 
   ServerOptions options_;
   DaemonStore* store_;
@@ -181,6 +324,9 @@ class Server::Impl {
   uint16_t metrics_port_ = 0;
   DaemonStore::Arena arena_;  // the store's arena, when lent to clients
   int arena_ro_fd_ = -1;      // a read-only descriptor of it, passed at HELLO
+  // The socket file this server bound (st_dev, st_ino), removed at shutdown only while the path
+  // still names it: another daemon's socket there is never ours to remove.
+  std::optional<std::pair<dev_t, ino_t>> unix_bound_;
   // Host-tier pages that replies in flight and lent bundles hold pinned, and the most they may:
   // a quarter of the host tier, so that slow or idle clients cannot leave PUTs without pages.
   std::shared_ptr<std::atomic<uint64_t>> pinned_bytes_ = std::make_shared<std::atomic<uint64_t>>(0);
@@ -446,13 +592,28 @@ class Session : public std::enable_shared_from_this<Session> {
     return true;
   }
 
+  // The session's staging memfd, sized and then sealed (kSizeSeals and F_SEAL_SEAL) before the
+  // daemon maps it or the client sees it: the client's descriptor can neither shrink nor grow
+  // it, so no client can make the daemon's accesses to it fault. On failure the session has no
+  // shared memory (and no descriptor is passed).
   Status MakeStaging() {
-    staging_fd_ = ::memfd_create("sparsekv-staging", MFD_CLOEXEC);
-    if (staging_fd_ < 0) return Status::IOError("memfd_create failed");
-    staging_bytes_ = srv_.options_.staging_bytes;
-    if (::ftruncate(staging_fd_, static_cast<off_t>(staging_bytes_)) != 0) return Status::IOError("ftruncate failed");
-    void* m = ::mmap(nullptr, staging_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, staging_fd_, 0);
-    if (m == MAP_FAILED) return Status::IOError("mmap of the staging area failed");
+    const int fd = ::memfd_create("sparsekv-staging", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) return Status::IOError(fmt::format("memfd_create for the staging area: {}", std::strerror(errno)));
+    auto fail = [fd](Status st) {
+      ::close(fd);
+      return st;
+    };
+    const uint64_t bytes = srv_.options_.staging_bytes;
+    if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      return fail(Status::IOError(fmt::format("sizing the staging area to {} bytes: {}", bytes, std::strerror(errno))));
+    }
+    if (Status st = SealMemfd(fd, kSizeSeals, "the staging area"); !st.ok()) return fail(st);
+    void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) {
+      return fail(Status::IOError(fmt::format("mapping the staging area: {}", std::strerror(errno))));
+    }
+    staging_fd_ = fd;
+    staging_bytes_ = bytes;
     staging_ = static_cast<std::byte*>(m);
     return Status::OK();
   }
@@ -1020,9 +1181,10 @@ Status Server::Impl::Bind() {
     if (a.fd >= 0) {
       // Clients get a read-only description of their own. Since anyone holding a memfd can
       // reopen it through /proc read-write, the memfd is also sealed against every write that
-      // does not go through a mapping made before (the store's own): no client can write it.
-      if (::fcntl(a.fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE | F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
-        spdlog::warn("cannot seal the host arena ({}); shared-memory GETs will copy", std::strerror(errno));
+      // does not go through a mapping made before (the store's own): no client can write it,
+      // nor shrink it under the store's mapping (kSizeSeals).
+      if (Status st = SealMemfd(a.fd, F_SEAL_FUTURE_WRITE | kSizeSeals, "the host arena"); !st.ok()) {
+        spdlog::warn("{}; shared-memory GETs will copy", st.message());
       } else {
         arena_ro_fd_ = ::open(fmt::format("/proc/self/fd/{}", a.fd).c_str(), O_RDONLY | O_CLOEXEC);
         if (arena_ro_fd_ >= 0) {
@@ -1045,15 +1207,7 @@ Status Server::Impl::Bind() {
     const auto bound = tcp_->local_endpoint();
     tcp_address_ = fmt::format("{}:{}", bound.address().to_string(), bound.port());
   }
-  if (!options_.unix_path.empty()) {
-    ::unlink(options_.unix_path.c_str());  // a stale socket from a previous run
-    unix_ = std::make_unique<asio::local::stream_protocol::acceptor>(io_);
-    asio::local::stream_protocol::endpoint ep(options_.unix_path);
-    unix_->open(ep.protocol(), ec);
-    if (!ec) unix_->bind(ep, ec);
-    if (!ec) unix_->listen(asio::socket_base::max_listen_connections, ec);
-    if (ec) return Status::IOError(fmt::format("listening on unix:{}: {}", options_.unix_path, ec.message()));
-  }
+  if (!options_.unix_path.empty()) SPARSEKV_RETURN_IF_ERROR(BindUnix());
   if (!options_.metrics_listen.empty()) {
     SPARSEKV_ASSIGN_OR_RETURN(auto ep, ParseTcp(options_.metrics_listen));
     metrics_acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(io_);
@@ -1065,6 +1219,42 @@ Status Server::Impl::Bind() {
     metrics_port_ = metrics_acceptor_->local_endpoint().port();
   }
   return Status::OK();
+}
+
+// One daemon per socket path: a live socket there refuses the start (ClaimUnixPath). The
+// probe, the removal of a stale file and the bind run under the directory's lock, and the
+// socket is listening before the lock is released, so a daemon starting at the same moment
+// finds it alive.
+Status Server::Impl::BindUnix() {
+  const std::string& path = options_.unix_path;
+  DirectoryLock dir_lock(std::filesystem::path(path).parent_path().string());
+  SPARSEKV_RETURN_IF_ERROR(ClaimUnixPath(path));
+  boost::system::error_code ec;
+  unix_ = std::make_unique<asio::local::stream_protocol::acceptor>(io_);
+  asio::local::stream_protocol::endpoint ep(path);
+  unix_->open(ep.protocol(), ec);
+  if (!ec) unix_->bind(ep, ec);
+  if (ec) return Status::IOError(fmt::format("listening on unix:{}: {}", path, ec.message()));
+  struct stat st{};
+  if (::stat(path.c_str(), &st) == 0) unix_bound_ = std::make_pair(st.st_dev, st.st_ino);
+  unix_->listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) return Status::IOError(fmt::format("listening on unix:{}: {}", path, ec.message()));
+  return Status::OK();
+}
+
+// Removes the socket file this server bound, if the path still names it. Called while the
+// acceptor still listens: until then no other daemon takes the file for stale, so the one
+// removed is ours.
+void Server::Impl::ReleaseUnixPath() {
+  if (!unix_bound_) return;
+  struct stat st{};
+  if (::stat(options_.unix_path.c_str(), &st) == 0 && st.st_dev == unix_bound_->first &&
+      st.st_ino == unix_bound_->second) {
+    ::unlink(options_.unix_path.c_str());
+  } else {
+    spdlog::warn("unix socket {} no longer names this daemon's socket; left in place", options_.unix_path);
+  }
+  unix_bound_.reset();
 }
 
 void Server::Impl::Run() {
@@ -1205,6 +1395,7 @@ void Server::Impl::Shutdown() {
   asio::post(control_, [this] {
     boost::system::error_code ignored;
     if (tcp_) tcp_->close(ignored);
+    ReleaseUnixPath();
     if (unix_) unix_->close(ignored);
     if (metrics_acceptor_) metrics_acceptor_->close(ignored);
     signals_.cancel(ignored);

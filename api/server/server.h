@@ -8,6 +8,12 @@
 // connection until it drains, and a client that never reads its replies is disconnected. A
 // malformed frame gets an ERROR frame and its connection is closed; nothing stored changes.
 //
+// Isolation: every memfd a client can reach (its staging area, the host arena) is sealed against
+// shrinking and growing (F_SEAL_SEAL too) before it is mapped or passed, so no client action can
+// make the daemon fault; the server never takes a descriptor from a client (ancillary data a
+// client sends is dropped unread). The Unix socket path is claimed only when nothing accepts on
+// it, and removed at shutdown only while it is still this server's socket.
+//
 // Ownership: the server borrows the store, which must outlive it. Thread safety: Start, Wait
 // and Shutdown may be called from any thread.
 #pragma once
@@ -34,7 +40,8 @@ struct NamespaceConfig {
 struct ServerOptions {
   // TCP address HOST:PORT ("" disables; port 0 picks one). Default: "127.0.0.1:7420".
   std::string tcp_listen = "127.0.0.1:7420";
-  // Unix socket path ("" disables). Default: "".
+  // Unix socket path ("" disables). A socket there that a process accepts on refuses the start
+  // (another daemon serves it); a stale one is replaced. Default: "".
   std::string unix_path;
   // HTTP address of /metrics ("" disables). Default: "127.0.0.1:7421".
   std::string metrics_listen = "127.0.0.1:7421";

@@ -1,13 +1,21 @@
 // sparsekvd: the cache daemon. Loads its configuration (embedded default or --config, then
-// command-line overrides), logs the effective options, opens the offload tiers under the data
-// directory and serves api/PROTOCOL.md on TCP and a Unix socket until SIGINT/SIGTERM, which
-// drain in-flight requests and flush the tiers before exit 0. SIGHUP reopens the log file.
+// command-line overrides), logs the effective options, locks the data directory (one daemon per
+// data dir), opens the offload tiers under it and serves api/PROTOCOL.md on TCP and a Unix
+// socket until SIGINT/SIGTERM, which drain in-flight requests and flush the tiers before exit 0.
+// SIGHUP reopens the log file.
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
 #include <filesystem>
+#include <thread>
 
 #include "server/server.h"
 #include "server/tiered_store.h"
@@ -31,6 +39,47 @@ void OpenLog(const std::string& path) {
   }
 }
 
+// One daemon per data dir: two would open the same tiers (with the SSD tier off, both would
+// start and fight over the socket; with it on, the second would die of RocksDB's own lock). An
+// flock on <data_dir>/sparsekvd.lock, held until the process exits (the kernel drops it then,
+// even after kill -9), with the owner's pid written in it so the refusal can name it. Returns
+// the descriptor that holds the lock.
+Result<int> LockDataDir(const std::string& data_dir) {
+  const std::string path = (std::filesystem::path(data_dir) / "sparsekvd.lock").string();
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::IOError(fmt::format("cannot open the lock file {}: {}", path, std::strerror(errno)));
+  int rc;
+  do {
+    rc = ::flock(fd, LOCK_EX | LOCK_NB);
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) {
+    const int err = errno;
+    if (err != EWOULDBLOCK) {
+      ::close(fd);
+      return Status::IOError(fmt::format("cannot lock {}: {}", path, std::strerror(err)));
+    }
+    // The owner writes its pid just after it takes the lock: give it a moment.
+    std::string pid;
+    for (int i = 0; i < 20 && pid.empty(); ++i) {
+      char buf[32] = {};
+      const ssize_t k = ::pread(fd, buf, sizeof(buf) - 1, 0);
+      if (k > 0) pid.assign(buf, static_cast<size_t>(k));
+      while (!pid.empty() && (pid.back() == '\n' || pid.back() == ' ')) pid.pop_back();
+      if (pid.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ::close(fd);
+    return Status::AlreadyExists(fmt::format(
+        "data dir {} is in use by another sparsekvd (pid {}), which holds {}; one daemon per data dir: stop it "
+        "or choose another data_dir",
+        data_dir, pid.empty() ? "unknown" : pid, path));
+  }
+  const std::string pid = fmt::format("{}\n", ::getpid());
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+    spdlog::warn("cannot write this daemon's pid into {}: {}", path, std::strerror(errno));
+  }
+  return fd;
+}
+
 Result<ModelSpec> LoadModel(const DaemonConfig& c) {
   if (std::filesystem::exists(c.model)) return LoadModelSpecFile(c.model);
   SPARSEKV_ASSIGN_OR_RETURN(KvPrecision p, ParseKvPrecision(c.kv_format));
@@ -46,6 +95,13 @@ int Run(DaemonConfig config) {
     return 2;
   }
   OpenLog(config.log_file);
+  // Before the tiers are opened: a second daemon must not touch them. The descriptor stays
+  // open (the lock held) until the process exits.
+  auto data_dir_lock = LockDataDir(config.data_dir);
+  if (!data_dir_lock.ok()) {
+    spdlog::error("{}", data_dir_lock.status().ToString());
+    return 2;
+  }
   auto spec = LoadModel(config);
   if (!spec.ok()) {
     spdlog::error("model: {}", spec.status().ToString());
