@@ -271,19 +271,21 @@ void TierChain::DrainInvalidations() {
       }
     }
     // Every demote waiting is served by one erase per tier (one index write in the durable
-    // tiers). A copy on its way down lands first, so that the erase cannot miss it (and a
-    // crash cannot leave it behind after the demote was acknowledged).
+    // tiers). Before a tier below the first is erased, a copy on its way down to it lands, so
+    // that the erase cannot miss it (and a crash cannot leave it behind after the demote was
+    // acknowledged).
     std::vector<BundleKey> all;
     for (const auto& inv : batch) {
       for (const BundlePtr& b : inv.bundles) {
         if (b && b->sequence() != 0) all.push_back(b->key());
       }
     }
-    WaitNotMoving(all);
     std::vector<std::vector<bool>> poisoned(batch.size());
     std::vector<uint64_t> invalidated(batch.size(), 0);
     for (size_t b = 0; b < batch.size(); ++b) poisoned[b].assign(batch[b].bundles.size(), false);
     for (size_t t = 0; t < tiers_.size(); ++t) {
+      // Fastest tier first, as Erase: a tier erased cannot start moving an older copy down.
+      if (t > 0) WaitNotMoving(all);
       std::vector<BundleKey> ask;
       std::vector<std::pair<size_t, size_t>> at;  // (demote, item)
       for (size_t b = 0; b < batch.size(); ++b) {
@@ -611,6 +613,12 @@ void TierChain::GetFrom(size_t tier, std::vector<size_t> slots,
 void TierChain::Onload(std::vector<BundlePtr> bundles, bool prefetch) {
   {
     MutexLock lock(shared_->mu);
+    // A copy already superseded is not brought up at all: landing and erasing it again would
+    // leave a moment in which the first tier could move it down below the newer version.
+    std::erase_if(bundles, [&](const BundlePtr& b) SPARSEKV_NO_THREAD_SAFETY_ANALYSIS {
+      return shared_->LatestLocked(b->key()) > b->sequence();
+    });
+    if (bundles.empty()) return;
     ++shared_->in_flight;
     for (const BundlePtr& b : bundles) shared_->RefLocked(b->key(), b->sequence());
   }
@@ -637,48 +645,33 @@ std::future<std::vector<Status>> TierChain::Erase(std::vector<BundleKey> keys) {
     MutexLock lock(shared_->mu);
     for (const BundleKey& k : keys) shared_->RefLocked(k, version);
   }
-  WaitNotMoving(keys);
-  struct Combine {
-    Mutex mu;
-    std::vector<Status> out SPARSEKV_GUARDED_BY(mu);
-    size_t waiting SPARSEKV_GUARDED_BY(mu) = 0;
-    std::promise<std::vector<Status>> promise;
-  };
-  auto combine = std::make_shared<Combine>();
-  {
-    MutexLock lock(combine->mu);
-    combine->out.resize(keys.size());
-    combine->waiting = tiers_.size();
-  }
-  std::future<std::vector<Status>> f = combine->promise.get_future();
+  // Fastest tier first: once a tier has no copy it cannot start moving one down, so a copy on
+  // its way to the next tier is waited for before that tier is erased, and none can land after
+  // (where a crash before its own settling would bring the key back).
   const std::vector<uint64_t> below(keys.size(), version);
-  for (auto& t : tiers_) {
-    t->EraseOlderAsync(keys, below, [combine, keys, shared = shared_](std::vector<Status> st) {
-      std::vector<Status> out;
-      {
-        MutexLock lock(combine->mu);
-        for (size_t i = 0; i < st.size(); ++i) {
-          if (combine->out[i].ok() && !st[i].ok()) combine->out[i] = std::move(st[i]);
-        }
-        if (--combine->waiting > 0) return;
-        out = std::move(combine->out);
-      }
-      {
-        // A key whose erase failed somewhere keeps its reference: reads go on skipping the
-        // copy that is left.
-        MutexLock lock(shared->mu);
-        for (size_t i = 0; i < keys.size(); ++i) {
-          if (out[i].ok()) {
-            shared->UnrefLocked(keys[i]);
-          } else {
-            ++shared->stats.invalidate_failures;
-          }
-        }
-      }
-      combine->promise.set_value(std::move(out));
-    });
+  std::vector<Status> out(keys.size());
+  for (size_t t = 0; t < tiers_.size(); ++t) {
+    if (t > 0) WaitNotMoving(keys);
+    const std::vector<Status> st = tiers_[t]->EraseOlder(keys, below).get();
+    for (size_t i = 0; i < st.size(); ++i) {
+      if (out[i].ok() && !st[i].ok()) out[i] = st[i];
+    }
   }
-  return f;
+  {
+    // A key whose erase failed somewhere keeps its reference: reads go on skipping the copy
+    // that is left.
+    MutexLock lock(shared_->mu);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (out[i].ok()) {
+        shared_->UnrefLocked(keys[i]);
+      } else {
+        ++shared_->stats.invalidate_failures;
+      }
+    }
+  }
+  std::promise<std::vector<Status>> done;
+  done.set_value(std::move(out));
+  return done.get_future();
 }
 
 }  // namespace sparsekv
