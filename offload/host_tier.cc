@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
 #include <list>
 #include <optional>
@@ -80,11 +81,20 @@ class HostTierImpl final : public HostTier {
     for (size_t i = 0; i < bundles.size(); ++i) out[i] = PutOne(bundles[i], &evicted);
     if (!evicted.empty()) {
       EvictionListener listener;
+      std::vector<BundleKey> keys;
       {
         MutexLock lock(mu_);
         listener = listener_;
       }
+      for (const BundlePtr& b : evicted) keys.push_back(b->key());
       if (listener) listener(std::move(evicted));
+      // Handed over: the listener has taken them (a chain registers them as moving down).
+      MutexLock lock(mu_);
+      for (const BundleKey& k : keys) {
+        auto it = handing_over_.find(k);
+        if (it != handing_over_.end() && --it->second == 0) handing_over_.erase(it);
+      }
+      handed_over_.notify_all();
     }
     done(std::move(out));
   }
@@ -100,7 +110,9 @@ class HostTierImpl final : public HostTier {
     std::vector<bool> out(keys.size());
     {
       MutexLock lock(mu_);
-      for (size_t i = 0; i < keys.size(); ++i) out[i] = index_.count(keys[i]) != 0;
+      // A record on its way to the eviction listener is still held, for the moment.
+      for (size_t i = 0; i < keys.size(); ++i)
+        out[i] = index_.count(keys[i]) != 0 || handing_over_.count(keys[i]) != 0;
     }
     done(std::move(out));
   }
@@ -114,6 +126,13 @@ class HostTierImpl final : public HostTier {
     std::vector<Status> out(keys.size());
     {
       MutexLock lock(mu_);
+      // A key evicted but not yet handed to the listener is in neither this tier's index nor
+      // (for a chain) on its way down: wait until it is, so that whoever erases it next in the
+      // tier below cannot miss it.
+      handed_over_.wait(mu_, [&]() SPARSEKV_NO_THREAD_SAFETY_ANALYSIS {
+        return std::none_of(keys.begin(), keys.end(),
+                            [&](const BundleKey& k) { return handing_over_.count(k) != 0; });
+      });
       for (size_t i = 0; i < keys.size(); ++i) {
         auto it = index_.find(keys[i]);
         if (it == index_.end()) continue;
@@ -211,6 +230,7 @@ class HostTierImpl final : public HostTier {
       if (evicted != nullptr) {
         Result<BundlePtr> b = Bundle::ParseRecord({DataOf(e), e.record_bytes}, e.key);
         if (b.ok()) {
+          ++handing_over_[e.key];
           evicted->push_back(std::move(*b));
         } else {
           ++stats_.corrupt;
@@ -363,6 +383,9 @@ class HostTierImpl final : public HostTier {
   Index index_ SPARSEKV_GUARDED_BY(mu_);
   std::list<EntryId> lru_ SPARSEKV_GUARDED_BY(mu_);  // indexed entries, least recent first
   EvictionListener listener_ SPARSEKV_GUARDED_BY(mu_);
+  // Keys evicted for the listener and not yet handed to it, and the signal that they were.
+  std::unordered_map<BundleKey, uint32_t, BundleKeyHasher> handing_over_ SPARSEKV_GUARDED_BY(mu_);
+  std::condition_variable_any handed_over_;
   TierStats stats_ SPARSEKV_GUARDED_BY(mu_);
 };
 
