@@ -29,24 +29,14 @@
 #include "server/server.h"
 #include "server/tiered_store.h"
 #include "sparsekv/client.h"
+#include "tests/support/daemon_values.h"
 #include "sparsekv/host_tier.h"
 
 namespace sparsekv::server {
 namespace {
 
-WireBlockHash H(uint64_t i) {
-  WireBlockHash h{};
-  std::memcpy(h.data(), &i, 8);
-  h[15] = std::byte{0x7c};
-  return h;
-}
-
-std::vector<std::byte> Value(uint64_t seed, size_t n) {
-  std::vector<std::byte> v(n);
-  std::mt19937_64 rng(seed);
-  for (auto& b : v) b = std::byte(rng());
-  return v;
-}
+WireBlockHash H(uint64_t i) { return testing::TaggedHash(i, std::byte{0x7c}); }
+std::vector<std::byte> Value(uint64_t seed, size_t n) { return testing::RandomValue(seed, n); }
 
 std::filesystem::path ScratchDir(const std::string& tag) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();

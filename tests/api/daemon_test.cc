@@ -27,6 +27,7 @@
 #include "server/server.h"
 #include "server/tiered_store.h"
 #include "sparsekv/client.h"
+#include "tests/support/daemon_values.h"
 #include "sparsekv/host_tier.h"
 
 namespace sparsekv::server {
@@ -34,19 +35,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-WireBlockHash H(uint64_t i) {
-  WireBlockHash h{};
-  std::memcpy(h.data(), &i, 8);
-  h[15] = std::byte{0x5a};
-  return h;
-}
-
-std::vector<std::byte> Value(uint64_t seed, size_t n) {
-  std::vector<std::byte> v(n);
-  std::mt19937_64 rng(seed);
-  for (auto& b : v) b = std::byte(rng());
-  return v;
-}
+WireBlockHash H(uint64_t i) { return testing::TaggedHash(i, std::byte{0x5a}); }
+std::vector<std::byte> Value(uint64_t seed, size_t n) { return testing::RandomValue(seed, n); }
 
 // A HELLO frame (request id 1) for hand-made connections.
 std::vector<std::byte> RawHello(const char* client, bool shared_memory) {
