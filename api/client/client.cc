@@ -35,7 +35,35 @@ struct Frame {
   std::vector<std::byte> payload;
   // A GET reply read straight into its results (see ReadGetPayload); `payload` is then empty.
   std::shared_ptr<std::vector<GetResult>> get_items;
+  std::vector<size_t> get_deferred;  // its items the daemon deferred (api/PROTOCOL.md)
 };
+
+// A GET reply's answers, and the items it deferred, to be asked for again.
+struct GetPart {
+  std::vector<GetResult> items;
+  std::vector<size_t> deferred;
+};
+
+// Takes the answers of a follow-up GET (for part.deferred, in that order) into `part`. A reply
+// that answers none of them is an error: the daemon always answers a reply's first item.
+Status MergeGetPart(GetPart& part, GetPart more) {
+  if (more.items.size() != part.deferred.size()) return Status::Internal("a follow-up GET answered the wrong count");
+  std::vector<bool> again(more.items.size(), false);
+  for (size_t k : more.deferred) again[k] = true;
+  std::vector<size_t> still;
+  for (size_t k = 0; k < more.items.size(); ++k) {
+    if (again[k]) {
+      still.push_back(part.deferred[k]);
+    } else {
+      part.items[part.deferred[k]] = std::move(more.items[k]);
+    }
+  }
+  if (!still.empty() && still.size() == part.deferred.size()) {
+    return Status::Internal("sparsekvd deferred every item of a GET");
+  }
+  part.deferred = std::move(still);
+  return Status::OK();
+}
 
 Status Errno(const std::string& what) {
   return Status::Unavailable(fmt::format("{}: {}", what, std::strerror(errno)));
@@ -420,9 +448,15 @@ class Client::Impl {
     if (ReadOutcome o = take_u32(&count); o != ReadOutcome::kFrame) return o;
     if (count > w::kMaxBatchItems || 2ull * count > left) return bad("item count " + std::to_string(count));
     auto items = std::make_shared<std::vector<GetResult>>(count);
-    for (GetResult& g : *items) {
+    std::vector<size_t> deferred;
+    for (size_t i = 0; i < count; ++i) {
+      GetResult& g = (*items)[i];
       uint8_t code = 0;
       if (ReadOutcome o = take(&code, 1); o != ReadOutcome::kFrame) return o;
+      if (code == w::kDeferredCode) {  // not answered here: asked for again
+        deferred.push_back(i);
+        continue;
+      }
       if (code > static_cast<uint8_t>(StatusCode::kInternal)) return bad("unknown status code");
       uint32_t n = 0;
       if (ReadOutcome o = take_u32(&n); o != ReadOutcome::kFrame) return o;
@@ -438,10 +472,14 @@ class Client::Impl {
     }
     // The verdict bytes: an item whose bytes failed their check as the daemon sent them is
     // Corruption, its bytes dropped.
-    for (GetResult& g : *items) {
+    std::vector<bool> is_deferred(count, false);
+    for (size_t d : deferred) is_deferred[d] = true;
+    for (size_t i = 0; i < count; ++i) {
+      GetResult& g = (*items)[i];
       uint8_t verdict = 0;
       if (ReadOutcome o = take(&verdict, 1); o != ReadOutcome::kFrame) return o;
       if (verdict > 1) return bad("unknown verdict");
+      if (verdict != 0 && is_deferred[i]) return bad("a deferred item has a verdict");
       if (verdict != 0 && g.status.ok()) {
         g.status = Status::Corruption("the bundle failed its checksum as sparsekvd sent it");
         g.bytes.clear();
@@ -450,6 +488,7 @@ class Client::Impl {
     }
     if (left != 0) return bad("bytes left over");
     f->get_items = std::move(items);
+    f->get_deferred = std::move(deferred);
     return ReadOutcome::kFrame;
   }
 
@@ -468,6 +507,11 @@ class Client::Impl {
       DeliverEvents(f.payload);
       l.lock();
       return;
+    }
+    if (f.header.opcode == w::Opcode::kError && f.header.request_id == 0) {
+      // About the connection, not a request: the daemon closes it and says why (a deadline,
+      // a connection limit). Every caller learns that reason.
+      return Break(l, ErrorStatus(f.payload).WithContext("sparsekvd closed the connection"));
     }
     auto it = pending_.find(f.header.request_id);
     if (it == pending_.end()) return;  // a reply nobody waits for (the caller timed out)
@@ -706,24 +750,66 @@ class Client::Impl {
     return FromItems(r.items);
   }
 
-  static Result<std::vector<GetResult>> ParseGet(Result<Frame> f, size_t expected) {
+  static Result<GetPart> ParseGetPart(Result<Frame> f, size_t expected) {
     if (!f.ok()) return f.status();
+    GetPart part;
     if (f->get_items) {
       if (f->get_items->size() != expected) {
         return Status::Internal(fmt::format("sparsekvd answered {} items for {}", f->get_items->size(), expected));
       }
-      return std::move(*f->get_items);
+      part.items = std::move(*f->get_items);
+      part.deferred = std::move(f->get_deferred);
+      return part;
     }
     SPARSEKV_ASSIGN_OR_RETURN(w::GetReply r, w::DecodeGetReply(f->payload, w::kMaxPayloadBytes));
     if (r.items.size() != expected) {
       return Status::Internal(fmt::format("sparsekvd answered {} items for {}", r.items.size(), expected));
     }
-    std::vector<GetResult> out(r.items.size());
+    part.items.resize(r.items.size());
     for (size_t i = 0; i < r.items.size(); ++i) {
-      out[i].status = FromItem(r.items[i].status);
-      out[i].bytes.assign(r.items[i].bundle.begin(), r.items[i].bundle.end());
+      if (r.items[i].deferred) {
+        part.deferred.push_back(i);
+        continue;
+      }
+      part.items[i].status = FromItem(r.items[i].status);
+      part.items[i].bytes.assign(r.items[i].bundle.begin(), r.items[i].bundle.end());
     }
-    return out;
+    return part;
+  }
+
+  // Asks again for what a GET reply deferred (a reply never exceeds the announced maximum
+  // frame, api/PROTOCOL.md), until every item of `hashes` is answered.
+  Result<std::vector<GetResult>> FinishGet(GetPart part, std::span<const WireBlockHash> hashes) {
+    while (!part.deferred.empty()) {
+      w::HashList req;
+      for (size_t i : part.deferred) req.hashes.push_back(hashes[i]);
+      SPARSEKV_ASSIGN_OR_RETURN(GetPart more,
+                                ParseGetPart(Call(w::Opcode::kGet, w::Encode(req)), part.deferred.size()));
+      SPARSEKV_RETURN_IF_ERROR(MergeGetPart(part, std::move(more)));
+    }
+    return std::move(part.items);
+  }
+
+  Result<std::vector<GetResult>> GetSocket(std::span<const WireBlockHash> hashes) {
+    w::HashList req{{hashes.begin(), hashes.end()}};
+    SPARSEKV_ASSIGN_OR_RETURN(GetPart part, ParseGetPart(Call(w::Opcode::kGet, w::Encode(req)), hashes.size()));
+    return FinishGet(std::move(part), hashes);
+  }
+
+  // FinishGet for callbacks: the follow-up GETs go out from the thread that read the reply.
+  void FinishGetWithCallback(std::shared_ptr<const std::vector<WireBlockHash>> hashes, GetPart part,
+                             std::function<void(Result<std::vector<GetResult>>)> done) {
+    if (part.deferred.empty()) return done(std::move(part.items));
+    w::HashList req;
+    for (size_t i : part.deferred) req.hashes.push_back((*hashes)[i]);
+    auto state = std::make_shared<GetPart>(std::move(part));
+    SendWithCallback(w::Opcode::kGet, w::Encode(req),
+                     [this, hashes, state, done = std::move(done)](Result<Frame> f) mutable {
+                       auto more = ParseGetPart(std::move(f), state->deferred.size());
+                       if (!more.ok()) return done(more.status());
+                       if (Status st = MergeGetPart(*state, std::move(*more)); !st.ok()) return done(st);
+                       FinishGetWithCallback(hashes, std::move(*state), std::move(done));
+                     });
   }
 
   Result<std::vector<Status>> PutShared(std::span<const BundleRef> bundles) {
@@ -760,10 +846,27 @@ class Client::Impl {
     return out;
   }
 
+  // PUTs over the socket, as many frames as the daemon's maximum payload needs (a bundle too
+  // large for any frame goes alone, and the daemon answers it with an error).
   Result<std::vector<Status>> PutSocket(std::span<const BundleRef> bundles) {
-    w::PutRequest req;
-    for (const BundleRef& b : bundles) req.items.push_back({b.hash, b.bytes});
-    return ParseStatusList(Call(w::Opcode::kPut, w::Encode(req)), bundles.size());
+    const uint64_t limit = hello_.max_payload_bytes;
+    std::vector<Status> out;
+    out.reserve(bundles.size());
+    size_t i = 0;
+    while (i < bundles.size()) {
+      w::PutRequest req;
+      uint64_t size = 4;
+      while (i < bundles.size() && req.items.size() < w::kMaxBatchItems) {
+        const uint64_t item = 16 + 4 + bundles[i].bytes.size();
+        if (!req.items.empty() && size + item > limit) break;
+        req.items.push_back({bundles[i].hash, bundles[i].bytes});
+        size += item;
+        ++i;
+      }
+      SPARSEKV_ASSIGN_OR_RETURN(auto part, ParseStatusList(Call(w::Opcode::kPut, w::Encode(req)), req.items.size()));
+      out.insert(out.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
+    }
+    return out;
   }
 
   // Copies the bundles an SHM_GET reply names out of the GET area into `out`; the indexes of
@@ -816,9 +919,9 @@ class Client::Impl {
       SPARSEKV_RETURN_IF_ERROR(st);
     }
     if (!too_big.empty()) {
-      w::HashList req;
-      for (size_t i : too_big) req.hashes.push_back(hashes[i]);
-      SPARSEKV_ASSIGN_OR_RETURN(auto rest, ParseGet(Call(w::Opcode::kGet, w::Encode(req)), too_big.size()));
+      std::vector<WireBlockHash> subset;
+      for (size_t i : too_big) subset.push_back(hashes[i]);
+      SPARSEKV_ASSIGN_OR_RETURN(auto rest, GetSocket(subset));
       for (size_t k = 0; k < rest.size(); ++k) out[too_big[k]] = std::move(rest[k]);
     }
     return out;
@@ -834,9 +937,7 @@ class Client::Impl {
 
   void GetWithCallback(std::vector<WireBlockHash> hashes, GetCallback done) {
     if (!shared() || !TryAcquire(kGetArea)) {  // the GET area is in use: the socket carries it
-      const size_t n = hashes.size();
-      SendWithCallback(w::Opcode::kGet, w::Encode(w::HashList{std::move(hashes)}),
-                       [n, done = std::move(done)](Result<Frame> f) { done(ParseGet(std::move(f), n)); });
+      GetSocketWithCallback(std::move(hashes), std::move(done));
       return;
     }
     auto keep = std::make_shared<std::vector<WireBlockHash>>(std::move(hashes));
@@ -848,15 +949,25 @@ class Client::Impl {
                        Release(kGetArea);
                        if (!st.ok()) return done(st);
                        if (too_big.empty()) return done(std::move(out));
-                       w::HashList rest;
-                       for (size_t i : too_big) rest.hashes.push_back((*keep)[i]);
-                       SendWithCallback(w::Opcode::kGet, w::Encode(rest),
-                                        [out = std::move(out), too_big, done = std::move(done)](Result<Frame> g) mutable {
-                                          auto r = ParseGet(std::move(g), too_big.size());
-                                          if (!r.ok()) return done(r.status());
-                                          for (size_t k = 0; k < r->size(); ++k) out[too_big[k]] = std::move((*r)[k]);
-                                          done(std::move(out));
-                                        });
+                       std::vector<WireBlockHash> rest;
+                       for (size_t i : too_big) rest.push_back((*keep)[i]);
+                       GetSocketWithCallback(
+                           std::move(rest),
+                           [out = std::move(out), too_big, done = std::move(done)](Result<std::vector<GetResult>> r) mutable {
+                             if (!r.ok()) return done(r.status());
+                             for (size_t k = 0; k < r->size(); ++k) out[too_big[k]] = std::move((*r)[k]);
+                             done(std::move(out));
+                           });
+                     });
+  }
+
+  void GetSocketWithCallback(std::vector<WireBlockHash> hashes, GetCallback done) {
+    auto keep = std::make_shared<const std::vector<WireBlockHash>>(std::move(hashes));
+    SendWithCallback(w::Opcode::kGet, w::Encode(w::HashList{*keep}),
+                     [this, keep, done = std::move(done)](Result<Frame> f) mutable {
+                       auto part = ParseGetPart(std::move(f), keep->size());
+                       if (!part.ok()) return done(part.status());
+                       FinishGetWithCallback(keep, std::move(*part), std::move(done));
                      });
   }
 
@@ -933,8 +1044,7 @@ Result<std::vector<Status>> Client::Put(std::span<const BundleRef> bundles) {
 
 Result<std::vector<GetResult>> Client::Get(std::span<const WireBlockHash> hashes) {
   if (impl_->shared()) return impl_->GetShared(hashes);
-  w::HashList req{{hashes.begin(), hashes.end()}};
-  return Impl::ParseGet(impl_->Call(w::Opcode::kGet, w::Encode(req)), hashes.size());
+  return impl_->GetSocket(hashes);
 }
 
 Result<std::vector<Status>> Client::Pin(std::span<const WireBlockHash> hashes, uint8_t priority) {
@@ -995,9 +1105,14 @@ std::future<Result<std::vector<Status>>> Client::PutAsync(std::vector<BundleRef>
 }
 
 std::future<Result<std::vector<GetResult>>> Client::GetAsync(std::vector<WireBlockHash> hashes) {
-  const size_t n = hashes.size();
-  auto fut = impl_->Send(w::Opcode::kGet, w::Encode(w::HashList{std::move(hashes)}));
-  return std::async(std::launch::deferred, [f = std::move(fut), n]() mutable { return Impl::ParseGet(f.get(), n); });
+  auto fut = impl_->Send(w::Opcode::kGet, w::Encode(w::HashList{hashes}));
+  // What the reply deferred is asked for when the result is taken (on that thread).
+  return std::async(std::launch::deferred,
+                    [impl = impl_.get(), f = std::move(fut), hashes = std::move(hashes)]() mutable
+                    -> Result<std::vector<GetResult>> {
+                      SPARSEKV_ASSIGN_OR_RETURN(GetPart part, Impl::ParseGetPart(f.get(), hashes.size()));
+                      return impl->FinishGet(std::move(part), hashes);
+                    });
 }
 
 void Client::GetAsync(std::vector<WireBlockHash> hashes, GetCallback done) {

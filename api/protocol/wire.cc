@@ -397,6 +397,10 @@ Result<StatusListReply> DecodeStatusListReply(std::span<const std::byte> p) {
 std::vector<std::byte> Encode(const GetReply& m) {
   PayloadWriter w;
   WriteList(w, m.items, [](PayloadWriter& o, const GetItem& it) {
+    if (it.deferred) {
+      o.U8(kDeferredCode);
+      return;
+    }
     WriteItemStatus(o, it.status);
     if (it.status.code == StatusCode::kOk) o.Blob(it.bundle);
   });
@@ -408,6 +412,11 @@ Result<GetReply> DecodeGetReply(std::span<const std::byte> p, uint32_t max_bundl
   PayloadReader r(p);
   GetReply m;
   SPARSEKV_RETURN_IF_ERROR(ReadList(r, "GET item count", 2, m.items, [&](GetItem& it) -> Status {
+    if (r.Peek() == kDeferredCode) {
+      SPARSEKV_RETURN_IF_ERROR(r.U8("GET item status").status());
+      it.deferred = true;
+      return Status::OK();
+    }
     SPARSEKV_ASSIGN_OR_RETURN(it.status, ReadItemStatus(r));
     if (it.status.code == StatusCode::kOk) {
       SPARSEKV_ASSIGN_OR_RETURN(it.bundle, r.Blob("GET bundle", max_bundle_bytes));
@@ -417,6 +426,7 @@ Result<GetReply> DecodeGetReply(std::span<const std::byte> p, uint32_t max_bundl
   for (GetItem& it : m.items) {
     SPARSEKV_ASSIGN_OR_RETURN(it.verdict, r.U8("GET verdict"));
     if (it.verdict > 1) return Bad(fmt::format("GET verdict {} is unknown", it.verdict));
+    if (it.deferred && it.verdict != 0) return Bad("a deferred GET item has a verdict");
     if (it.verdict != 0 && it.status.code == StatusCode::kOk) {
       it.status = {StatusCode::kCorruption, "the bundle failed its checksum as sparsekvd sent it"};
       it.bundle = {};

@@ -20,7 +20,9 @@ namespace sparsekv::wire {
 
 inline constexpr uint32_t kMagic = 0x31564B53;  // bytes "SKV1"
 // 2: GET replies end with verdict bytes; the HELLO reply ends with the arena size.
-inline constexpr uint16_t kProtocolVersion = 2;
+// 3: a GET reply never exceeds the announced maximum payload; items past it are deferred
+//    (kDeferredCode) and asked for again.
+inline constexpr uint16_t kProtocolVersion = 3;
 inline constexpr size_t kHeaderBytes = 32;
 // Upper bound any side accepts; a server configures a lower one. 64 MiB.
 inline constexpr uint32_t kMaxPayloadBytes = 64u << 20;
@@ -114,6 +116,8 @@ class PayloadReader {
   // Error when bytes are left over.
   Status Finish(const char* message) const;
   size_t remaining() const { return in_.size() - pos_; }
+  // The next byte without consuming it; -1 at the end.
+  int Peek() const { return pos_ < in_.size() ? static_cast<int>(in_[pos_]) : -1; }
 
  private:
   Status Short(const char* field, size_t need) const;
@@ -174,6 +178,10 @@ struct StatusListReply {  // PUT, PIN, UNPIN, DELETE, SHM_PUT, SHM_RELEASE repli
   std::vector<ItemStatus> items;
 };
 
+// A GET reply item's status code meaning "not answered in this reply, which reached the
+// announced maximum payload: ask again". No message follows it. GET replies only.
+inline constexpr uint8_t kDeferredCode = 255;
+
 struct GetItem {
   ItemStatus status;
   std::span<const std::byte> bundle;  // empty unless OK
@@ -181,6 +189,8 @@ struct GetItem {
   // checked against their stored record, 1 when they failed. Decoding turns a failed item's
   // status into Corruption and drops its bytes.
   uint8_t verdict = 0;
+  // Not answered here (kDeferredCode on the wire); `status` is then OK and `bundle` empty.
+  bool deferred = false;
 };
 struct GetReply {
   std::vector<GetItem> items;

@@ -69,6 +69,18 @@ std::string Metrics::Render(const std::function<void(std::string&)>& extra) cons
   counter("sparsekv_auth_failures_total", "HELLOs refused.", auth_failures_.load(std::memory_order_relaxed));
   counter("sparsekv_slow_clients_dropped_total", "Connections closed for not reading their replies.",
           slow_clients_.load(std::memory_order_relaxed));
+  counter("sparsekv_handshake_timeouts_total", "Connections closed for not finishing HELLO in time, or as the "
+          "oldest of too many handshakes.", handshake_timeouts_.load(std::memory_order_relaxed));
+  counter("sparsekv_frame_timeouts_total", "Connections closed for a frame that did not arrive in time.",
+          frame_timeouts_.load(std::memory_order_relaxed));
+  counter("sparsekv_idle_connections_replaced_total",
+          "Longest-idle connections closed to admit a new one at a connection limit.",
+          replaced_.load(std::memory_order_relaxed));
+  counter("sparsekv_backpressure_pauses_total",
+          "Times a connection stopped reading because the buffered-bytes budget was spent.",
+          backpressure_.load(std::memory_order_relaxed));
+  counter("sparsekv_shared_memory_denied_total", "HELLOs that asked for shared memory past its daemon-wide limit.",
+          shm_denied_.load(std::memory_order_relaxed));
   out += fmt::format("# HELP sparsekv_connections Open connections.\n# TYPE sparsekv_connections gauge\nsparsekv_connections {}\n",
                      connections());
   if (extra) extra(out);

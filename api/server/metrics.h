@@ -43,6 +43,11 @@ class Metrics {
   void BadFrame() { bad_frames_.fetch_add(1, std::memory_order_relaxed); }
   void AuthFailure() { auth_failures_.fetch_add(1, std::memory_order_relaxed); }
   void SlowClientDropped() { slow_clients_.fetch_add(1, std::memory_order_relaxed); }
+  void HandshakeTimedOut() { handshake_timeouts_.fetch_add(1, std::memory_order_relaxed); }
+  void FrameTimedOut() { frame_timeouts_.fetch_add(1, std::memory_order_relaxed); }
+  void IdleConnectionReplaced() { replaced_.fetch_add(1, std::memory_order_relaxed); }
+  void BackpressurePause() { backpressure_.fetch_add(1, std::memory_order_relaxed); }
+  void SharedMemoryDenied() { shm_denied_.fetch_add(1, std::memory_order_relaxed); }
 
   uint64_t hits() const { return hits_.load(std::memory_order_relaxed); }
   uint64_t misses() const { return misses_.load(std::memory_order_relaxed); }
@@ -59,6 +64,7 @@ class Metrics {
   std::atomic<uint64_t> hits_{0}, misses_{0}, bytes_in_{0}, bytes_out_{0};
   std::atomic<int64_t> connections_{0};
   std::atomic<uint64_t> connections_total_{0}, rejected_{0}, bad_frames_{0}, auth_failures_{0}, slow_clients_{0};
+  std::atomic<uint64_t> handshake_timeouts_{0}, frame_timeouts_{0}, replaced_{0}, backpressure_{0}, shm_denied_{0};
 };
 
 }  // namespace sparsekv::server

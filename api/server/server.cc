@@ -15,6 +15,8 @@
 #include <boost/asio.hpp>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <functional>
@@ -23,6 +25,7 @@
 #include <set>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 
 namespace sparsekv::server {
 namespace {
@@ -200,6 +203,156 @@ bool TokenEquals(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
+// The daemon-wide budget of buffered bytes (ServerOptions::max_buffered_bytes): request payloads
+// received and not yet served, replies built and not yet sent. Taking from it never blocks and
+// never fails; a connection asks Allows() before it reads more, and stops reading (parks) when
+// told no. `wake` runs when bytes come back while connections are parked.
+class BufferBudget {
+ public:
+  explicit BufferBudget(uint64_t limit) : limit_(limit) {}
+  // True when a connection that holds `held` bytes may take `more`: within its allowance, or
+  // while the daemon has room.
+  bool Allows(uint64_t held, uint64_t more) const {
+    return held + more <= kConnectionAllowance || used_.load(std::memory_order_relaxed) + more <= limit_;
+  }
+  void Take(uint64_t n) { used_.fetch_add(n, std::memory_order_relaxed); }
+  void Give(uint64_t n) {
+    const uint64_t after = used_.fetch_sub(n, std::memory_order_acq_rel) - n;
+    if (waiters_.load(std::memory_order_acquire) > 0 && after < limit_ && wake_) wake_();
+  }
+  uint64_t used() const { return used_.load(std::memory_order_relaxed); }
+  uint64_t limit() const { return limit_; }
+
+  std::atomic<int> waiters_{0};  // connections parked on the budget (set by the server)
+  std::function<void()> wake_;   // set before any connection runs
+
+ private:
+  std::atomic<uint64_t> used_{0};
+  const uint64_t limit_;
+};
+
+// What one connection holds of the budget. `wake` (set when the connection starts) resumes it
+// when it is parked and its own holding falls back within its allowance.
+struct Account {
+  std::atomic<uint64_t> held{0};
+  std::atomic<bool> parked{false};
+  std::function<void()> wake;
+};
+
+// Bytes charged to the budget and to a connection's account until this is destroyed (or
+// released). Move-only.
+class Charge {
+ public:
+  Charge() = default;
+  Charge(BufferBudget* budget, std::shared_ptr<Account> account) : budget_(budget), account_(std::move(account)) {}
+  Charge(Charge&& o) noexcept
+      : budget_(std::exchange(o.budget_, nullptr)), account_(std::move(o.account_)), bytes_(std::exchange(o.bytes_, 0)) {}
+  Charge& operator=(Charge&& o) noexcept {
+    if (this != &o) {
+      Release();
+      budget_ = std::exchange(o.budget_, nullptr);
+      account_ = std::move(o.account_);
+      bytes_ = std::exchange(o.bytes_, 0);
+    }
+    return *this;
+  }
+  Charge(const Charge&) = delete;
+  Charge& operator=(const Charge&) = delete;
+  ~Charge() { Release(); }
+
+  void Add(uint64_t n) {
+    if (budget_ == nullptr || n == 0) return;
+    bytes_ += n;
+    account_->held.fetch_add(n, std::memory_order_relaxed);
+    budget_->Take(n);
+  }
+  void Release() {
+    if (budget_ == nullptr || bytes_ == 0) return;
+    const uint64_t n = std::exchange(bytes_, 0);
+    const uint64_t held = account_->held.fetch_sub(n, std::memory_order_acq_rel) - n;
+    budget_->Give(n);
+    if (held <= kConnectionAllowance && account_->parked.load(std::memory_order_acquire) && account_->wake) {
+      account_->wake();
+    }
+  }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  BufferBudget* budget_ = nullptr;
+  std::shared_ptr<Account> account_;
+  uint64_t bytes_ = 0;
+};
+
+// A request payload, filled as its bytes arrive. Small ones live on the heap; larger ones in an
+// anonymous mapping reserved at the size the header announces but committed page by page as
+// bytes are written into it, so a header that claims 64 MiB and sends 4 KiB costs the daemon
+// 4 KiB of memory, not 64 MiB. (The bytes are charged to the budget as they are read, see
+// Session::StepPayload.) Move-only.
+class Payload {
+ public:
+  static constexpr size_t kMapAbove = 256u << 10;
+  Payload() = default;
+  Payload(Payload&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)),
+        size_(std::exchange(o.size_, 0)),
+        mapped_(o.mapped_),
+        charge_(std::move(o.charge_)) {}
+  Payload& operator=(Payload&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+      mapped_ = o.mapped_;
+      charge_ = std::move(o.charge_);
+    }
+    return *this;
+  }
+  Payload(const Payload&) = delete;
+  Payload& operator=(const Payload&) = delete;
+  ~Payload() { Reset(); }
+
+  // Room for `n` bytes, uncommitted; false when not even address space is left.
+  bool Reserve(size_t n, Charge charge) {
+    Reset();
+    charge_ = std::move(charge);
+    if (n == 0) return true;
+    if (n > kMapAbove) {
+      void* m = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (m == MAP_FAILED) return false;
+      data_ = static_cast<std::byte*>(m);
+      mapped_ = true;
+    } else {
+      data_ = static_cast<std::byte*>(std::malloc(n));
+      if (data_ == nullptr) return false;
+      mapped_ = false;
+    }
+    size_ = n;
+    return true;
+  }
+  void Reset() {
+    if (data_ != nullptr) {
+      if (mapped_) {
+        ::munmap(data_, size_);
+      } else {
+        std::free(data_);
+      }
+    }
+    data_ = nullptr;
+    size_ = 0;
+    charge_.Release();
+  }
+  std::byte* data() { return data_; }
+  size_t size() const { return size_; }
+  std::span<const std::byte> span() const { return {data_, size_}; }
+  Charge& charge() { return charge_; }
+
+ private:
+  std::byte* data_ = nullptr;
+  size_t size_ = 0;
+  bool mapped_ = false;
+  Charge charge_;
+};
+
 // A frame to send. Its bytes are `own`, except that a GET reply's bundle bytes are sent
 // straight from the store's memory (`pieces` with `ext` set), held by `keep` until written.
 struct OutFrame {
@@ -215,6 +368,9 @@ struct OutFrame {
   std::vector<Piece> pieces;
   std::vector<DaemonStore::Keep> keep;
   uint64_t size = 0;
+  // The ext pieces are host-tier pages, counted by the pin budget: not charged again.
+  bool ext_pinned = false;
+  Charge charge;  // this frame's bytes in the buffer budget, while it is queued
   // A GET reply's items whose bytes go out unchecked: (item, hash, keep). Their verdicts, the
   // last piece, are filled by `finish` once the rest of the frame is in the kernel.
   struct Recheck {
@@ -285,7 +441,14 @@ class Server::Impl {
         work_(asio::make_work_guard(io_)),
         workers_(static_cast<size_t>(std::max(1, options_.worker_threads))),
         signals_(io_),
-        control_(asio::make_strand(io_)) {}
+        control_(asio::make_strand(io_)),
+        budget_(options_.max_buffered_bytes) {
+    budget_.wake_ = [this] { WakeParked(); };
+    namespace_conns_.assign(options_.namespaces.size() + 1, 0);
+    const uint32_t shortest = std::min({options_.handshake_timeout_ms, options_.frame_timeout_ms,
+                                        options_.write_timeout_ms, options_.idle_timeout_ms});
+    tick_ = std::chrono::milliseconds(std::clamp<uint32_t>(shortest / 4, 10, 1000));
+  }
   ~Impl() {
     ReleaseUnixPath();  // a Start that failed after binding it
     if (arena_ro_fd_ >= 0) ::close(arena_ro_fd_);
@@ -298,6 +461,17 @@ class Server::Impl {
   void AcceptUnix();
   void AcceptMetrics();
   void Admit(GenericSocket socket, bool is_unix);
+  // Called by a session whose HELLO checked out: counts it against the namespace's quota and
+  // the server's limit, closing the longest-idle connection at either; an error refuses it.
+  Status AdmitAuthenticated(Session* s, uint32_t ns);
+  // The authenticated session (of namespace `ns`, or any with 0) idle the longest; null if none
+  // is idle. Called with mu_ held.
+  std::shared_ptr<Session> LongestIdle(uint32_t ns, const Session* except);
+  // Forgets `victim` in the counts (mu_ held) and closes it with `why`.
+  void Evict(const std::shared_ptr<Session>& victim, const Status& why);
+  void Park(std::weak_ptr<Session> s, std::atomic<bool>& listed);
+  void WakeParked();
+  std::string ConnectionMetrics();
   void OnSignal(boost::system::error_code ec, int sig);
   void Shutdown();
   void OnSessionClosed(Session* s);
@@ -342,8 +516,17 @@ class Server::Impl {
     });
   }
 
+  BufferBudget budget_;
+  std::chrono::milliseconds tick_{1000};  // how often a session checks its deadlines
+  std::mutex park_mu_;
+  std::vector<std::pair<std::weak_ptr<Session>, std::atomic<bool>*>> parked_;  // waiting for budget
+  std::atomic<uint64_t> staging_total_{0};  // bytes of every session's staging area
+
   std::mutex mu_;
   std::set<std::shared_ptr<Session>> sessions_;
+  // Counted under mu_: connections before HELLO, after it (in all and per namespace id).
+  uint32_t handshaking_ = 0, authenticated_ = 0;
+  std::vector<uint32_t> namespace_conns_;
   bool draining_ = false;
   bool stopped_ = false;
   Status flush_status_;
@@ -353,34 +536,51 @@ class Server::Impl {
 
 class Session : public std::enable_shared_from_this<Session> {
  public:
+  // Where a connection stands in the server's counts (guarded by Server::Impl::mu_).
+  enum class Counted { kHandshake, kAuthenticated, kNone };
+
   Session(Server::Impl& srv, GenericSocket socket, bool is_unix, uint64_t id)
       : srv_(srv),
         socket_(std::move(socket)),
         strand_(asio::make_strand(srv.io_)),
-        idle_(srv.io_),
+        tick_(srv.io_),
         linger_(srv.io_),
         is_unix_(is_unix),
-        id_(id) {}
+        id_(id),
+        created_(Clock::now()) {}
 
   ~Session() {
-    if (staging_) ::munmap(staging_, staging_bytes_);
+    if (staging_) {
+      ::munmap(staging_, staging_bytes_);
+      srv_.staging_total_.fetch_sub(staging_bytes_, std::memory_order_relaxed);
+    }
     if (staging_fd_ >= 0) ::close(staging_fd_);
   }
 
   void Start() {
+    std::weak_ptr<Session> weak = shared_from_this();
+    account_->wake = [weak] {
+      if (auto self = weak.lock()) asio::post(self->strand_, [self] { self->Unpark(); });
+    };
     asio::post(strand_, [self = shared_from_this()] {
       self->last_active_ = Clock::now();
-      self->ArmIdleTimer();
+      self->ArmTick();
       self->ReadHeader();
     });
   }
 
-  // Refuses the connection with an ERROR frame (over the connection limit).
+  // Refuses the connection with an ERROR frame (over the hard limit on sockets).
   void Refuse(const Status& st) {
     asio::post(strand_, [self = shared_from_this(), st] {
       self->closing_ = true;
       self->QueueWrite(ErrorFrame(0, st));
     });
+  }
+
+  // Closes the connection with an ERROR frame (id 0) that says why: replaced at a connection
+  // limit, a deadline missed. Whatever the connection was reading is dropped.
+  void CloseWithError(const Status& st) {
+    asio::post(strand_, [self = shared_from_this(), st] { self->CloseNow(st); });
   }
 
   void BeginDrain() {
@@ -392,39 +592,68 @@ class Session : public std::enable_shared_from_this<Session> {
     });
   }
 
+  // Looks again whether the budget has room for a parked connection (from any thread).
+  void ResumeFromPark() {
+    asio::post(strand_, [self = shared_from_this()] { self->Unpark(); });
+  }
+
+  // Read by the server under its mu_ (see Server::Impl::LongestIdle).
+  Counted counted_ = Counted::kHandshake;
+  uint32_t counted_ns_ = 0;
+  const Clock::time_point& created() const { return created_; }
+  // Since when the connection has had nothing in flight (steady-clock ticks), 0 while busy.
+  int64_t idle_since() const { return idle_since_.load(std::memory_order_relaxed); }
+
  private:
+  enum class Resume { kNone, kHeader, kPayload };  // where a parked connection goes on
+
   // Reads and handles frames. Requests are read through a buffer, so that one receive
-  // usually brings a whole small request (often several); a payload larger than what is
-  // buffered is read straight into its own vector.
+  // usually brings a whole small request (often several); a payload's bytes past what is
+  // buffered are read straight into it (StepPayload).
   void ReadHeader() {
     for (;;) {
       if (closing_) return MaybeClose();
       if (inflight_bytes_ + queued_bytes_ > srv_.options_.max_inflight_bytes) {
         paused_ = true;  // resumed by a completed reply
+        PublishIdle();
         return;
       }
+      if (!srv_.budget_.Allows(account_->held.load(std::memory_order_relaxed), 0)) return Park(Resume::kHeader);
       if (rend_ - rpos_ < wire::kHeaderBytes) break;
+      // Before HELLO the limit is kMaxHelloPayload, checked below with a message that says so.
       auto h = wire::DecodeHeader(std::span<const std::byte>(rbuf_.data() + rpos_, wire::kHeaderBytes),
-                                  srv_.options_.max_frame_bytes);
+                                  authed_ ? srv_.options_.max_frame_bytes : wire::kMaxPayloadBytes);
       if (!h.ok()) {
         FailFrame(0, h.status());
         return;
       }
-      rpos_ += wire::kHeaderBytes;
-      header_ = *h;
-      last_active_ = Clock::now();
-      const size_t have = std::min<size_t>(rend_ - rpos_, header_.payload_bytes);
-      payload_.resize(header_.payload_bytes);
-      if (have > 0) std::memcpy(payload_.data(), rbuf_.data() + rpos_, have);
-      rpos_ += have;
-      if (have < header_.payload_bytes) {
-        reading_ = true;
-        asio::async_read(socket_, asio::buffer(payload_.data() + have, payload_.size() - have),
-                         asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t) {
-                           self->OnPayload(ec);
-                         }));
+      // Before HELLO nothing but a HELLO-sized HELLO is read: an unauthenticated peer gets no
+      // more of the daemon's memory than that.
+      if (!authed_ && h->opcode != wire::Opcode::kHello && !(h->flags & wire::kFlagResponse)) {
+        srv_.metrics_.AuthFailure();
+        FailFrame(h->request_id,
+                  Status::PermissionDenied(fmt::format("{} before HELLO", wire::OpcodeName(h->opcode))));
         return;
       }
+      if (!authed_ && h->payload_bytes > kMaxHelloPayload) {
+        FailFrame(h->request_id,
+                  Status::InvalidArgument(fmt::format("a frame before HELLO may carry at most {} payload bytes; this "
+                                                      "one announces {}",
+                                                      kMaxHelloPayload, h->payload_bytes)));
+        return;
+      }
+      rpos_ += wire::kHeaderBytes;
+      header_ = *h;
+      last_active_ = frame_start_ = Clock::now();
+      in_frame_ = true;
+      got_ = 0;
+      if (!payload_.Reserve(header_.payload_bytes, Charge(&srv_.budget_, account_))) {
+        FailFrame(header_.request_id, Status::ResourceExhausted(fmt::format(
+                                          "no address space for a {}-byte payload", header_.payload_bytes)));
+        return;
+      }
+      PublishIdle();
+      if (!StepPayload()) return;
       if (!HandleFrame()) return;
     }
     // Not a whole header buffered: keep what there is and receive more.
@@ -433,6 +662,7 @@ class Session : public std::enable_shared_from_this<Session> {
       rend_ -= rpos_;
       rpos_ = 0;
     }
+    PublishIdle();
     reading_ = true;
     socket_.async_read_some(asio::buffer(rbuf_.data() + rend_, rbuf_.size() - rend_),
                             asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec,
@@ -447,46 +677,157 @@ class Session : public std::enable_shared_from_this<Session> {
                             }));
   }
 
-  // The idle timer is armed once and re-armed when it fires: reading a frame only stamps
-  // last_active_, which costs no timer operation per request.
-  void ArmIdleTimer() {
-    idle_.expires_at(last_active_ + std::chrono::milliseconds(srv_.options_.idle_timeout_ms));
-    idle_.async_wait(asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
-      if (ec || self->closed_) return;
-      const auto idle_for = Clock::now() - self->last_active_;
-      if (idle_for >= std::chrono::milliseconds(self->srv_.options_.idle_timeout_ms) &&
-          self->inflight_requests_ == 0 && self->reading_) {
-        spdlog::info("session {}: idle for {} ms, closing", self->id_, self->srv_.options_.idle_timeout_ms);
-        self->closing_ = true;
-        boost::system::error_code ignored;
-        self->socket_.shutdown(GenericSocket::shutdown_both, ignored);
-        self->MaybeClose();
-      } else {
-        if (self->inflight_requests_ > 0 || !self->reading_) self->last_active_ = Clock::now();
-        self->ArmIdleTimer();
+  // Brings the payload of header_ in: first what the receive buffer holds, then reads from the
+  // socket, at most kReadChunk at a time, each read only when the budget allows that much and
+  // charged with what arrived (so memory follows the bytes that came, never the size
+  // announced; concurrent reads may pass the budget by a chunk each). True when the payload is
+  // complete; false when a read is under way, the connection is parked, or it is closing.
+  bool StepPayload() {
+    static constexpr size_t kReadChunk = 1u << 20;
+    const size_t n = header_.payload_bytes;
+    const size_t buffered = std::min<size_t>(rend_ - rpos_, n - got_);
+    if (buffered > 0) {
+      if (!srv_.budget_.Allows(account_->held.load(std::memory_order_relaxed), buffered)) {
+        Park(Resume::kPayload);
+        return false;
       }
+      payload_.charge().Add(buffered);
+      std::memcpy(payload_.data() + got_, rbuf_.data() + rpos_, buffered);
+      rpos_ += buffered;
+      got_ += buffered;
+    }
+    if (got_ == n) {
+      in_frame_ = false;
+      return true;
+    }
+    const size_t chunk = std::min(n - got_, kReadChunk);
+    if (!srv_.budget_.Allows(account_->held.load(std::memory_order_relaxed), chunk)) {
+      Park(Resume::kPayload);
+      return false;
+    }
+    reading_ = true;
+    socket_.async_read_some(asio::buffer(payload_.data() + got_, chunk),
+                            asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec,
+                                                                                     size_t k) {
+                              self->reading_ = false;
+                              if (ec) {
+                                self->closing_ = true;
+                                return self->MaybeClose();
+                              }
+                              self->payload_.charge().Add(k);  // what arrived, no more
+                              self->got_ += k;
+                              if (self->StepPayload() && self->HandleFrame()) self->ReadHeader();
+                            }));
+    return false;
+  }
+
+  // Stops reading until the budget has room or this connection's own bytes drain.
+  void Park(Resume where) {
+    parked_ = where;
+    account_->parked.store(true, std::memory_order_release);
+    srv_.metrics_.BackpressurePause();
+    PublishIdle();
+    srv_.Park(weak_from_this(), in_park_list_);
+    // Bytes may have come back between the check and the parking.
+    if (srv_.budget_.Allows(account_->held.load(std::memory_order_acquire), where == Resume::kPayload ? 1 : 0)) {
+      asio::post(strand_, [self = shared_from_this()] { self->Unpark(); });
+    }
+  }
+
+  void Unpark() {
+    if (parked_ == Resume::kNone || closed_) return;
+    const Resume where = parked_;
+    parked_ = Resume::kNone;
+    account_->parked.store(false, std::memory_order_release);
+    frame_start_ = Clock::now();  // the time spent parked is the server's, not the peer's
+    if (closing_) return MaybeClose();
+    if (where == Resume::kHeader) return ReadHeader();
+    if (StepPayload() && HandleFrame()) ReadHeader();
+  }
+
+  // Publishes whether the connection is idle, for the choice of a connection to close at a
+  // limit (Server::Impl::LongestIdle).
+  void PublishIdle() {
+    const bool busy = in_frame_ || inflight_requests_ > 0 || writing_ || !writes_.empty() || closing_;
+    idle_since_.store(busy ? 0 : std::max<int64_t>(1, last_active_.time_since_epoch().count()),
+                      std::memory_order_relaxed);
+  }
+
+  // One timer per connection checks its deadlines every srv_.tick_: HELLO within
+  // handshake_timeout_ms, a started frame complete within frame_timeout_ms, replies taken within
+  // write_timeout_ms, and the idle timeout.
+  void ArmTick() {
+    tick_.expires_after(srv_.tick_);
+    tick_.async_wait(asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
+      if (ec || self->closed_) return;
+      self->OnTick();
+      if (!self->closed_) self->ArmTick();
     }));
   }
 
-  void OnPayload(boost::system::error_code ec) {
-    reading_ = false;
-    if (ec) {
+  void OnTick() {
+    const ServerOptions& o = srv_.options_;
+    const auto now = Clock::now();
+    auto past = [&](Clock::time_point since, uint32_t ms) { return now - since >= std::chrono::milliseconds(ms); };
+    // First, and even while closing (a connection closing waits for its writes): a peer that
+    // takes none of its replies. Nothing more can reach it, so no ERROR frame.
+    if (writing_ && !write_abandoned_ && past(write_started_, o.write_timeout_ms)) {
+      write_abandoned_ = true;
+      srv_.metrics_.SlowClientDropped();
+      spdlog::warn("session {}: replies not taken for {} ms ({} bytes queued), disconnecting", id_,
+                   o.write_timeout_ms, queued_bytes_);
       closing_ = true;
+      boost::system::error_code ignored;
+      socket_.shutdown(GenericSocket::shutdown_both, ignored);
+      socket_.cancel(ignored);
       return MaybeClose();
     }
-    if (HandleFrame()) ReadHeader();
+    if (closing_) return;
+    if (!authed_ && past(created_, o.handshake_timeout_ms)) {
+      srv_.metrics_.HandshakeTimedOut();
+      spdlog::info("session {}: no HELLO within {} ms, closing", id_, o.handshake_timeout_ms);
+      return CloseNow(Status::Aborted(fmt::format("no HELLO within {} ms", o.handshake_timeout_ms)));
+    }
+    if (in_frame_ && parked_ == Resume::kNone && past(frame_start_, o.frame_timeout_ms)) {
+      srv_.metrics_.FrameTimedOut();
+      spdlog::warn("session {}: a {}-byte frame not complete after {} ms ({} bytes came), closing", id_,
+                   header_.payload_bytes, o.frame_timeout_ms, got_);
+      return CloseNow(Status::Aborted(fmt::format("a frame did not arrive within {} ms", o.frame_timeout_ms)));
+    }
+    if (!in_frame_ && parked_ == Resume::kNone && inflight_requests_ == 0 && !writing_ && writes_.empty() &&
+        past(last_active_, o.idle_timeout_ms)) {
+      spdlog::info("session {}: idle for {} ms, closing", id_, o.idle_timeout_ms);
+      closing_ = true;
+      boost::system::error_code ignored;
+      socket_.shutdown(GenericSocket::shutdown_both, ignored);
+      MaybeClose();
+    }
+  }
+
+  void CloseNow(const Status& st) {
+    if (closed_ || closing_) return;
+    closing_ = true;
+    PublishIdle();
+    QueueWrite(ErrorFrame(0, st));
+    boost::system::error_code ignored;
+    socket_.shutdown(GenericSocket::shutdown_receive, ignored);
+    MaybeClose();
   }
 
   // Handles the frame in header_ and payload_. False when reading must stop (the session is
   // closing).
   bool HandleFrame() {
     srv_.metrics_.BytesIn(wire::kHeaderBytes + payload_.size());
-    if (Status st = wire::VerifyPayload(header_, payload_); !st.ok()) return FailFrame(header_.request_id, st);
+    if (Status st = wire::VerifyPayload(header_, payload_.span()); !st.ok()) return FailFrame(header_.request_id, st);
     if (header_.flags & wire::kFlagResponse) {
       return FailFrame(header_.request_id, Status::InvalidArgument("a client sent a frame marked as a response"));
     }
     const wire::Opcode op = header_.opcode;
-    if (op == wire::Opcode::kHello) return OnHello();
+    if (op == wire::Opcode::kHello) {
+      const bool go_on = OnHello();
+      payload_.Reset();
+      return go_on;
+    }
     if (!authed_) {
       srv_.metrics_.AuthFailure();
       return FailFrame(header_.request_id,
@@ -500,20 +841,20 @@ class Session : public std::enable_shared_from_this<Session> {
     // are decoded once here and handed to the fast path.
     std::optional<wire::HashList> get_hashes;
     if (op == wire::Opcode::kGet || op == wire::Opcode::kShmGet) {
-      auto req = wire::DecodeHashList(payload_);
+      auto req = wire::DecodeHashList(payload_.span());
       if (!req.ok()) return FailFrame(header_.request_id, req.status());
       get_hashes = std::move(*req);
-    } else if (Status st = ValidateRequest(op, payload_); !st.ok()) {
+    } else if (Status st = ValidateRequest(op, payload_.span()); !st.ok()) {
       return FailFrame(header_.request_id, st);
     }
     if (op == wire::Opcode::kSubscribe) {
       Subscribe();
     } else if (op == wire::Opcode::kPing) {
-      QueueWrite(wire::EncodeFrame(op, wire::kFlagResponse, header_.request_id, payload_));
+      QueueWrite(wire::EncodeFrame(op, wire::kFlagResponse, header_.request_id, payload_.span()));
     } else {
       Dispatch(header_, std::move(payload_), get_hashes ? &get_hashes->hashes : nullptr);
-      payload_ = {};
     }
+    payload_.Reset();
     return true;
   }
 
@@ -537,7 +878,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool OnHello() {
     const uint64_t rid = header_.request_id;
     if (authed_) return FailFrame(rid, Status::FailedPrecondition("HELLO sent twice on one connection"));
-    auto hello = wire::DecodeHelloRequest(payload_);
+    auto hello = wire::DecodeHelloRequest(payload_.span());
     if (!hello.ok()) return FailFrame(rid, hello.status());
     if (hello->protocol_version != wire::kProtocolVersion) {
       return FailFrame(rid, Status::NotSupported(fmt::format("HELLO asks for protocol {}; this daemon speaks {}",
@@ -554,6 +895,13 @@ class Session : public std::enable_shared_from_this<Session> {
       spdlog::warn("session {}: HELLO refused for namespace '{}' (client '{}')", id_, hello->namespace_name,
                    hello->client_name);
       return FailFrame(rid, Status::PermissionDenied("unknown namespace or wrong token"));
+    }
+    // Counted against the namespace's quota and the server's limit; at either, the longest-idle
+    // connection makes room, or this one is refused.
+    if (Status st = srv_.AdmitAuthenticated(this, static_cast<uint32_t>(ns) + 1); !st.ok()) {
+      srv_.metrics_.ConnectionRejected();
+      spdlog::warn("session {}: HELLO for namespace '{}' refused: {}", id_, hello->namespace_name, st.message());
+      return FailFrame(rid, st);
     }
     authed_ = true;
     ns_ = static_cast<uint32_t>(ns) + 1;  // namespace ids start at 1
@@ -604,13 +952,26 @@ class Session : public std::enable_shared_from_this<Session> {
       return st;
     };
     const uint64_t bytes = srv_.options_.staging_bytes;
-    if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-      return fail(Status::IOError(fmt::format("sizing the staging area to {} bytes: {}", bytes, std::strerror(errno))));
+    // Staging areas are memory a client can fill at will: all of them together stay within
+    // max_shared_staging_bytes.
+    if (srv_.staging_total_.fetch_add(bytes, std::memory_order_relaxed) + bytes > srv_.options_.max_shared_staging_bytes) {
+      srv_.staging_total_.fetch_sub(bytes, std::memory_order_relaxed);
+      srv_.metrics_.SharedMemoryDenied();
+      return fail(Status::ResourceExhausted(fmt::format(
+          "the daemon's staging areas already take {} of max_shared_staging_bytes {}; use the socket",
+          srv_.staging_total_.load(std::memory_order_relaxed), srv_.options_.max_shared_staging_bytes)));
     }
-    if (Status st = SealMemfd(fd, kSizeSeals, "the staging area"); !st.ok()) return fail(st);
+    auto unreserve = [&](Status st) {
+      srv_.staging_total_.fetch_sub(bytes, std::memory_order_relaxed);
+      return fail(std::move(st));
+    };
+    if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      return unreserve(Status::IOError(fmt::format("sizing the staging area to {} bytes: {}", bytes, std::strerror(errno))));
+    }
+    if (Status st = SealMemfd(fd, kSizeSeals, "the staging area"); !st.ok()) return unreserve(st);
     void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (m == MAP_FAILED) {
-      return fail(Status::IOError(fmt::format("mapping the staging area: {}", std::strerror(errno))));
+      return unreserve(Status::IOError(fmt::format("mapping the staging area: {}", std::strerror(errno))));
     }
     staging_fd_ = fd;
     staging_bytes_ = bytes;
@@ -680,8 +1041,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   // `get_hashes`: a GET's or SHM_GET's decoded hash list (null for other requests).
-  void Dispatch(const wire::FrameHeader& h, std::vector<std::byte> payload,
-                const std::vector<wire::WireHash>* get_hashes) {
+  void Dispatch(const wire::FrameHeader& h, Payload payload, const std::vector<wire::WireHash>* get_hashes) {
     // The client is done with what its previous SHM_GET lent it (api/PROTOCOL.md).
     if (h.opcode == wire::Opcode::kShmGet || h.opcode == wire::Opcode::kShmRelease) {
       lent_.clear();
@@ -702,28 +1062,40 @@ class Session : public std::enable_shared_from_this<Session> {
         return;
       }
     }
-    const uint64_t bytes = payload.size();
+    // A GET served by a worker builds its reply there: the bytes it may take are reserved from
+    // the budget now, and the reply defers what does not fit them (at least one item is always
+    // answered, so the client progresses).
+    uint64_t reply_limit = 0;
+    Charge reserved(&srv_.budget_, account_);
+    if (h.opcode == wire::Opcode::kGet) {
+      const uint64_t room = srv_.budget_.limit() - std::min(srv_.budget_.limit(), srv_.budget_.used());
+      reply_limit = std::clamp<uint64_t>(room, kConnectionAllowance, srv_.options_.max_frame_bytes);
+      reserved.Add(reply_limit);
+    }
+    const uint64_t bytes = payload.size() + reply_limit;
     inflight_bytes_ += bytes;
     ++inflight_requests_;
     auto self = shared_from_this();
-    asio::post(srv_.workers_, [self, h, bytes, payload = std::move(payload)]() mutable {
+    asio::post(srv_.workers_, [self, h, bytes, reply_limit, payload = std::move(payload),
+                               reserved = std::move(reserved)]() mutable {
       const auto t0 = Clock::now();
-      Result<Reply> reply = self->Handle(h, payload);
-      payload.clear();
-      payload.shrink_to_fit();
+      Result<Reply> reply = self->Handle(h, payload.span(), reply_limit);
+      payload.Reset();
       OutFrame frame = reply.ok() ? std::move(*reply).ToFrame(h.opcode, h.request_id)
                                   : OutFrame(ErrorFrame(h.request_id, reply.status()));
       self->srv_.metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), !reply.ok());
-      asio::post(self->strand_, [self, bytes, frame = std::move(frame)]() mutable {
+      asio::post(self->strand_, [self, bytes, frame = std::move(frame), reserved = std::move(reserved)]() mutable {
         self->inflight_bytes_ -= bytes;
         --self->inflight_requests_;
-        self->QueueWrite(std::move(frame));
+        self->QueueWrite(std::move(frame));  // charged as queued; the reservation goes now
+        reserved.Release();
       });
     });
   }
 
   // Runs on a worker thread: only reads the session's immutable-after-HELLO state.
-  Result<Reply> Handle(const wire::FrameHeader& h, std::span<const std::byte> p) {
+  // `reply_limit`: the bytes a GET reply may take (see Dispatch).
+  Result<Reply> Handle(const wire::FrameHeader& h, std::span<const std::byte> p, uint64_t reply_limit) {
     DaemonStore& store = *srv_.store_;
     Metrics& m = srv_.metrics_;
     const uint32_t max_bundle = srv_.options_.max_frame_bytes;
@@ -741,10 +1113,20 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       case wire::Opcode::kGet: {
         SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
-        return *BuildGetReply(req.hashes, [&](const DaemonStore::GetSink& sink) {
-          store.Get(ns_, req.hashes, sink);
-          return true;
-        });
+        // Asked of the store a few at a time, so that items the reply defers are not read.
+        return *BuildGetReply(
+            req.hashes,
+            [&](const DaemonStore::GetSink& sink, const std::function<bool()>& full) {
+              static constexpr size_t kStep = 16;
+              const std::span<const wire::WireHash> all(req.hashes);
+              for (size_t at = 0; at < all.size() && !full(); at += kStep) {
+                store.Get(ns_, all.subspan(at, std::min(kStep, all.size() - at)),
+                          [&](size_t i, const Status& st, std::span<const std::byte> bytes,
+                              const DaemonStore::Keep& keep) { sink(at + i, st, bytes, keep); });
+              }
+              return true;
+            },
+            reply_limit);
       }
       case wire::Opcode::kPin: {
         SPARSEKV_ASSIGN_OR_RETURN(wire::PinRequest req, wire::DecodePinRequest(p));
@@ -776,51 +1158,100 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   // GET reply built around the store's bytes: bundles the store keeps alive (`keep`) are sent
-  // from where they lie, small ones copied. `serve` calls the sink per item; it returns false
-  // when it served nothing (fast path declined).
-  template <typename Serve>
+  // from where they lie, small ones copied. `serve(sink, full)` calls the sink per item, in
+  // order (it may stop early once `full()` says the reply is full); it returns false when it
+  // served nothing (fast path declined).
+  //
+  // No reply exceeds max_frame_bytes (api/PROTOCOL.md): once the next item would take the
+  // payload past `soft_limit` (or past max_frame_bytes), it and every item after it are
+  // answered as deferred, and the client asks for them again. The first item is always
+  // answered, so every reply makes progress: with its bytes if they fit max_frame_bytes, else
+  // with ResourceExhausted.
+  //
   // With `host_pages`, the bytes are host-tier pages that stay pinned while the reply holds
-  // them: they are charged to the server's pin budget (pin_cap_).
-  std::optional<Reply> BuildGetReply(std::span<const wire::WireHash> hashes, Serve&& serve, bool unchecked = false,
-                                     bool host_pages = false) {
+  // them: they are charged to the server's pin budget (pin_cap_), not to the buffer budget.
+  template <typename Serve>
+  std::optional<Reply> BuildGetReply(std::span<const wire::WireHash> hashes, Serve&& serve, uint64_t soft_limit,
+                                     bool unchecked = false, bool host_pages = false) {
     static constexpr size_t kGatherAtLeast = 4096;
+    static constexpr size_t kMaxMessage = 512;  // an item's error message, at most
+    const uint64_t hard_limit = srv_.options_.max_frame_bytes;
+    soft_limit = std::min(soft_limit, hard_limit);
+    const size_t n = hashes.size();
     wire::PayloadWriter w{wire::PayloadWriter::ReserveHeader{}};
-    w.U32(static_cast<uint32_t>(hashes.size()));
+    w.U32(static_cast<uint32_t>(n));
     OutFrame f;
+    f.ext_pinned = host_pages;
     size_t from = 0;
-    uint64_t hits = 0, pinned = 0;
-    const bool served = serve([&](size_t i, const Status& st, std::span<const std::byte> bytes,
-                                  const DaemonStore::Keep& keep) {
-      w.U8(static_cast<uint8_t>(st.code()));
-      if (!st.ok()) {
-        w.String(st.message());
-        return;
-      }
-      ++hits;
-      if (unchecked) f.recheck.push_back({i, hashes[i], keep});
-      if (keep && (unchecked || bytes.size() >= kGatherAtLeast)) pinned += bytes.size();
-      if (keep && bytes.size() >= kGatherAtLeast) {
-        w.U32(static_cast<uint32_t>(bytes.size()));
-        f.own = w.Take();
-        f.CloseOwn(from);
-        f.pieces.push_back({0, 0, bytes});
-        f.keep.push_back(keep);
-        w.bytes() = std::move(f.own);
-      } else {
-        w.Reserve(bytes.size() + 64);
-        w.Blob(bytes);
-      }
-    });
+    uint64_t hits = 0, pinned = 0, deferred = 0;
+    // The payload so far, counting for every item not written yet the 2 bytes it takes at
+    // least (a deferred code and its verdict).
+    uint64_t size = 4 + 2 * uint64_t{n};
+    size_t next = 0, answered = 0;
+    bool deferring = false;
+    const std::function<bool()> full = [&] { return deferring; };
+    const bool served = serve(
+        [&](size_t i, const Status& st, std::span<const std::byte> bytes, const DaemonStore::Keep& keep) {
+          next = i + 1;
+          const std::string_view message = st.message().substr(0, kMaxMessage);
+          if (!deferring) {
+            const uint64_t item = 4 + (st.ok() ? bytes.size() : message.size());
+            if (size + item > (answered == 0 ? hard_limit : soft_limit)) {
+              if (answered == 0 && st.ok()) {
+                // Larger than any reply may be: no request can ever fetch it.
+                const std::string why = fmt::format("a bundle of {} bytes does not fit a reply of at most {} bytes",
+                                                    bytes.size(), hard_limit);
+                w.U8(static_cast<uint8_t>(StatusCode::kResourceExhausted));
+                w.String(why);
+                size += 4 + why.size();
+                ++answered;
+                return;
+              }
+              deferring = true;
+            }
+          }
+          if (deferring) {
+            w.U8(wire::kDeferredCode);
+            ++deferred;
+            return;
+          }
+          ++answered;
+          size += 4 + (st.ok() ? bytes.size() : message.size());
+          w.U8(static_cast<uint8_t>(st.code()));
+          if (!st.ok()) {
+            w.String(message);
+            return;
+          }
+          ++hits;
+          if (unchecked) f.recheck.push_back({i, hashes[i], keep});
+          if (keep && (unchecked || bytes.size() >= kGatherAtLeast)) pinned += bytes.size();
+          if (keep && bytes.size() >= kGatherAtLeast) {
+            w.U32(static_cast<uint32_t>(bytes.size()));
+            f.own = w.Take();
+            f.CloseOwn(from);
+            f.pieces.push_back({0, 0, bytes});
+            f.keep.push_back(keep);
+            w.bytes() = std::move(f.own);
+          } else {
+            w.Reserve(bytes.size() + 64);
+            w.Blob(bytes);
+          }
+        },
+        full);
     if (!served) return std::nullopt;
+    for (; next < n; ++next) {  // the items `serve` stopped before
+      w.U8(wire::kDeferredCode);
+      ++deferred;
+    }
     if (host_pages && pinned > 0) f.keep.push_back(srv_.ChargePins(pinned));
     f.own = w.Take();
     f.CloseOwn(from);
     // The verdict bytes, a piece of their own at the end (0: checked; set by RunRechecks).
     f.verdict_off = f.own.size();
-    f.own.resize(f.own.size() + hashes.size(), std::byte{0});
+    f.own.resize(f.own.size() + n, std::byte{0});
     f.CloseOwn(from);
     srv_.metrics_.Hits(hits);
-    srv_.metrics_.Misses(hashes.size() - hits);
+    srv_.metrics_.Misses(n - hits - deferred);
     return Reply(std::move(f));
   }
 
@@ -832,7 +1263,7 @@ class Session : public std::enable_shared_from_this<Session> {
     const bool may_pin = srv_.PinsBelowCap(0);
     return BuildGetReply(
         hashes,
-        [&](const DaemonStore::GetSink& sink) {
+        [&](const DaemonStore::GetSink& sink, const std::function<bool()>&) {
           if (may_pin) return srv_.store_->TryGetWithoutBlocking(ns_, hashes, sink, /*check=*/false);
           return srv_.store_->TryGetWithoutBlocking(
               ns_, hashes,
@@ -841,7 +1272,7 @@ class Session : public std::enable_shared_from_this<Session> {
               },
               /*check=*/true);
         },
-        /*unchecked=*/may_pin, /*host_pages=*/may_pin);
+        srv_.options_.max_frame_bytes, /*unchecked=*/may_pin, /*host_pages=*/may_pin);
   }
 
   // Checks what went out unchecked and fills the verdicts of `f` (its last piece).
@@ -918,6 +1349,7 @@ class Session : public std::enable_shared_from_this<Session> {
       OutFrame body;
       body.own = tail->own;
       body.keep = tail->keep;
+      body.ext_pinned = tail->ext_pinned;
       for (size_t i = piece; i < last; ++i) {
         OutFrame::Piece p = tail->pieces[i];
         if (i == piece) {
@@ -971,6 +1403,12 @@ class Session : public std::enable_shared_from_this<Session> {
       if (s.offset > put_area || s.bytes > put_area - s.offset) {
         out[i] = {StatusCode::kOutOfRange,
                   fmt::format("slot [{}, +{}) is outside the {}-byte PUT area", s.offset, s.bytes, put_area)};
+        continue;
+      }
+      if (s.bytes > srv_.options_.max_frame_bytes - 64) {  // a GET reply could never carry it
+        out[i] = {StatusCode::kInvalidArgument,
+                  fmt::format("a bundle of {} bytes is larger than a reply may carry (max_frame_bytes {})", s.bytes,
+                              srv_.options_.max_frame_bytes)};
         continue;
       }
       items.push_back({s.hash, std::span<const std::byte>(staging_ + s.offset, s.bytes)});
@@ -1049,6 +1487,8 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // Answers a malformed frame with an ERROR frame and closes. Returns false (stop reading).
   bool FailFrame(uint64_t request_id, const Status& st) {
+    payload_.Reset();
+    in_frame_ = false;
     srv_.metrics_.BadFrame();
     spdlog::warn("session {}: closing after a bad frame: {}", id_, st.ToString());
     closing_ = true;
@@ -1059,6 +1499,14 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void QueueWrite(OutFrame frame) {
     if (closed_) return;
+    // Charged to the buffer budget while queued: what the frame owns, and bytes it sends from
+    // elsewhere unless they are host pages (the pin budget counts those).
+    uint64_t charge = frame.own.size();
+    if (!frame.ext_pinned) {
+      for (const OutFrame::Piece& p : frame.pieces) charge += p.ext.size();
+    }
+    frame.charge = Charge(&srv_.budget_, account_);
+    frame.charge.Add(charge);
     queued_bytes_ += frame.size;
     writes_.push_back(std::move(frame));
     if (!writing_) DoWrite();
@@ -1068,6 +1516,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void DoWrite() {
     if (writes_.empty()) {
       writing_ = false;
+      PublishIdle();
       if (paused_ && !closing_) {
         paused_ = false;
         ReadHeader();
@@ -1093,10 +1542,12 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       ++frames;
     }
+    write_started_ = Clock::now();
     asio::async_write(socket_, gather_,
                       asio::bind_executor(strand_, [self = shared_from_this(), frames](boost::system::error_code ec,
                                                                                        size_t n) {
                         self->srv_.metrics_.BytesOut(n);
+                        self->last_active_ = Clock::now();
                         for (size_t i = 0; i < frames; ++i) {
                           self->queued_bytes_ -= self->writes_.front().size;
                           self->writes_.pop_front();
@@ -1133,7 +1584,12 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     closed_ = true;
     linger_.cancel();
-    idle_.cancel();
+    tick_.cancel();
+    if (parked_ != Resume::kNone) {
+      parked_ = Resume::kNone;
+      account_->parked.store(false, std::memory_order_release);
+    }
+    payload_.Reset();
     if (subscription_) srv_.store_->Unsubscribe(subscription_);
     boost::system::error_code ignored;
     socket_.close(ignored);
@@ -1143,16 +1599,25 @@ class Session : public std::enable_shared_from_this<Session> {
   Server::Impl& srv_;
   GenericSocket socket_;
   asio::strand<asio::io_context::executor_type> strand_;
-  asio::steady_timer idle_;
+  asio::steady_timer tick_;
   asio::steady_timer linger_;
   const bool is_unix_;
   const uint64_t id_;
+  const Clock::time_point created_;
+  std::shared_ptr<Account> account_ = std::make_shared<Account>();  // this connection's share of the budget
+  std::atomic<int64_t> idle_since_{0};
+  std::atomic<bool> in_park_list_{false};
+  Resume parked_ = Resume::kNone;
+  bool in_frame_ = false;           // a header was read and its payload is not all in
+  bool write_abandoned_ = false;    // the write timeout struck
+  size_t got_ = 0;                  // payload bytes in so far
+  Clock::time_point frame_start_{}, write_started_{};
 
   std::array<std::byte, 16384> rbuf_{};  // received, not yet handled: [rpos_, rend_)
   size_t rpos_ = 0, rend_ = 0;
   Clock::time_point last_active_{};
   wire::FrameHeader header_;
-  std::vector<std::byte> payload_;
+  Payload payload_;
   std::deque<OutFrame> writes_;
   std::vector<asio::const_buffer> gather_;  // the write in progress
   uint64_t queued_bytes_ = 0;
@@ -1326,22 +1791,161 @@ void Server::Impl::AcceptUnix() {
   });
 }
 
+// A new connection. Before HELLO it counts against max_handshakes: at that limit the oldest
+// handshake is closed to make room (a well-behaved client sends HELLO at once, so the oldest is
+// the likeliest to be stuck). Sockets past twice every limit (connections still closing) are
+// refused outright.
 void Server::Impl::Admit(GenericSocket socket, bool is_unix) {
   auto s = std::make_shared<Session>(*this, std::move(socket), is_unix, next_session_.fetch_add(1));
+  std::shared_ptr<Session> oldest;
   bool refuse = false;
   {
     std::lock_guard<std::mutex> l(mu_);
     if (draining_) return;  // the socket closes with `s`
-    refuse = sessions_.size() >= options_.max_connections;
+    const uint64_t hard = 2ull * (uint64_t{options_.max_connections} + options_.max_handshakes) + 16;
+    if (sessions_.size() >= hard) {
+      refuse = true;
+      s->counted_ = Session::Counted::kNone;
+    } else {
+      if (handshaking_ >= std::max(1u, options_.max_handshakes)) {
+        for (const auto& other : sessions_) {
+          if (other->counted_ == Session::Counted::kHandshake && (!oldest || other->created() < oldest->created())) {
+            oldest = other;
+          }
+        }
+        if (oldest) {
+          oldest->counted_ = Session::Counted::kNone;
+          --handshaking_;
+        }
+      }
+      ++handshaking_;
+    }
     sessions_.insert(s);
   }
   metrics_.ConnectionOpened();
   if (refuse) {
     metrics_.ConnectionRejected();
-    s->Refuse(Status::ResourceExhausted(fmt::format("sparsekvd serves at most {} connections", options_.max_connections)));
+    s->Refuse(Status::ResourceExhausted(
+        fmt::format("sparsekvd has too many connections open or closing (limit {})", options_.max_connections)));
     return;
   }
+  if (oldest) {
+    metrics_.HandshakeTimedOut();
+    oldest->CloseWithError(Status::ResourceExhausted(fmt::format(
+        "closed: {} connections had not finished HELLO and this was the oldest", options_.max_handshakes)));
+  }
   s->Start();
+}
+
+Status Server::Impl::AdmitAuthenticated(Session* s, uint32_t ns) {
+  std::shared_ptr<Session> victim;
+  std::string why;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (s->counted_ != Session::Counted::kHandshake) {
+      return Status::Aborted("the connection was closed while it said HELLO");
+    }
+    const NamespaceConfig& nc = options_.namespaces[ns - 1];
+    if (nc.max_connections > 0 && namespace_conns_[ns] >= nc.max_connections) {
+      victim = LongestIdle(ns, s);
+      if (!victim) {
+        return Status::ResourceExhausted(fmt::format(
+            "namespace '{}' has its {} connections and none is idle; try again later", nc.name, nc.max_connections));
+      }
+      why = fmt::format("closed to admit a new connection: namespace '{}' has at most {} and this one was idle the "
+                        "longest",
+                        nc.name, nc.max_connections);
+    } else if (authenticated_ >= options_.max_connections) {
+      victim = LongestIdle(0, s);
+      if (!victim) {
+        return Status::ResourceExhausted(fmt::format(
+            "sparsekvd serves at most {} connections and none is idle; try again later", options_.max_connections));
+      }
+      why = fmt::format("closed to admit a new connection: sparsekvd serves at most {} and this one was idle the "
+                        "longest",
+                        options_.max_connections);
+    }
+    if (victim) {
+      --authenticated_;
+      --namespace_conns_[victim->counted_ns_];
+      victim->counted_ = Session::Counted::kNone;
+    }
+    --handshaking_;
+    ++authenticated_;
+    ++namespace_conns_[ns];
+    s->counted_ = Session::Counted::kAuthenticated;
+    s->counted_ns_ = ns;
+  }
+  if (victim) {
+    metrics_.IdleConnectionReplaced();
+    spdlog::info("{}", why);
+    victim->CloseWithError(Status::ResourceExhausted(why));
+  }
+  return Status::OK();
+}
+
+std::shared_ptr<Session> Server::Impl::LongestIdle(uint32_t ns, const Session* except) {
+  std::shared_ptr<Session> best;
+  int64_t best_since = 0;
+  for (const auto& other : sessions_) {
+    if (other.get() == except || other->counted_ != Session::Counted::kAuthenticated) continue;
+    if (ns != 0 && other->counted_ns_ != ns) continue;
+    const int64_t since = other->idle_since();
+    if (since == 0) continue;  // busy
+    if (!best || since < best_since) {
+      best = other;
+      best_since = since;
+    }
+  }
+  return best;
+}
+
+void Server::Impl::Park(std::weak_ptr<Session> s, std::atomic<bool>& listed) {
+  if (listed.exchange(true, std::memory_order_acq_rel)) return;  // listed already
+  std::lock_guard<std::mutex> l(park_mu_);
+  parked_.emplace_back(std::move(s), &listed);
+  budget_.waiters_.store(static_cast<int>(parked_.size()), std::memory_order_release);
+}
+
+// Every parked connection looks again (posted to its strand); those that still find no room
+// park again.
+void Server::Impl::WakeParked() {
+  std::vector<std::pair<std::weak_ptr<Session>, std::atomic<bool>*>> woken;
+  {
+    std::lock_guard<std::mutex> l(park_mu_);
+    woken.swap(parked_);
+    budget_.waiters_.store(0, std::memory_order_release);
+  }
+  for (auto& [weak, listed] : woken) {
+    if (auto s = weak.lock()) {
+      listed->store(false, std::memory_order_release);
+      s->ResumeFromPark();
+    }
+  }
+}
+
+std::string Server::Impl::ConnectionMetrics() {
+  uint32_t handshaking, authenticated;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    handshaking = handshaking_;
+    authenticated = authenticated_;
+  }
+  std::string out;
+  auto gauge = [&](const char* name, const char* help, uint64_t v) {
+    out += fmt::format("# HELP {0} {1}\n# TYPE {0} gauge\n{0} {2}\n", name, help, v);
+  };
+  gauge("sparsekv_buffered_bytes", "Request bytes received and not yet served, plus reply bytes not yet sent.",
+        budget_.used());
+  gauge("sparsekv_buffered_bytes_limit", "The daemon-wide budget for them (max_buffered_bytes).", budget_.limit());
+  gauge("sparsekv_parked_connections", "Connections waiting for room in that budget.",
+        static_cast<uint64_t>(std::max(0, budget_.waiters_.load())));
+  gauge("sparsekv_handshaking_connections", "Connections that have not finished HELLO.", handshaking);
+  gauge("sparsekv_authenticated_connections", "Connections after HELLO.", authenticated);
+  gauge("sparsekv_connections_limit", "max_connections.", options_.max_connections);
+  gauge("sparsekv_shared_staging_bytes", "Bytes of every session's shared-memory staging area.",
+        staging_total_.load(std::memory_order_relaxed));
+  return out;
 }
 
 void Server::Impl::AcceptMetrics() {
@@ -1367,6 +1971,7 @@ void Server::Impl::AcceptMetrics() {
               "# HELP sparsekv_pinned_reply_bytes_limit The most they may pin before GETs copy.\n"
               "# TYPE sparsekv_pinned_reply_bytes_limit gauge\nsparsekv_pinned_reply_bytes_limit {}\n",
               pinned_bytes_->load(), pin_cap_);
+          out += ConnectionMetrics();
         });
       } else {
         status = "404 Not Found";
@@ -1418,6 +2023,13 @@ void Server::Impl::Shutdown() {
 void Server::Impl::OnSessionClosed(Session* s) {
   metrics_.ConnectionClosed();
   std::lock_guard<std::mutex> l(mu_);
+  if (s->counted_ == Session::Counted::kHandshake) {
+    --handshaking_;
+  } else if (s->counted_ == Session::Counted::kAuthenticated) {
+    --authenticated_;
+    --namespace_conns_[s->counted_ns_];
+  }
+  s->counted_ = Session::Counted::kNone;
   for (auto it = sessions_.begin(); it != sessions_.end(); ++it) {
     if (it->get() == s) {
       // The session may be running its last handler: release it after that returns.

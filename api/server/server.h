@@ -35,6 +35,10 @@ namespace sparsekv::server {
 struct NamespaceConfig {
   std::string name;   // what HELLO names
   std::string token;  // what HELLO must present ("" accepts any)
+  // Authenticated connections of this namespace at once (0: only the server's limit). At the
+  // quota, a new one closes the namespace's longest-idle connection, or is refused if none is
+  // idle. Default: 0.
+  uint32_t max_connections = 0;
 };
 
 struct ServerOptions {
@@ -52,15 +56,38 @@ struct ServerOptions {
   uint32_t busy_poll_us = 0;
   // Threads that run store calls. Default: 2.
   int worker_threads = 2;
-  // Connections open at once; more are refused with an ERROR frame. Default: 256.
+  // Authenticated connections at once. At the limit, a new one that passes HELLO closes the
+  // longest-idle connection (one with nothing in flight), or is refused with an ERROR frame
+  // if none is idle. Default: 256.
   uint32_t max_connections = 256;
-  // Largest frame payload accepted. Default: 64 MiB.
+  // Connections that have not finished HELLO, at once; past it the oldest is closed. Default: 64.
+  uint32_t max_handshakes = 64;
+  // A connection must send a valid HELLO within this long. Default: 5 s.
+  uint32_t handshake_timeout_ms = 5000;
+  // Largest frame payload, either way: requests above it are refused, and no reply exceeds it
+  // (a GET answers what fits and defers the rest, api/PROTOCOL.md). Before HELLO only a frame of
+  // at most kMaxHelloPayload bytes is accepted. Default: 64 MiB.
   uint32_t max_frame_bytes = 64u << 20;
   // Per connection: request bytes being served + reply bytes not yet sent before reading stops.
   // Default: 256 MiB.
   uint64_t max_inflight_bytes = 256ull << 20;
+  // Daemon-wide: request payload bytes received and not yet served, plus reply bytes built and
+  // not yet sent (host-tier pages a reply sends in place are counted by the pin budget instead).
+  // Past it a connection reads only while it holds less than kConnectionAllowance, so the
+  // total stays below this + kConnectionAllowance per connection; memory for a payload is
+  // committed as its bytes arrive, never at the size a header claims. Default: 1 GiB.
+  uint64_t max_buffered_bytes = 1ull << 30;
   // A connection with nothing in flight for this long is closed. Default: 300 s.
   uint32_t idle_timeout_ms = 300000;
+  // A frame whose bytes have not all arrived this long after its header is dropped with its
+  // connection (time the server itself held reading back is not counted). Default: 30 s.
+  uint32_t frame_timeout_ms = 30000;
+  // A connection whose replies have not been taken by the peer for this long is closed (it does
+  // not read). Default: 10 s.
+  uint32_t write_timeout_ms = 10000;
+  // Shared-memory staging areas of all sessions together; past it HELLO grants no shared
+  // memory (the client uses the socket). Default: 4 GiB.
+  uint64_t max_shared_staging_bytes = 4ull << 30;
   // Shared-memory GETs point the client into the host arena (mapped read-only) instead of
   // copying, when the store's arena is a memfd and there is exactly one namespace (the arena
   // then holds nothing another namespace may not read). Default: true.
@@ -76,6 +103,12 @@ struct ServerOptions {
   bool handle_signals = false;
   std::function<void()> on_sighup;
 };
+
+// Before HELLO a frame may carry at most this many payload bytes (a HELLO is far smaller).
+inline constexpr uint32_t kMaxHelloPayload = 4096;
+// Bytes a connection may hold in buffers even when the daemon-wide budget is spent, so that
+// small requests are never starved by large ones.
+inline constexpr uint64_t kConnectionAllowance = 1ull << 20;
 
 class Server {
  public:

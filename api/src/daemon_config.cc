@@ -57,7 +57,9 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
   static const char* kKeys[] = {"model", "kv_format", "block_tokens", "listen", "unix_socket", "metrics_listen",
                                 "data_dir", "log_level", "log_file", "io_threads", "worker_threads", "busy_poll_us",
                                 "max_connections", "max_frame_bytes", "max_inflight_bytes", "idle_timeout_ms",
-                                "staging_bytes", "pin_budget_bytes", "namespaces", "offload"};
+                                "staging_bytes", "pin_budget_bytes", "namespaces", "offload",
+                                "max_buffered_bytes", "max_handshakes", "handshake_timeout_ms", "frame_timeout_ms",
+                                "write_timeout_ms", "max_shared_staging_bytes"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool known = false;
     for (const char* k : kKeys) known = known || it.key() == k;
@@ -83,6 +85,22 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
   SPARSEKV_RETURN_IF_ERROR(Read(j, "idle_timeout_ms", c.idle_timeout_ms, "milliseconds"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "staging_bytes", c.staging_bytes, "a byte count"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "pin_budget_bytes", c.pin_budget_bytes, "a byte count"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "max_buffered_bytes", c.max_buffered_bytes, "a byte count"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "max_handshakes", c.max_handshakes, "a count"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "handshake_timeout_ms", c.handshake_timeout_ms, "milliseconds"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "frame_timeout_ms", c.frame_timeout_ms, "milliseconds"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "write_timeout_ms", c.write_timeout_ms, "milliseconds"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "max_shared_staging_bytes", c.max_shared_staging_bytes, "a byte count"));
+  if (c.max_connections == 0) return Status::InvalidArgument("config key 'max_connections' must be at least 1");
+  if (c.max_handshakes == 0) return Status::InvalidArgument("config key 'max_handshakes' must be at least 1");
+  for (const char* key : {"idle_timeout_ms", "handshake_timeout_ms", "frame_timeout_ms", "write_timeout_ms"}) {
+    if (j.contains(key) && j[key].get<uint64_t>() < 10) {
+      return Status::InvalidArgument(fmt::format("config key '{}' must be at least 10", key));
+    }
+  }
+  if (c.max_buffered_bytes < (16ull << 20)) {
+    return Status::InvalidArgument("config key 'max_buffered_bytes' must be at least 16 MiB");
+  }
   if (c.io_threads == 0 || c.io_threads > 256) return Status::InvalidArgument("config key 'io_threads' must be 1..256");
   if (c.worker_threads == 0 || c.worker_threads > 256) {
     return Status::InvalidArgument("config key 'worker_threads' must be 1..256");
@@ -97,12 +115,22 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
     c.namespaces.clear();
     for (size_t i = 0; i < it->size(); ++i) {
       const json& n = (*it)[i];
-      if (!n.is_object() || !n.contains("name") || !n["name"].is_string() || n["name"].get<std::string>().empty() ||
-          (n.contains("token") && !n["token"].is_string()) || n.size() > 2) {
-        return Status::InvalidArgument(
-            fmt::format("config namespaces[{}] must be {{\"name\": non-empty string, \"token\": string}}", i));
+      bool keys_ok = n.is_object();
+      if (keys_ok) {
+        for (auto k = n.begin(); k != n.end(); ++k) {
+          keys_ok = keys_ok && (k.key() == "name" || k.key() == "token" || k.key() == "max_connections");
+        }
       }
-      DaemonNamespace ns{n["name"].get<std::string>(), n.value("token", "")};
+      if (!keys_ok || !n.contains("name") || !n["name"].is_string() || n["name"].get<std::string>().empty() ||
+          (n.contains("token") && !n["token"].is_string()) ||
+          (n.contains("max_connections") && !n["max_connections"].is_number_unsigned())) {
+        return Status::InvalidArgument(fmt::format(
+            "config namespaces[{}] must be {{\"name\": non-empty string, \"token\": string, \"max_connections\": "
+            "count (optional)}}",
+            i));
+      }
+      DaemonNamespace ns{n["name"].get<std::string>(), n.value("token", ""),
+                         static_cast<uint32_t>(std::min<uint64_t>(n.value("max_connections", uint64_t{0}), 1u << 30))};
       for (const DaemonNamespace& other : c.namespaces) {
         if (other.name == ns.name) {
           return Status::InvalidArgument(fmt::format("config namespaces: '{}' is listed twice", ns.name));
@@ -131,7 +159,8 @@ Result<DaemonConfig> LoadDaemonConfigFile(const std::string& path) {
 std::string DaemonConfigToJson(const DaemonConfig& c) {
   json namespaces = json::array();
   for (const DaemonNamespace& n : c.namespaces) {
-    namespaces.push_back({{"name", n.name}, {"token", n.token.empty() ? "" : "(set)"}});
+    namespaces.push_back(
+        {{"name", n.name}, {"token", n.token.empty() ? "" : "(set)"}, {"max_connections", n.max_connections}});
   }
   json j{{"model", c.model},
          {"kv_format", c.kv_format},
@@ -151,6 +180,12 @@ std::string DaemonConfigToJson(const DaemonConfig& c) {
          {"idle_timeout_ms", c.idle_timeout_ms},
          {"staging_bytes", c.staging_bytes},
          {"pin_budget_bytes", c.pin_budget_bytes},
+         {"max_buffered_bytes", c.max_buffered_bytes},
+         {"max_handshakes", c.max_handshakes},
+         {"handshake_timeout_ms", c.handshake_timeout_ms},
+         {"frame_timeout_ms", c.frame_timeout_ms},
+         {"write_timeout_ms", c.write_timeout_ms},
+         {"max_shared_staging_bytes", c.max_shared_staging_bytes},
          {"namespaces", namespaces}};
   if (!c.offload_json.empty()) j["offload"] = json::parse(c.offload_json, nullptr, false);
   return j.dump();

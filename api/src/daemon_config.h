@@ -16,6 +16,8 @@ struct DaemonNamespace {
   std::string name;
   // HELLO must present it; "" accepts any. Default: "".
   std::string token;
+  // Connections of this namespace at once (0: only max_connections). Default: 0.
+  uint32_t max_connections = 0;
 };
 
 struct DaemonConfig {
@@ -51,6 +53,16 @@ struct DaemonConfig {
   uint64_t max_inflight_bytes = 256ull << 20;
   uint32_t idle_timeout_ms = 300000;
   uint64_t staging_bytes = 64ull << 20;
+  // What a client may cost the daemon (server.h has the details). Defaults: 1 GiB of buffered
+  // request and reply bytes daemon-wide, 64 connections at once that have not said HELLO, 5 s to
+  // say it, 30 s for a frame to arrive once its header has, 10 s for a client to start taking
+  // its replies, 4 GiB of shared-memory staging areas in all.
+  uint64_t max_buffered_bytes = 1ull << 30;
+  uint32_t max_handshakes = 64;
+  uint32_t handshake_timeout_ms = 5000;
+  uint32_t frame_timeout_ms = 30000;
+  uint32_t write_timeout_ms = 10000;
+  uint64_t max_shared_staging_bytes = 4ull << 30;
   // Bytes of pinned blocks held in memory. Default: 256 MiB.
   uint64_t pin_budget_bytes = 256ull << 20;
   // Namespaces clients may open. Default: [{"name": "default", "token": ""}].

@@ -142,9 +142,15 @@ int Run(DaemonConfig config) {
   so.max_inflight_bytes = config.max_inflight_bytes;
   so.idle_timeout_ms = config.idle_timeout_ms;
   so.staging_bytes = config.staging_bytes;
+  so.max_buffered_bytes = config.max_buffered_bytes;
+  so.max_handshakes = config.max_handshakes;
+  so.handshake_timeout_ms = config.handshake_timeout_ms;
+  so.frame_timeout_ms = config.frame_timeout_ms;
+  so.write_timeout_ms = config.write_timeout_ms;
+  so.max_shared_staging_bytes = config.max_shared_staging_bytes;
   so.block_tokens = config.block_tokens;
   so.namespaces.clear();
-  for (const DaemonNamespace& n : config.namespaces) so.namespaces.push_back({n.name, n.token});
+  for (const DaemonNamespace& n : config.namespaces) so.namespaces.push_back({n.name, n.token, n.max_connections});
   so.handle_signals = true;
   so.on_sighup = [path = config.log_file] { OpenLog(path); };
 

@@ -14,11 +14,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <array>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -721,6 +725,561 @@ TEST(SecondSparsekvd, AfterAKillTheStaleSocketAndLockDoNotStopTheNext) {
   const int next_exit = Stop(next);
   EXPECT_TRUE(WIFEXITED(next_exit) && WEXITSTATUS(next_exit) == 0) << ReadFile(next.log);
   std::filesystem::remove_all(dir);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Issue 14, cases 2-4: what a client may cost the daemon. An in-process daemon with small limits:
+// a 16 MiB buffer budget, 4 authenticated connections (namespace "alpha" at most 3), 4
+// handshakes, short deadlines, and a 1 MiB frame limit.
+
+class ClientCostTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Start(false); }
+  void TearDown() override {
+    for (int fd : raw_) close(fd);
+    server_.reset();
+    store_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  virtual void Configure(TieredStoreOptions&, ServerOptions&) {}
+
+  void Start(bool ssd) {
+    dir_ = ScratchDir("cost");
+    TieredStoreOptions so;
+    so.offload.host.capacity_bytes = 64ull << 20;
+    so.offload.host.max_record_bytes = 1 << 20;
+    if (ssd) {
+      so.offload.host.capacity_bytes = 4ull << 20;
+      so.offload.ssd_enabled = true;
+      so.offload.ssd.path = (dir_ / "ssd").string();
+      so.offload.ssd.capacity_bytes = 64ull << 20;
+    }
+    ServerOptions opts;
+    opts.tcp_listen = "127.0.0.1:0";
+    opts.metrics_listen = "127.0.0.1:0";
+    opts.unix_path = (dir_ / "d.sock").string();
+    opts.staging_bytes = 4 << 20;
+    opts.max_connections = 4;
+    opts.max_handshakes = 4;
+    opts.handshake_timeout_ms = 300;
+    opts.frame_timeout_ms = 600;
+    opts.write_timeout_ms = 600;
+    opts.max_buffered_bytes = 16ull << 20;
+    opts.max_frame_bytes = 1 << 20;
+    opts.namespaces = {{"alpha", "alpha-token", 3}, {"beta", "beta-token", 0}};
+    Configure(so, opts);
+    auto store = TieredStore::Open(so);
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    store_ = std::move(store).value();
+    auto srv = Server::Start(opts, store_.get());
+    ASSERT_TRUE(srv.ok()) << srv.status().ToString();
+    server_ = std::move(srv).value();
+    unix_ = opts.unix_path;
+  }
+
+  std::unique_ptr<Client> Connect(const std::string& ns, bool unix_socket = false, bool shm = false) {
+    ClientOptions o;
+    o.address = unix_socket ? "unix:" + unix_ : server_->tcp_address();
+    o.namespace_name = ns;
+    o.token = ns + "-token";
+    o.shared_memory = shm;
+    o.timeout = std::chrono::milliseconds(10000);
+    auto c = Client::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return c.ok() ? std::move(c).value() : nullptr;
+  }
+
+  // A raw TCP connection (closed at teardown).
+  int Raw() {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const std::string addr = server_->tcp_address();
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(static_cast<uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1))));
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0) << std::strerror(errno);
+    timeval tv{5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    raw_.push_back(fd);
+    return fd;
+  }
+
+  // A raw connection that said HELLO in `ns` and read the reply.
+  int RawAuthed(const std::string& ns = "alpha") {
+    const int fd = Raw();
+    const auto hello = wire::EncodeFrame(wire::Opcode::kHello, 0, 1,
+                                         wire::Encode(wire::HelloRequest{wire::kProtocolVersion, ns, ns + "-token",
+                                                                         "raw", false}));
+    EXPECT_EQ(send(fd, hello.data(), hello.size(), MSG_NOSIGNAL), static_cast<ssize_t>(hello.size()));
+    auto r = ReadFrame(fd);
+    EXPECT_TRUE(r.ok() && r->first.opcode == wire::Opcode::kHello) << (r.ok() ? "" : r.status().ToString());
+    return fd;
+  }
+
+  static void SendHeader(int fd, wire::Opcode op, uint32_t payload_bytes, uint64_t id = 7) {
+    wire::FrameHeader h;
+    h.opcode = op;
+    h.request_id = id;
+    h.payload_bytes = payload_bytes;
+    const auto b = wire::EncodeHeader(h);
+    ASSERT_EQ(send(fd, b.data(), b.size(), MSG_NOSIGNAL), static_cast<ssize_t>(b.size()));
+  }
+
+  // The ERROR frame the daemon closes a connection with, then EOF: its status.
+  static Status ClosedWith(int fd) {
+    auto r = ReadFrame(fd);
+    if (!r.ok()) return Status::Internal("no ERROR frame before the close: " + r.status().ToString());
+    if (r->first.opcode != wire::Opcode::kError) return Status::Internal("a frame other than ERROR");
+    auto e = wire::DecodeErrorReply(r->second);
+    if (!e.ok()) return e.status();
+    char c;
+    if (recv(fd, &c, 1, 0) != 0) return Status::Internal("the connection stayed open after the ERROR frame");
+    return Status(e->code, e->message);
+  }
+
+  std::string Metrics() {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(server_->metrics_port());
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+    const char req[] = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+    send(fd, req, sizeof(req) - 1, 0);
+    std::string body;
+    char buf[4096];
+    ssize_t n;
+    while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) body.append(buf, static_cast<size_t>(n));
+    close(fd);
+    return body;
+  }
+  // A series' value from /metrics (-1 when absent).
+  double Metric(const std::string& name) {
+    const std::string body = Metrics();
+    const size_t at = body.find("\n" + name + " ");
+    if (at == std::string::npos) return -1;
+    return std::stod(body.substr(at + name.size() + 2));
+  }
+  // Waits until the buffered-bytes gauge is at most `bytes`; its last value.
+  double BufferedSettlesTo(double bytes, double seconds = 5) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    double v = Metric("sparsekv_buffered_bytes");
+    while (v > bytes && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      v = Metric("sparsekv_buffered_bytes");
+    }
+    return v;
+  }
+
+  // A well-behaved client's PUT then GET of a 64 KiB value; its latency in seconds, or a
+  // negative number on any error.
+  static double GoodRoundTrip(Client& c, uint64_t key) {
+    const auto v = Value(key, 64 << 10);
+    const auto t0 = std::chrono::steady_clock::now();
+    BundleRef ref{H(key), v};
+    auto put = c.Put(std::span<const BundleRef>(&ref, 1));
+    if (!put.ok() || !(*put)[0].ok()) return -1;
+    const WireBlockHash h = H(key);
+    auto got = c.Get(std::span<const WireBlockHash>(&h, 1));
+    if (!got.ok() || !(*got)[0].status.ok() || (*got)[0].bytes != v) return -1;
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  static uint64_t ProcessRssBytes() {
+    std::ifstream in("/proc/self/status");
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+    }
+    return 0;
+  }
+
+  std::filesystem::path dir_;
+  std::string unix_;
+  std::unique_ptr<TieredStore> store_;
+  std::unique_ptr<Server> server_;
+  std::vector<int> raw_;
+};
+
+// Case 2: before HELLO, a header that claims more than a HELLO is refused at once, without
+// reading (or allocating) its payload; so is any other request.
+TEST_F(ClientCostTest, BeforeHelloOnlyAHelloSizedHelloIsRead) {
+  const int big = Raw();
+  SendHeader(big, wire::Opcode::kHello, 64u << 20);
+  Status st = ClosedWith(big);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_NE(st.ToString().find("before HELLO"), std::string::npos) << st.ToString();
+
+  const int put = Raw();
+  SendHeader(put, wire::Opcode::kPut, 1u << 20);  // no payload follows: it is never waited for
+  st = ClosedWith(put);
+  EXPECT_EQ(st.code(), StatusCode::kPermissionDenied) << st.ToString();
+  auto good = Connect("alpha");
+  ASSERT_NE(good, nullptr);
+  EXPECT_GE(GoodRoundTrip(*good, 1), 0);
+}
+
+// The same daemon with room for 100 connections.
+class ManyConnectionsTest : public ClientCostTest {
+  void Configure(TieredStoreOptions&, ServerOptions& opts) override { opts.max_connections = 100; }
+};
+
+// Case 2: 60 authenticated connections announce 1 MiB payloads (the frame limit here) and send
+// 64 KiB of each: the daemon holds what arrived, not what was announced, and a well-behaved
+// client is served meanwhile. When they go, every byte comes back to the budget. (With the
+// payload allocated at its announced size the process grows by 60 MiB here; with the charges not
+// returned, the gauge stays above 0.)
+TEST_F(ManyConnectionsTest, AnAnnouncedPayloadCostsOnlyTheBytesThatArrived) {
+  auto good = Connect("alpha");
+  ASSERT_NE(good, nullptr);
+  ASSERT_GE(GoodRoundTrip(*good, 1), 0);
+  const uint64_t rss0 = ProcessRssBytes();
+  std::vector<int> fds;
+  const std::vector<std::byte> part = Value(5, 64 << 10);
+  for (int i = 0; i < 60; ++i) {
+    const int fd = RawAuthed("beta");
+    ASSERT_NO_FATAL_FAILURE(SendHeader(fd, wire::Opcode::kPut, 1u << 20));
+    ASSERT_EQ(send(fd, part.data(), part.size(), MSG_NOSIGNAL), static_cast<ssize_t>(part.size()));
+    fds.push_back(fd);
+  }
+  // Everything sent has arrived once the gauge stops moving.
+  double buffered = -1, last = -2;
+  for (int i = 0; i < 100 && buffered != last; ++i) {
+    last = buffered;
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    buffered = Metric("sparsekv_buffered_bytes");
+  }
+  EXPECT_GE(buffered, 60.0 * (64 << 10) * 0.9);
+  EXPECT_LE(buffered, 60.0 * (64 << 10) + (1 << 20));
+  const uint64_t rss1 = ProcessRssBytes();
+  EXPECT_LT(rss1, rss0 + (30ull << 20)) << "RSS went from " << rss0 << " to " << rss1;
+  for (int k = 0; k < 5; ++k) EXPECT_GE(GoodRoundTrip(*good, 10 + k), 0);
+  for (int fd : fds) shutdown(fd, SHUT_RDWR);
+  EXPECT_EQ(BufferedSettlesTo(0), 0);
+}
+
+// Case 2: the budget pushes back. 12 connections each announce a 1 MiB PUT and send as fast as
+// the daemon reads; past the 16 MiB budget the daemon stops reading them (each keeps at most
+// its 1 MiB allowance), so the gauge stays within budget + allowances, and a small client is
+// served throughout. Once they go, the budget is whole again.
+TEST_F(ManyConnectionsTest, TheBudgetPushesBackInsteadOfAllocating) {
+  auto good = Connect("alpha");
+  ASSERT_NE(good, nullptr);
+  // Fill the budget first with replies nobody reads: 8 non-readers pipelining GETs of 512 KiB.
+  const auto v = Value(3, 512 << 10);
+  BundleRef ref{H(3), v};
+  auto beta = Connect("beta");
+  ASSERT_NE(beta, nullptr);
+  ASSERT_TRUE((*beta->Put(std::span<const BundleRef>(&ref, 1)))[0].ok());
+  beta.reset();
+  const auto get = wire::EncodeFrame(wire::Opcode::kGet, 0, 9, wire::Encode(wire::HashList{{H(3)}}));
+  std::vector<int> fds;
+  for (int i = 0; i < 8; ++i) {
+    const int fd = RawAuthed("beta");
+    int small = 4096;
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+    const int fl = fcntl(fd, F_GETFL);
+    fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+    for (int k = 0; k < 64; ++k) {
+      if (send(fd, get.data(), get.size(), MSG_NOSIGNAL) < 0) break;
+    }
+    fds.push_back(fd);
+  }
+  // Then 12 connections each announce a 1 MiB PUT and send all of it but its last byte, as fast
+  // as the daemon takes it.
+  const auto filler = Value(4, (1 << 20) - 1);
+  std::vector<int> pushers;
+  std::vector<size_t> pushed;
+  for (int i = 0; i < 12; ++i) {
+    const int fd = RawAuthed("beta");
+    ASSERT_NO_FATAL_FAILURE(SendHeader(fd, wire::Opcode::kPut, 1u << 20, 11));
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    pushers.push_back(fd);
+    pushed.push_back(0);
+  }
+  double peak = 0;
+  double worst = 0;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(400);
+  uint64_t key = 100;
+  while (std::chrono::steady_clock::now() < until) {
+    for (size_t i = 0; i < pushers.size(); ++i) {
+      if (pushed[i] == filler.size()) continue;
+      const ssize_t k = send(pushers[i], filler.data() + pushed[i], filler.size() - pushed[i], MSG_NOSIGNAL);
+      if (k > 0) pushed[i] += static_cast<size_t>(k);
+    }
+    peak = std::max(peak, Metric("sparsekv_buffered_bytes"));
+    const double rt = GoodRoundTrip(*good, key++);
+    ASSERT_GE(rt, 0) << "the well-behaved client failed";
+    worst = std::max(worst, rt);
+  }
+  const double limit = 16.0 * (1 << 20) + 21.0 * static_cast<double>(kConnectionAllowance);
+  EXPECT_LE(peak, limit) << "the buffered bytes passed the budget plus one allowance per connection";
+  EXPECT_GT(Metric("sparsekv_backpressure_pauses_total"), 0) << "nothing was held back";
+  EXPECT_GT(peak, 16.0 * (1 << 20) * 0.5) << "the attack did not reach the budget";
+  EXPECT_LT(worst, 2.0) << "the well-behaved client waited " << worst << " s";
+  for (int fd : fds) shutdown(fd, SHUT_RDWR);
+  for (int fd : pushers) shutdown(fd, SHUT_RDWR);
+  EXPECT_EQ(BufferedSettlesTo(0), 0) << Metrics();
+  EXPECT_GE(GoodRoundTrip(*good, 1), 0);
+}
+
+// Case 3: idle connections do not starve a new one. At the limit (4) a new client is admitted in
+// place of the longest-idle connection, which is told why; connections of a namespace past its
+// quota (alpha: 3) make room within the namespace.
+TEST_F(ClientCostTest, IdleConnectionsMakeRoomForNewOnes) {
+  auto b = Connect("beta");  // the oldest, but another namespace
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  std::vector<std::unique_ptr<Client>> alphas;
+  for (int i = 0; i < 3; ++i) {
+    alphas.push_back(Connect("alpha"));
+    ASSERT_NE(alphas.back(), nullptr);
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  }
+  ASSERT_TRUE(alphas[0]->Ping().ok());  // now alphas[1] has been idle the longest in alpha
+  // A fourth alpha: alpha is at its quota, so alphas[1] goes, not the older beta connection.
+  auto fourth = Connect("alpha");
+  ASSERT_NE(fourth, nullptr);
+  EXPECT_TRUE(fourth->Ping().ok());
+  Status gone = alphas[1]->Ping();
+  EXPECT_FALSE(gone.ok());
+  EXPECT_NE(gone.ToString().find("namespace 'alpha' has at most 3"), std::string::npos) << gone.ToString();
+  EXPECT_TRUE(b->Ping().ok());
+  // The server's limit (4, all taken): a second beta connection replaces the longest idle of all.
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  for (auto* c : {alphas[0].get(), alphas[2].get(), fourth.get()}) ASSERT_TRUE(c->Ping().ok());
+  auto b2 = Connect("beta");
+  ASSERT_NE(b2, nullptr);
+  EXPECT_TRUE(b2->Ping().ok());
+  gone = b->Ping();
+  EXPECT_FALSE(gone.ok());
+  EXPECT_NE(gone.ToString().find("serves at most 4"), std::string::npos) << gone.ToString();
+  EXPECT_GE(Metric("sparsekv_idle_connections_replaced_total"), 2);
+}
+
+// Case 3: with no connection idle (each is in the middle of a frame) a new one is refused,
+// clearly, and those in place are not disturbed.
+TEST_F(ClientCostTest, AtTheLimitWithNoIdleConnectionANewOneIsRefused) {
+  std::vector<int> busy;
+  for (int i = 0; i < 4; ++i) {
+    const int fd = RawAuthed(i < 3 ? "alpha" : "beta");
+    ASSERT_NO_FATAL_FAILURE(SendHeader(fd, wire::Opcode::kPut, 1000));
+    busy.push_back(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ClientOptions o;
+  o.address = server_->tcp_address();
+  o.namespace_name = "beta";
+  o.token = "beta-token";
+  auto refused = Client::Connect(o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted) << refused.status().ToString();
+  EXPECT_NE(refused.status().ToString().find("none is idle"), std::string::npos) << refused.status().ToString();
+  // The busy connections finish their frames and are answered.
+  for (int fd : busy) {
+    // Any 1000 bytes complete the frame; they fail to decode, which closes that connection
+    // with an ERROR frame naming the request: proof it was still being served.
+    std::vector<std::byte> junk(1000, std::byte{0});
+    ASSERT_EQ(send(fd, junk.data(), junk.size(), MSG_NOSIGNAL), 1000);
+    auto r = ReadFrame(fd);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->first.request_id, 7u);
+  }
+}
+
+// Case 3: a connection must say HELLO within handshake_timeout_ms (300 here); at most
+// max_handshakes (4) may be pending, past which the oldest is closed, and a well-behaved client
+// gets in meanwhile.
+TEST_F(ClientCostTest, HandshakesHaveADeadlineAndALimit) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int silent = Raw();
+  Status st = ClosedWith(silent);
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(st.code(), StatusCode::kAborted) << st.ToString();
+  EXPECT_NE(st.ToString().find("no HELLO within 300 ms"), std::string::npos) << st.ToString();
+  EXPECT_GE(waited, 0.25);
+  EXPECT_LT(waited, 2.0);
+
+  std::vector<int> pending;
+  for (int i = 0; i < 6; ++i) {
+    pending.push_back(Raw());
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  // The two oldest made room for the last two.
+  for (int i = 0; i < 2; ++i) {
+    st = ClosedWith(pending[i]);
+    EXPECT_EQ(st.code(), StatusCode::kResourceExhausted) << i << ": " << st.ToString();
+  }
+  auto good = Connect("alpha");
+  ASSERT_NE(good, nullptr);
+  EXPECT_GE(GoodRoundTrip(*good, 3), 0);
+  EXPECT_GE(Metric("sparsekv_handshake_timeouts_total"), 3);
+}
+
+// A frame whose header came must be complete within frame_timeout_ms (600 here): a peer that
+// trickles or stalls is dropped, with an ERROR frame, and its bytes go back to the budget.
+TEST_F(ClientCostTest, AStalledFrameIsDropped) {
+  const int fd = RawAuthed();
+  ASSERT_NO_FATAL_FAILURE(SendHeader(fd, wire::Opcode::kPut, 100000));
+  const auto some = Value(1, 5000);
+  ASSERT_EQ(send(fd, some.data(), some.size(), MSG_NOSIGNAL), 5000);
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status st = ClosedWith(fd);
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(st.code(), StatusCode::kAborted) << st.ToString();
+  EXPECT_NE(st.ToString().find("did not arrive within 600 ms"), std::string::npos) << st.ToString();
+  EXPECT_LT(waited, 3.0);
+  EXPECT_EQ(BufferedSettlesTo(0), 0);
+  EXPECT_GE(Metric("sparsekv_frame_timeouts_total"), 1);
+}
+
+// A client that never takes its replies is disconnected after write_timeout_ms (600 here), and
+// the replies it left are released.
+TEST_F(ClientCostTest, AClientThatTakesNoRepliesIsDisconnected) {
+  auto good = Connect("alpha");
+  ASSERT_NE(good, nullptr);
+  const auto v = Value(8, 512 << 10);
+  BundleRef ref{H(8), v};
+  ASSERT_TRUE((*good->Put(std::span<const BundleRef>(&ref, 1)))[0].ok());
+  const int fd = RawAuthed("alpha");
+  int small = 4096;
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  const auto get = wire::EncodeFrame(wire::Opcode::kGet, 0, 9, wire::Encode(wire::HashList{{H(8)}}));
+  for (int k = 0; k < 32; ++k) send(fd, get.data(), get.size(), MSG_NOSIGNAL);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  double dropped = 0;
+  while (dropped < 1 && std::chrono::steady_clock::now() < until) {
+    EXPECT_GE(GoodRoundTrip(*good, 20), 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    dropped = Metric("sparsekv_slow_clients_dropped_total");
+  }
+  EXPECT_EQ(dropped, 1) << Metrics();
+  EXPECT_EQ(BufferedSettlesTo(0), 0);
+}
+
+// Case 4: no reply exceeds the announced maximum frame (1 MiB here). A GET of 40 bundles of
+// 300 KB answers what fits and defers the rest, each answered item byte-exact; the client library
+// asks again for what was deferred, over TCP, over shared memory and with callbacks.
+TEST_F(ClientCostTest, RepliesNeverExceedTheAnnouncedFrame) {
+  auto c = Connect("alpha");
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->max_payload_bytes(), 1u << 20);
+  std::vector<std::vector<std::byte>> values;
+  std::vector<BundleRef> refs;
+  for (uint64_t i = 0; i < 8; ++i) values.push_back(Value(i, 300000 + i));
+  for (uint64_t i = 0; i < 8; ++i) refs.push_back({H(i), values[i]});
+  auto put = c->Put(refs);  // 2.4 MB: split into frames within the limit by the client library
+  ASSERT_TRUE(put.ok()) << put.status().ToString();
+  for (const Status& st : *put) ASSERT_TRUE(st.ok()) << st.ToString();
+  std::vector<WireBlockHash> hashes;
+  for (int k = 0; k < 40; ++k) hashes.push_back(H(k % 8));
+  hashes.push_back(H(77));  // absent
+
+  // Raw: the first reply answers 3 items (3 x 300 KB fit in 1 MiB) and defers the rest.
+  const int fd = RawAuthed();
+  const auto get = wire::EncodeFrame(wire::Opcode::kGet, 0, 5, wire::Encode(wire::HashList{hashes}));
+  ASSERT_EQ(send(fd, get.data(), get.size(), MSG_NOSIGNAL), static_cast<ssize_t>(get.size()));
+  auto r = ReadFrame(fd);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_LE(r->first.payload_bytes, 1u << 20);
+  auto reply = wire::DecodeGetReply(r->second, 1 << 20);
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  ASSERT_EQ(reply->items.size(), hashes.size());
+  size_t answered = 0;
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    const wire::GetItem& it = reply->items[i];
+    if (it.deferred) {
+      for (size_t j = i; j < hashes.size(); ++j) EXPECT_TRUE(reply->items[j].deferred) << j;
+      break;
+    }
+    ++answered;
+    ASSERT_TRUE(it.status.code == StatusCode::kOk) << it.status.message;
+    EXPECT_TRUE(std::equal(it.bundle.begin(), it.bundle.end(), values[i % 8].begin(), values[i % 8].end())) << i;
+  }
+  EXPECT_EQ(answered, 3u);
+
+  auto check = [&](const Result<std::vector<GetResult>>& got, const char* how) {
+    SCOPED_TRACE(how);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    ASSERT_EQ(got->size(), hashes.size());
+    for (size_t i = 0; i + 1 < hashes.size(); ++i) {
+      ASSERT_TRUE((*got)[i].status.ok()) << i << " " << (*got)[i].status.ToString();
+      EXPECT_EQ((*got)[i].bytes, values[i % 8]) << i;
+    }
+    EXPECT_EQ(got->back().status.code(), StatusCode::kNotFound);
+  };
+  check(c->Get(hashes), "TCP");
+  check(c->GetAsync(hashes).get(), "future");
+  std::promise<Result<std::vector<GetResult>>> done;
+  c->GetAsync(hashes, [&](Result<std::vector<GetResult>> g) { done.set_value(std::move(g)); });
+  auto fut = done.get_future();
+  while (fut.wait_for(std::chrono::milliseconds(1)) != std::future_status::ready) {
+    ASSERT_TRUE(c->ProcessReplies().ok());
+  }
+  check(fut.get(), "callback");
+  auto shm = Connect("alpha", true, true);
+  ASSERT_NE(shm, nullptr);
+  ASSERT_TRUE(shm->shared_memory());
+  check(shm->Get(hashes), "shared memory");
+}
+
+// Case 4, served by a worker (the bundles are on the SSD tier): the reply is bounded by the
+// frame limit too, and the items it defers are not read from the SSD.
+class FrameLimitFromSsdTest : public ClientCostTest {
+  void SetUp() override { Start(true); }
+};
+
+TEST_F(FrameLimitFromSsdTest, RepliesFromTheSsdTierStayWithinTheFrameLimit) {
+  auto c = Connect("alpha");
+  ASSERT_NE(c, nullptr);
+  std::vector<std::vector<std::byte>> values;
+  std::vector<BundleRef> refs;
+  for (uint64_t i = 0; i < 32; ++i) values.push_back(Value(100 + i, 200000));
+  for (uint64_t i = 0; i < 32; ++i) refs.push_back({H(i), values[i]});
+  auto put = c->Put(refs);  // 6.4 MB through a 4 MiB host tier: most of it goes to the SSD
+  ASSERT_TRUE(put.ok()) << put.status().ToString();
+  std::vector<WireBlockHash> hashes;
+  for (uint64_t i = 0; i < 32; ++i) hashes.push_back(H(i));
+  const int fd = RawAuthed();
+  const auto get = wire::EncodeFrame(wire::Opcode::kGet, 0, 5, wire::Encode(wire::HashList{hashes}));
+  ASSERT_EQ(send(fd, get.data(), get.size(), MSG_NOSIGNAL), static_cast<ssize_t>(get.size()));
+  auto r = ReadFrame(fd);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_LE(r->first.payload_bytes, 1u << 20);
+  auto reply = wire::DecodeGetReply(r->second, 1 << 20);
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  size_t deferred = 0;
+  for (const auto& it : reply->items) deferred += it.deferred ? 1 : 0;
+  EXPECT_GE(deferred, 27u);
+  auto got = c->Get(hashes);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    if ((*got)[i].status.code() == StatusCode::kNotFound) continue;  // a cache may evict
+    ASSERT_TRUE((*got)[i].status.ok()) << (*got)[i].status.ToString();
+    EXPECT_EQ((*got)[i].bytes, values[i]) << i;
+  }
+}
+
+// A bundle no GET reply could carry is refused when it is stored over shared memory (the PUT
+// area, 2 MiB here, is larger than the 1 MiB frame limit).
+TEST_F(ClientCostTest, ABundleLargerThanAnyReplyIsRefusedAtPut) {
+  RawShmSession raw;
+  ASSERT_NO_FATAL_FAILURE(raw.Open(unix_, "alpha", "alpha-token"));
+  void* m = mmap(nullptr, raw.hello.shm_staging_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, raw.staging_fd, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  const auto big = Value(2, 1500000);
+  std::memcpy(m, big.data(), big.size());
+  wire::ShmPutRequest put;
+  put.slots.push_back({H(2), 0, static_cast<uint32_t>(big.size())});
+  auto r = raw.Call(wire::Opcode::kShmPut, wire::Encode(put));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  auto st = wire::DecodeStatusListReply(r->second);
+  ASSERT_TRUE(st.ok());
+  ASSERT_EQ(st->items.size(), 1u);
+  EXPECT_EQ(st->items[0].code, StatusCode::kInvalidArgument);
+  EXPECT_NE(st->items[0].message.find("larger than a reply may carry"), std::string::npos) << st->items[0].message;
+  munmap(m, raw.hello.shm_staging_bytes);
 }
 
 }  // namespace

@@ -106,6 +106,23 @@ TEST(Wire, MessagesRoundTrip) {
   EXPECT_TRUE(bgr->items[0].bundle.empty());
   bge.back() = std::byte{7};
   EXPECT_FALSE(DecodeGetReply(bge, 1024).ok());
+  // Deferred items (protocol 3): one status byte, kDeferredCode, nothing after it; a verdict
+  // other than 0 on one is malformed, and the code is meaningless in any other reply.
+  GetReply partial{{GetItem{{}, b1}, GetItem{{}, {}, 0, true}, GetItem{{}, {}, 0, true}}};
+  auto penc = Encode(partial);
+  EXPECT_EQ(penc.size(), 4 + (1 + 4 + b1.size()) + 1 + 1 + 3);
+  auto pr2 = DecodeGetReply(penc, 1024);
+  ASSERT_TRUE(pr2.ok()) << pr2.status().ToString();
+  EXPECT_FALSE(pr2->items[0].deferred);
+  EXPECT_TRUE(pr2->items[1].deferred);
+  EXPECT_TRUE(pr2->items[2].deferred);
+  EXPECT_EQ(pr2->items[0].bundle.size(), b1.size());
+  penc.back() = std::byte{1};
+  EXPECT_FALSE(DecodeGetReply(penc, 1024).ok());
+  StatusListReply deferred_status{{ItemStatus{}}};
+  auto denc = Encode(deferred_status);
+  denc[4] = std::byte{kDeferredCode};
+  EXPECT_FALSE(DecodeStatusListReply(denc).ok());
 
   LookupReply lr{2, {1, 2, 0}};
   auto lrr = DecodeLookupReply(Encode(lr));

@@ -93,7 +93,12 @@ class Client {
   Status Subscribe(EventCallback callback);
 
   // Futures: a reader thread, started by the first of these (or by Subscribe), reads every
-  // reply from then on.
+  // reply from then on. A GET's future asks for what the daemon deferred when it is read, so
+  // the Client must outlive it.
+  //
+  // Every GET returns all its items: a reply never exceeds the daemon's maximum frame
+  // (max_payload_bytes()), so the items it defers are asked for again, transparently. A
+  // synchronous PUT over the socket is split into frames within that maximum too.
   std::future<Result<LookupResult>> LookupAsync(std::vector<WireBlockHash> hashes);
   std::future<Result<std::vector<Status>>> PutAsync(std::vector<BundleRef> bundles);
   std::future<Result<std::vector<GetResult>>> GetAsync(std::vector<WireBlockHash> hashes);
