@@ -6,6 +6,7 @@
 // hold, and every error names the field at fault. Thread-safe.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -83,7 +84,11 @@ class PayloadWriter {
   // Starts with kHeaderBytes zero bytes, for a header filled in later.
   struct ReserveHeader {};
   explicit PayloadWriter(ReserveHeader) : out_(kHeaderBytes) {}
-  void Reserve(size_t more) { out_.reserve(out_.size() + more); }
+  // Room for `more` bytes; grows geometrically, so that reserving before each of many appends
+  // costs amortized O(1) per byte, not a copy of everything so far each time.
+  void Reserve(size_t more) {
+    if (out_.capacity() < out_.size() + more) out_.reserve(std::max(out_.size() + more, out_.capacity() * 2));
+  }
   void U8(uint8_t v) { Raw(&v, 1); }
   void U16(uint16_t v) { Raw(&v, 2); }
   void U32(uint32_t v) { Raw(&v, 4); }

@@ -216,9 +216,12 @@ class BufferBudget {
     return held + more <= kConnectionAllowance || used_.load(std::memory_order_relaxed) + more <= limit_;
   }
   void Take(uint64_t n) { used_.fetch_add(n, std::memory_order_relaxed); }
+  // Parked connections are woken once there is room for a read of kWakeRoom: waking them for
+  // less would only have them park again, at every reply written.
+  static constexpr uint64_t kWakeRoom = 256u << 10;
   void Give(uint64_t n) {
     const uint64_t after = used_.fetch_sub(n, std::memory_order_acq_rel) - n;
-    if (waiters_.load(std::memory_order_acquire) > 0 && after < limit_ && wake_) wake_();
+    if (waiters_.load(std::memory_order_acquire) > 0 && after + kWakeRoom <= limit_ && wake_) wake_();
   }
   uint64_t used() const { return used_.load(std::memory_order_relaxed); }
   uint64_t limit() const { return limit_; }
@@ -296,6 +299,7 @@ class Payload {
       : data_(std::exchange(o.data_, nullptr)),
         size_(std::exchange(o.size_, 0)),
         mapped_(o.mapped_),
+        advised_(o.advised_),
         charge_(std::move(o.charge_)) {}
   Payload& operator=(Payload&& o) noexcept {
     if (this != &o) {
@@ -303,6 +307,7 @@ class Payload {
       data_ = std::exchange(o.data_, nullptr);
       size_ = std::exchange(o.size_, 0);
       mapped_ = o.mapped_;
+      advised_ = o.advised_;
       charge_ = std::move(o.charge_);
     }
     return *this;
@@ -314,6 +319,7 @@ class Payload {
   // Room for `n` bytes, uncommitted; false when not even address space is left.
   bool Reserve(size_t n, Charge charge) {
     Reset();
+    advised_ = false;
     charge_ = std::move(charge);
     if (n == 0) return true;
     if (n > kMapAbove) {
@@ -346,10 +352,24 @@ class Payload {
   std::span<const std::byte> span() const { return {data_, size_}; }
   Charge& charge() { return charge_; }
 
+  // Once `arrived` bytes have come (at least 2 MiB: the peer is sending, not just claiming),
+  // asks for transparent huge pages past them: one fault per 2 MiB instead of per 4 KiB, which
+  // on a VM is the difference between ~0.3 and several GB/s. Memory then runs ahead of the
+  // bytes by at most one huge page.
+  void AdviseHugePages(size_t arrived) {
+    static constexpr size_t kHuge = 2u << 20;
+    if (!mapped_ || advised_ || arrived < kHuge) return;
+    advised_ = true;
+    const auto base = reinterpret_cast<uintptr_t>(data_);
+    const uintptr_t from = (base + arrived + kHuge - 1) & ~uintptr_t{kHuge - 1};
+    if (from < base + size_) ::madvise(reinterpret_cast<void*>(from), base + size_ - from, MADV_HUGEPAGE);
+  }
+
  private:
   std::byte* data_ = nullptr;
   size_t size_ = 0;
   bool mapped_ = false;
+  bool advised_ = false;
   Charge charge_;
 };
 
@@ -470,6 +490,12 @@ class Server::Impl {
   // Forgets `victim` in the counts (mu_ held) and closes it with `why`.
   void Evict(const std::shared_ptr<Session>& victim, const Status& why);
   void Park(std::weak_ptr<Session> s, std::atomic<bool>& listed);
+  // Runs `work` on a worker thread. Connections take turns: each worker takes the oldest
+  // request of the next connection in a round, so a connection that pipelines many costly
+  // requests delays another's by at most one of them per worker, not by its whole queue.
+  template <typename Work>
+  void SubmitWork(uint64_t session, Work&& work);
+  void RunNextWork();
   void WakeParked();
   std::string ConnectionMetrics();
   void OnSignal(boost::system::error_code ec, int sig);
@@ -521,6 +547,9 @@ class Server::Impl {
   std::mutex park_mu_;
   std::vector<std::pair<std::weak_ptr<Session>, std::atomic<bool>*>> parked_;  // waiting for budget
   std::atomic<uint64_t> staging_total_{0};  // bytes of every session's staging area
+  std::mutex work_mu_;
+  std::unordered_map<uint64_t, std::deque<std::function<void()>>> work_queues_;  // per session, in order
+  std::deque<uint64_t> work_turns_;  // sessions with work waiting, in turn order
 
   std::mutex mu_;
   std::set<std::shared_ptr<Session>> sessions_;
@@ -611,8 +640,15 @@ class Session : public std::enable_shared_from_this<Session> {
   // usually brings a whole small request (often several); a payload's bytes past what is
   // buffered are read straight into it (StepPayload).
   void ReadHeader() {
-    for (;;) {
+    // A connection that pipelines many requests hands the network thread over after a few, so
+    // that the others are read too.
+    static constexpr int kFramesPerTurn = 16;
+    for (int frames = 0;; ++frames) {
       if (closing_) return MaybeClose();
+      if (frames == kFramesPerTurn) {
+        asio::post(strand_, [self = shared_from_this()] { self->ReadHeader(); });
+        return;
+      }
       if (inflight_bytes_ + queued_bytes_ > srv_.options_.max_inflight_bytes) {
         paused_ = true;  // resumed by a completed reply
         PublishIdle();
@@ -683,12 +719,12 @@ class Session : public std::enable_shared_from_this<Session> {
   // announced; concurrent reads may pass the budget by a chunk each). True when the payload is
   // complete; false when a read is under way, the connection is parked, or it is closing.
   bool StepPayload() {
-    static constexpr size_t kReadChunk = 1u << 20;
+    static constexpr size_t kReadChunk = 256u << 10;
     const size_t n = header_.payload_bytes;
     const size_t buffered = std::min<size_t>(rend_ - rpos_, n - got_);
     if (buffered > 0) {
       if (!srv_.budget_.Allows(account_->held.load(std::memory_order_relaxed), buffered)) {
-        Park(Resume::kPayload);
+        Park(Resume::kPayload, buffered);
         return false;
       }
       payload_.charge().Add(buffered);
@@ -702,7 +738,7 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     const size_t chunk = std::min(n - got_, kReadChunk);
     if (!srv_.budget_.Allows(account_->held.load(std::memory_order_relaxed), chunk)) {
-      Park(Resume::kPayload);
+      Park(Resume::kPayload, chunk);
       return false;
     }
     reading_ = true;
@@ -716,20 +752,23 @@ class Session : public std::enable_shared_from_this<Session> {
                               }
                               self->payload_.charge().Add(k);  // what arrived, no more
                               self->got_ += k;
+                              self->payload_.AdviseHugePages(self->got_);
                               if (self->StepPayload() && self->HandleFrame()) self->ReadHeader();
                             }));
     return false;
   }
 
-  // Stops reading until the budget has room or this connection's own bytes drain.
-  void Park(Resume where) {
+  // Stops reading until the budget has room for `need` bytes, or this connection's own bytes
+  // drain.
+  void Park(Resume where, uint64_t need = 0) {
     parked_ = where;
     account_->parked.store(true, std::memory_order_release);
     srv_.metrics_.BackpressurePause();
     PublishIdle();
     srv_.Park(weak_from_this(), in_park_list_);
-    // Bytes may have come back between the check and the parking.
-    if (srv_.budget_.Allows(account_->held.load(std::memory_order_acquire), where == Resume::kPayload ? 1 : 0)) {
+    // Bytes may have come back between the check and the parking. (The same `need` as the
+    // check that parked: a smaller one would wake and park again without end.)
+    if (srv_.budget_.Allows(account_->held.load(std::memory_order_acquire), need)) {
       asio::post(strand_, [self = shared_from_this()] { self->Unpark(); });
     }
   }
@@ -739,7 +778,6 @@ class Session : public std::enable_shared_from_this<Session> {
     const Resume where = parked_;
     parked_ = Resume::kNone;
     account_->parked.store(false, std::memory_order_release);
-    frame_start_ = Clock::now();  // the time spent parked is the server's, not the peer's
     if (closing_) return MaybeClose();
     if (where == Resume::kHeader) return ReadHeader();
     if (StepPayload() && HandleFrame()) ReadHeader();
@@ -754,8 +792,8 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   // One timer per connection checks its deadlines every srv_.tick_: HELLO within
-  // handshake_timeout_ms, a started frame complete within frame_timeout_ms, replies taken within
-  // write_timeout_ms, and the idle timeout.
+  // handshake_timeout_ms, a started frame complete within frame_timeout_ms of its header,
+  // replies taken within write_timeout_ms, and the idle timeout.
   void ArmTick() {
     tick_.expires_after(srv_.tick_);
     tick_.async_wait(asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
@@ -771,8 +809,8 @@ class Session : public std::enable_shared_from_this<Session> {
     auto past = [&](Clock::time_point since, uint32_t ms) { return now - since >= std::chrono::milliseconds(ms); };
     // First, and even while closing (a connection closing waits for its writes): a peer that
     // takes none of its replies. Nothing more can reach it, so no ERROR frame.
-    if (writing_ && !write_abandoned_ && past(write_started_, o.write_timeout_ms)) {
-      write_abandoned_ = true;
+    if (writing_ && !write_failed_ && past(write_started_, o.write_timeout_ms)) {
+      write_failed_ = true;
       srv_.metrics_.SlowClientDropped();
       spdlog::warn("session {}: replies not taken for {} ms ({} bytes queued), disconnecting", id_,
                    o.write_timeout_ms, queued_bytes_);
@@ -788,7 +826,9 @@ class Session : public std::enable_shared_from_this<Session> {
       spdlog::info("session {}: no HELLO within {} ms, closing", id_, o.handshake_timeout_ms);
       return CloseNow(Status::Aborted(fmt::format("no HELLO within {} ms", o.handshake_timeout_ms)));
     }
-    if (in_frame_ && parked_ == Resume::kNone && past(frame_start_, o.frame_timeout_ms)) {
+    // Parked time counts too: otherwise frames that never complete could hold the budget for
+    // good. The oldest go first, so a frame held back behind them resumes once they are gone.
+    if (in_frame_ && past(frame_start_, o.frame_timeout_ms)) {
       srv_.metrics_.FrameTimedOut();
       spdlog::warn("session {}: a {}-byte frame not complete after {} ms ({} bytes came), closing", id_,
                    header_.payload_bytes, o.frame_timeout_ms, got_);
@@ -1076,26 +1116,38 @@ class Session : public std::enable_shared_from_this<Session> {
     inflight_bytes_ += bytes;
     ++inflight_requests_;
     auto self = shared_from_this();
-    asio::post(srv_.workers_, [self, h, bytes, reply_limit, payload = std::move(payload),
-                               reserved = std::move(reserved)]() mutable {
-      const auto t0 = Clock::now();
-      Result<Reply> reply = self->Handle(h, payload.span(), reply_limit);
-      payload.Reset();
+    const auto t0 = Clock::now();
+    // On a worker: frames the reply, then hands it to the connection's strand.
+    auto complete = [self, h, bytes, t0, reserved = std::make_shared<Charge>(std::move(reserved))](Result<Reply> reply) {
       OutFrame frame = reply.ok() ? std::move(*reply).ToFrame(h.opcode, h.request_id)
                                   : OutFrame(ErrorFrame(h.request_id, reply.status()));
       self->srv_.metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), !reply.ok());
-      asio::post(self->strand_, [self, bytes, frame = std::move(frame), reserved = std::move(reserved)]() mutable {
+      asio::post(self->strand_, [self, bytes, frame = std::move(frame), reserved]() mutable {
         self->inflight_bytes_ -= bytes;
         --self->inflight_requests_;
         self->QueueWrite(std::move(frame));  // charged as queued; the reservation goes now
-        reserved.Release();
+        reserved->Release();
       });
+    };
+    if (h.opcode == wire::Opcode::kGet) {
+      auto job = std::make_shared<SlicedGet>();
+      job->request.hashes = *get_hashes;
+      job->builder.emplace(*this, job->request.hashes, reply_limit, /*unchecked=*/false, /*host_pages=*/false);
+      payload.Reset();
+      srv_.SubmitWork(id_, [self, job, complete = std::move(complete)]() mutable {
+        self->StepGet(job, [complete = std::move(complete)](Reply r) mutable { complete(std::move(r)); });
+      });
+      return;
+    }
+    srv_.SubmitWork(id_, [self, h, payload = std::move(payload), complete = std::move(complete)]() mutable {
+      Result<Reply> reply = self->Handle(h, payload.span());
+      payload.Reset();
+      complete(std::move(reply));
     });
   }
 
   // Runs on a worker thread: only reads the session's immutable-after-HELLO state.
-  // `reply_limit`: the bytes a GET reply may take (see Dispatch).
-  Result<Reply> Handle(const wire::FrameHeader& h, std::span<const std::byte> p, uint64_t reply_limit) {
+  Result<Reply> Handle(const wire::FrameHeader& h, std::span<const std::byte> p) {
     DaemonStore& store = *srv_.store_;
     Metrics& m = srv_.metrics_;
     const uint32_t max_bundle = srv_.options_.max_frame_bytes;
@@ -1110,23 +1162,6 @@ class Session : public std::enable_shared_from_this<Session> {
       case wire::Opcode::kPut: {
         SPARSEKV_ASSIGN_OR_RETURN(wire::PutRequest req, wire::DecodePutRequest(p, max_bundle));
         return wire::Encode(wire::StatusListReply{store.Put(ns_, req.items)});
-      }
-      case wire::Opcode::kGet: {
-        SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
-        // Asked of the store a few at a time, so that items the reply defers are not read.
-        return *BuildGetReply(
-            req.hashes,
-            [&](const DaemonStore::GetSink& sink, const std::function<bool()>& full) {
-              static constexpr size_t kStep = 16;
-              const std::span<const wire::WireHash> all(req.hashes);
-              for (size_t at = 0; at < all.size() && !full(); at += kStep) {
-                store.Get(ns_, all.subspan(at, std::min(kStep, all.size() - at)),
-                          [&](size_t i, const Status& st, std::span<const std::byte> bytes,
-                              const DaemonStore::Keep& keep) { sink(at + i, st, bytes, keep); });
-              }
-              return true;
-            },
-            reply_limit);
       }
       case wire::Opcode::kPin: {
         SPARSEKV_ASSIGN_OR_RETURN(wire::PinRequest req, wire::DecodePinRequest(p));
@@ -1157,10 +1192,8 @@ class Session : public std::enable_shared_from_this<Session> {
     }
   }
 
-  // GET reply built around the store's bytes: bundles the store keeps alive (`keep`) are sent
-  // from where they lie, small ones copied. `serve(sink, full)` calls the sink per item, in
-  // order (it may stop early once `full()` says the reply is full); it returns false when it
-  // served nothing (fast path declined).
+  // A GET reply built around the store's bytes, one item at a time, in order: bundles the store
+  // keeps alive (`keep`) are sent from where they lie, small ones copied.
   //
   // No reply exceeds max_frame_bytes (api/PROTOCOL.md): once the next item would take the
   // payload past `soft_limit` (or past max_frame_bytes), it and every item after it are
@@ -1170,109 +1203,167 @@ class Session : public std::enable_shared_from_this<Session> {
   //
   // With `host_pages`, the bytes are host-tier pages that stay pinned while the reply holds
   // them: they are charged to the server's pin budget (pin_cap_), not to the buffer budget.
+  class GetReplyBuilder {
+   public:
+    GetReplyBuilder(Session& session, std::span<const wire::WireHash> hashes, uint64_t soft_limit, bool unchecked,
+                    bool host_pages)
+        : s_(session),
+          hashes_(hashes),
+          hard_limit_(session.srv_.options_.max_frame_bytes),
+          soft_limit_(std::min<uint64_t>(soft_limit, hard_limit_)),
+          unchecked_(unchecked),
+          host_pages_(host_pages),
+          w_(wire::PayloadWriter::ReserveHeader{}),
+          size_(4 + 2 * uint64_t{hashes.size()}) {
+      w_.U32(static_cast<uint32_t>(hashes.size()));
+      f_.ext_pinned = host_pages;
+    }
+
+    // Item `i` (the next one) as the store answered it.
+    void Add(size_t i, const Status& st, std::span<const std::byte> bytes, const DaemonStore::Keep& keep) {
+      static constexpr size_t kGatherAtLeast = 4096;
+      static constexpr size_t kMaxMessage = 512;  // an item's error message, at most
+      next_ = i + 1;
+      const std::string_view message = st.message().substr(0, kMaxMessage);
+      if (!deferring_) {
+        const uint64_t item = 4 + (st.ok() ? bytes.size() : message.size());
+        if (size_ + item > (answered_ == 0 ? hard_limit_ : soft_limit_)) {
+          if (answered_ == 0 && st.ok()) {
+            // Larger than any reply may be: no request can ever fetch it.
+            const std::string why = fmt::format("a bundle of {} bytes does not fit a reply of at most {} bytes",
+                                                bytes.size(), hard_limit_);
+            w_.U8(static_cast<uint8_t>(StatusCode::kResourceExhausted));
+            w_.String(why);
+            size_ += 4 + why.size();
+            ++answered_;
+            return;
+          }
+          deferring_ = true;
+        }
+      }
+      if (deferring_) {
+        w_.U8(wire::kDeferredCode);
+        ++deferred_;
+        return;
+      }
+      ++answered_;
+      size_ += 4 + (st.ok() ? bytes.size() : message.size());
+      w_.U8(static_cast<uint8_t>(st.code()));
+      if (!st.ok()) {
+        w_.String(message);
+        return;
+      }
+      ++hits_;
+      bytes_ += bytes.size();
+      if (unchecked_) f_.recheck.push_back({i, hashes_[i], keep});
+      if (keep && (unchecked_ || bytes.size() >= kGatherAtLeast)) pinned_ += bytes.size();
+      if (keep && bytes.size() >= kGatherAtLeast) {
+        w_.U32(static_cast<uint32_t>(bytes.size()));
+        f_.own = w_.Take();
+        f_.CloseOwn(from_);
+        f_.pieces.push_back({0, 0, bytes});
+        f_.keep.push_back(keep);
+        w_.bytes() = std::move(f_.own);
+      } else {
+        w_.Reserve(bytes.size() + 64);
+        w_.Blob(bytes);
+      }
+    }
+    const DaemonStore::GetSink Sink(size_t offset = 0) {
+      return [this, offset](size_t i, const Status& st, std::span<const std::byte> bytes,
+                            const DaemonStore::Keep& keep) { Add(offset + i, st, bytes, keep); };
+    }
+    bool full() const { return deferring_; }
+    size_t next() const { return next_; }
+    uint64_t bundle_bytes() const { return bytes_; }
+
+    // The reply: the items not added yet are deferred.
+    Reply Finish() {
+      const size_t n = hashes_.size();
+      for (; next_ < n; ++next_) {
+        w_.U8(wire::kDeferredCode);
+        ++deferred_;
+      }
+      if (host_pages_ && pinned_ > 0) f_.keep.push_back(s_.srv_.ChargePins(pinned_));
+      f_.own = w_.Take();
+      f_.CloseOwn(from_);
+      // The verdict bytes, a piece of their own at the end (0: checked; set by RunRechecks).
+      f_.verdict_off = f_.own.size();
+      f_.own.resize(f_.own.size() + n, std::byte{0});
+      f_.CloseOwn(from_);
+      s_.srv_.metrics_.Hits(hits_);
+      s_.srv_.metrics_.Misses(n - hits_ - deferred_);
+      return Reply(std::move(f_));
+    }
+
+   private:
+    Session& s_;
+    std::span<const wire::WireHash> hashes_;
+    const uint64_t hard_limit_, soft_limit_;
+    const bool unchecked_, host_pages_;
+    wire::PayloadWriter w_;
+    OutFrame f_;
+    size_t from_ = 0;
+    uint64_t size_;  // the payload so far, counting 2 bytes for every item not added yet
+    uint64_t hits_ = 0, pinned_ = 0, deferred_ = 0, bytes_ = 0;
+    size_t next_ = 0, answered_ = 0;
+    bool deferring_ = false;
+  };
+
+  // A worker's GET, in slices: each turn on a worker reads at most about kSliceBytes of bundles
+  // and then goes to the back of the round (Server::Impl::SubmitWork), so a GET of many large
+  // bundles delays another connection's request by a slice, not by the whole GET. Items the
+  // reply defers are never read.
+  struct SlicedGet {
+    wire::HashList request;
+    std::optional<GetReplyBuilder> builder;
+    size_t step = 4;  // items asked of the store at a time, adapted to their size
+  };
+
+  void StepGet(const std::shared_ptr<SlicedGet>& job, std::function<void(Reply)> done) {
+    static constexpr uint64_t kSliceBytes = 4u << 20;
+    GetReplyBuilder& b = *job->builder;
+    const std::span<const wire::WireHash> all(job->request.hashes);
+    const uint64_t start_bytes = b.bundle_bytes();
+    while (b.next() < all.size() && !b.full() && b.bundle_bytes() - start_bytes < kSliceBytes) {
+      const size_t at = b.next();
+      const size_t k = std::min(job->step, all.size() - at);
+      srv_.store_->Get(ns_, all.subspan(at, k), b.Sink(at));
+      const uint64_t per_item = std::max<uint64_t>(1, b.bundle_bytes() / std::max<size_t>(1, b.next()));
+      job->step = std::clamp<size_t>(kSliceBytes / 4 / per_item, 1, 64);
+    }
+    if (b.next() < all.size() && !b.full()) {
+      srv_.SubmitWork(id_, [self = shared_from_this(), job, done = std::move(done)]() mutable {
+        self->StepGet(job, std::move(done));
+      });
+      return;
+    }
+    done(b.Finish());
+  }
+
+  // A GET served on the network thread: `serve(sink)` calls the sink for every item, in order,
+  // or returns false having called it for none (the fast path declined).
   template <typename Serve>
   std::optional<Reply> BuildGetReply(std::span<const wire::WireHash> hashes, Serve&& serve, uint64_t soft_limit,
-                                     bool unchecked = false, bool host_pages = false) {
-    static constexpr size_t kGatherAtLeast = 4096;
-    static constexpr size_t kMaxMessage = 512;  // an item's error message, at most
-    const uint64_t hard_limit = srv_.options_.max_frame_bytes;
-    soft_limit = std::min(soft_limit, hard_limit);
-    const size_t n = hashes.size();
-    wire::PayloadWriter w{wire::PayloadWriter::ReserveHeader{}};
-    w.U32(static_cast<uint32_t>(n));
-    OutFrame f;
-    f.ext_pinned = host_pages;
-    size_t from = 0;
-    uint64_t hits = 0, pinned = 0, deferred = 0;
-    // The payload so far, counting for every item not written yet the 2 bytes it takes at
-    // least (a deferred code and its verdict).
-    uint64_t size = 4 + 2 * uint64_t{n};
-    size_t next = 0, answered = 0;
-    bool deferring = false;
-    const std::function<bool()> full = [&] { return deferring; };
-    const bool served = serve(
-        [&](size_t i, const Status& st, std::span<const std::byte> bytes, const DaemonStore::Keep& keep) {
-          next = i + 1;
-          const std::string_view message = st.message().substr(0, kMaxMessage);
-          if (!deferring) {
-            const uint64_t item = 4 + (st.ok() ? bytes.size() : message.size());
-            if (size + item > (answered == 0 ? hard_limit : soft_limit)) {
-              if (answered == 0 && st.ok()) {
-                // Larger than any reply may be: no request can ever fetch it.
-                const std::string why = fmt::format("a bundle of {} bytes does not fit a reply of at most {} bytes",
-                                                    bytes.size(), hard_limit);
-                w.U8(static_cast<uint8_t>(StatusCode::kResourceExhausted));
-                w.String(why);
-                size += 4 + why.size();
-                ++answered;
-                return;
-              }
-              deferring = true;
-            }
-          }
-          if (deferring) {
-            w.U8(wire::kDeferredCode);
-            ++deferred;
-            return;
-          }
-          ++answered;
-          size += 4 + (st.ok() ? bytes.size() : message.size());
-          w.U8(static_cast<uint8_t>(st.code()));
-          if (!st.ok()) {
-            w.String(message);
-            return;
-          }
-          ++hits;
-          if (unchecked) f.recheck.push_back({i, hashes[i], keep});
-          if (keep && (unchecked || bytes.size() >= kGatherAtLeast)) pinned += bytes.size();
-          if (keep && bytes.size() >= kGatherAtLeast) {
-            w.U32(static_cast<uint32_t>(bytes.size()));
-            f.own = w.Take();
-            f.CloseOwn(from);
-            f.pieces.push_back({0, 0, bytes});
-            f.keep.push_back(keep);
-            w.bytes() = std::move(f.own);
-          } else {
-            w.Reserve(bytes.size() + 64);
-            w.Blob(bytes);
-          }
-        },
-        full);
-    if (!served) return std::nullopt;
-    for (; next < n; ++next) {  // the items `serve` stopped before
-      w.U8(wire::kDeferredCode);
-      ++deferred;
-    }
-    if (host_pages && pinned > 0) f.keep.push_back(srv_.ChargePins(pinned));
-    f.own = w.Take();
-    f.CloseOwn(from);
-    // The verdict bytes, a piece of their own at the end (0: checked; set by RunRechecks).
-    f.verdict_off = f.own.size();
-    f.own.resize(f.own.size() + n, std::byte{0});
-    f.CloseOwn(from);
-    srv_.metrics_.Hits(hits);
-    srv_.metrics_.Misses(n - hits - deferred);
-    return Reply(std::move(f));
+                                     bool unchecked, bool host_pages) {
+    GetReplyBuilder b(*this, hashes, soft_limit, unchecked, host_pages);
+    if (!serve(b.Sink())) return std::nullopt;
+    return b.Finish();
   }
 
   // From memory, the records not checked yet: SendChecked checks them once their bytes are in
-  // the kernel, and the reply's verdict bytes carry the outcome.
-  // Past the pin budget (slow readers hold many pages), bundles are checked first and copied,
-  // so that the reply pins nothing.
+  // the kernel, and the reply's verdict bytes carry the outcome. The bytes are sent from the
+  // host tier's pages, so past the pin budget (slow readers hold many pages) the fast path
+  // declines: a worker then checks and copies them, off the network thread, within the buffer
+  // budget.
   std::optional<Reply> FastGet(std::span<const wire::WireHash> hashes) {
-    const bool may_pin = srv_.PinsBelowCap(0);
+    if (!srv_.PinsBelowCap(0)) return std::nullopt;
     return BuildGetReply(
         hashes,
-        [&](const DaemonStore::GetSink& sink, const std::function<bool()>&) {
-          if (may_pin) return srv_.store_->TryGetWithoutBlocking(ns_, hashes, sink, /*check=*/false);
-          return srv_.store_->TryGetWithoutBlocking(
-              ns_, hashes,
-              [&](size_t i, const Status& st, std::span<const std::byte> bytes, const DaemonStore::Keep&) {
-                sink(i, st, bytes, nullptr);  // copied: nothing held
-              },
-              /*check=*/true);
+        [&](const DaemonStore::GetSink& sink) {
+          return srv_.store_->TryGetWithoutBlocking(ns_, hashes, sink, /*check=*/false);
         },
-        srv_.options_.max_frame_bytes, /*unchecked=*/may_pin, /*host_pages=*/may_pin);
+        srv_.options_.max_frame_bytes, /*unchecked=*/true, /*host_pages=*/true);
   }
 
   // Checks what went out unchecked and fills the verdicts of `f` (its last piece).
@@ -1314,7 +1405,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void SendChecked(OutFrame f) {
     const size_t last = f.pieces.size() - 1;  // the verdict piece
     size_t piece = 0, skip = 0;
-    if (writes_.empty() && !writing_ && !closed_ && last <= 64) {
+    if (writes_.empty() && !writing_ && !closed_ && !write_failed_ && last <= 64) {
       uint64_t body = 0;
       for (size_t i = 0; i < last; ++i) body += f.pieces[i].ext.empty() ? f.pieces[i].len : f.pieces[i].ext.size();
       const ssize_t k = SendNow(f, 0, last, 0, MSG_MORE);
@@ -1498,7 +1589,9 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void QueueWrite(OutFrame frame) {
-    if (closed_) return;
+    // Once a write failed, or the peer was given up on, nothing more can reach it: a reply
+    // finished meanwhile (by a worker) is dropped, and its bytes go back to the budget.
+    if (closed_ || write_failed_) return;
     // Charged to the buffer budget while queued: what the frame owns, and bytes it sends from
     // elsewhere unless they are host pages (the pin budget counts those).
     uint64_t charge = frame.own.size();
@@ -1553,6 +1646,7 @@ class Session : public std::enable_shared_from_this<Session> {
                           self->writes_.pop_front();
                         }
                         if (ec) {
+                          self->write_failed_ = true;
                           self->writes_.clear();
                           self->queued_bytes_ = 0;
                           self->closing_ = true;
@@ -1609,7 +1703,7 @@ class Session : public std::enable_shared_from_this<Session> {
   std::atomic<bool> in_park_list_{false};
   Resume parked_ = Resume::kNone;
   bool in_frame_ = false;           // a header was read and its payload is not all in
-  bool write_abandoned_ = false;    // the write timeout struck
+  bool write_failed_ = false;       // a write failed, or the write timeout struck
   size_t got_ = 0;                  // payload bytes in so far
   Clock::time_point frame_start_{}, write_started_{};
 
@@ -1898,6 +1992,39 @@ std::shared_ptr<Session> Server::Impl::LongestIdle(uint32_t ns, const Session* e
     }
   }
   return best;
+}
+
+template <typename Work>
+void Server::Impl::SubmitWork(uint64_t session, Work&& work) {
+  // std::function needs a copyable callable; the work owns move-only buffers.
+  auto shared = std::make_shared<std::decay_t<Work>>(std::forward<Work>(work));
+  {
+    std::lock_guard<std::mutex> l(work_mu_);
+    auto& queue = work_queues_[session];
+    if (queue.empty()) work_turns_.push_back(session);
+    queue.emplace_back([shared] { (*shared)(); });
+  }
+  asio::post(workers_, [this] { RunNextWork(); });
+}
+
+// One call per SubmitWork: runs the oldest request of the connection whose turn it is.
+void Server::Impl::RunNextWork() {
+  std::function<void()> work;
+  {
+    std::lock_guard<std::mutex> l(work_mu_);
+    if (work_turns_.empty()) return;
+    const uint64_t session = work_turns_.front();
+    work_turns_.pop_front();
+    auto it = work_queues_.find(session);
+    work = std::move(it->second.front());
+    it->second.pop_front();
+    if (it->second.empty()) {
+      work_queues_.erase(it);
+    } else {
+      work_turns_.push_back(session);
+    }
+  }
+  work();
 }
 
 void Server::Impl::Park(std::weak_ptr<Session> s, std::atomic<bool>& listed) {

@@ -80,7 +80,8 @@ struct ServerOptions {
   // A connection with nothing in flight for this long is closed. Default: 300 s.
   uint32_t idle_timeout_ms = 300000;
   // A frame whose bytes have not all arrived this long after its header is dropped with its
-  // connection (time the server itself held reading back is not counted). Default: 30 s.
+  // connection, time the budget held its reading back included (else frames that never
+  // complete could hold the budget for good; the oldest go first). Default: 30 s.
   uint32_t frame_timeout_ms = 30000;
   // A connection whose replies have not been taken by the peer for this long is closed (it does
   // not read). Default: 10 s.

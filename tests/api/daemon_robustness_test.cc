@@ -1024,6 +1024,59 @@ TEST_F(ManyConnectionsTest, TheBudgetPushesBackInsteadOfAllocating) {
   EXPECT_GE(GoodRoundTrip(*good, 1), 0);
 }
 
+// Frames that never complete cannot hold the budget for good: with 4 MiB frames, 6 connections
+// that send 3.5 MiB of one and stall take the whole 16 MiB budget, so a well-behaved 3 MiB PUT
+// waits; once their frames are frame_timeout_ms (600 ms) old, parked or not, they are dropped,
+// the oldest first, and the PUT goes through.
+class BigFramesTest : public ClientCostTest {
+  void Configure(TieredStoreOptions& so, ServerOptions& opts) override {
+    so.offload.host.max_record_bytes = 4 << 20;
+    opts.max_connections = 100;
+    opts.max_frame_bytes = 4 << 20;
+  }
+};
+
+TEST_F(BigFramesTest, FramesThatNeverCompleteLoseTheBudgetAfterTheFrameTimeout) {
+  auto good = Connect("alpha");
+  ASSERT_NE(good, nullptr);
+  // Each sends all but the last byte of its frame, in turns, as fast as the daemon takes it, so
+  // that the budget runs out with every one of them still sending: all of them parked.
+  const auto part = Value(6, (4 << 20) - 1);
+  std::vector<int> stalled;
+  std::vector<size_t> sent;
+  for (int i = 0; i < 6; ++i) {
+    const int fd = RawAuthed("beta");
+    ASSERT_NO_FATAL_FAILURE(SendHeader(fd, wire::Opcode::kPut, 4u << 20));
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    stalled.push_back(fd);
+    sent.push_back(0);
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+  while (std::chrono::steady_clock::now() < until) {
+    for (size_t i = 0; i < stalled.size(); ++i) {
+      const size_t n = std::min<size_t>(64 << 10, part.size() - sent[i]);
+      const ssize_t k = n == 0 ? 0 : send(stalled[i], part.data() + sent[i], n, MSG_NOSIGNAL);
+      if (k > 0) sent[i] += static_cast<size_t>(k);
+    }
+  }
+  EXPECT_GT(Metric("sparsekv_parked_connections"), 0);
+  EXPECT_GE(Metric("sparsekv_buffered_bytes"), 15.0 * (1 << 20)) << "the stalled frames did not fill the budget";
+  const auto big = Value(7, 3 << 20);
+  BundleRef ref{H(7), big};
+  const auto t0 = std::chrono::steady_clock::now();
+  auto put = good->Put(std::span<const BundleRef>(&ref, 1));
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(put.ok()) << put.status().ToString();
+  ASSERT_TRUE((*put)[0].ok()) << (*put)[0].ToString();
+  EXPECT_GT(took, 0.3) << "the PUT was not held back";
+  EXPECT_LT(took, 5.0);
+  EXPECT_GE(Metric("sparsekv_frame_timeouts_total"), 1);
+  const WireBlockHash h = H(7);
+  auto got = good->Get(std::span<const WireBlockHash>(&h, 1));
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ((*got)[0].bytes, big);
+}
+
 // Case 3: idle connections do not starve a new one. At the limit (4) a new client is admitted in
 // place of the longest-idle connection, which is told why; connections of a namespace past its
 // quota (alpha: 3) make room within the namespace.
