@@ -96,7 +96,19 @@ Status ReadAll(int fd, std::byte* p, size_t n) {
   return Status::OK();
 }
 
-Result<int> ConnectTo(const std::string& address, bool* is_unix) {
+// Bounds every blocking connect, send and receive on `fd` by `timeout` (0: no bound).
+void SetSocketTimeouts(int fd, std::chrono::milliseconds timeout) {
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
+  tv.tv_usec = static_cast<suseconds_t>((timeout.count() % 1000) * 1000);
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+}
+
+// Connects within `timeout` (a daemon whose backlog is full, or a host that drops SYNs, fails
+// with Unavailable instead of blocking for good). The socket keeps the timeouts; Open clears
+// them after HELLO.
+Result<int> ConnectTo(const std::string& address, bool* is_unix, std::chrono::milliseconds timeout) {
   if (address.rfind("unix:", 0) == 0) {
     *is_unix = true;
     const std::string path = address.substr(5);
@@ -108,8 +120,12 @@ Result<int> ConnectTo(const std::string& address, bool* is_unix) {
     std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
     const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return Errno("socket");
+    SetSocketTimeouts(fd, timeout);
     if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
-      Status st = Errno(fmt::format("connecting to unix:{}", path));
+      Status st = errno == EAGAIN || errno == EINPROGRESS
+                      ? Status::Unavailable(fmt::format("connecting to unix:{}: no room in its backlog within {} ms",
+                                                        path, timeout.count()))
+                      : Errno(fmt::format("connecting to unix:{}", path));
       ::close(fd);
       return st;
     }
@@ -134,6 +150,7 @@ Result<int> ConnectTo(const std::string& address, bool* is_unix) {
   for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
     const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
     if (fd < 0) continue;
+    SetSocketTimeouts(fd, timeout);
     if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
       const int one = 1;
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -184,7 +201,21 @@ class Client::Impl {
 
   Status Open(const ClientOptions& o) {
     timeout_ = o.timeout;
-    SPARSEKV_ASSIGN_OR_RETURN(fd_, ConnectTo(o.address, &is_unix_));
+    SPARSEKV_ASSIGN_OR_RETURN(fd_, ConnectTo(o.address, &is_unix_, timeout_));
+    // The handshake is bounded by the timeout too: a daemon that never answers HELLO fails the
+    // Connect instead of hanging it. Later calls keep their own deadlines (poll).
+    const auto t0 = Clock::now();
+    Status st = Hello(o);
+    if (st.ok()) {
+      SetSocketTimeouts(fd_, std::chrono::milliseconds(0));
+    } else if (st.code() == StatusCode::kUnavailable && Clock::now() - t0 >= timeout_) {
+      st = Status::Unavailable(fmt::format("{}: no HELLO reply from sparsekvd within {} ms ({})", o.address,
+                                           timeout_.count(), st.message()));
+    }
+    return st;
+  }
+
+  Status Hello(const ClientOptions& o) {
     w::HelloRequest hello;
     hello.namespace_name = o.namespace_name;
     hello.token = o.token;

@@ -373,6 +373,33 @@ class Payload {
   Charge charge_;
 };
 
+// Lets at most kPerSecond log lines through per second; Allow() returns how many were held back
+// since the last one let through, or kLogSuppressed when this one is held back too.
+inline constexpr uint64_t kLogSuppressed = ~uint64_t{0};
+class LogLimiter {
+ public:
+  static constexpr uint64_t kPerSecond = 10;
+  uint64_t Allow() {
+    std::lock_guard<std::mutex> l(mu_);
+    const auto now = Clock::now();
+    if (now - window_ >= std::chrono::seconds(1)) {
+      window_ = now;
+      in_window_ = 0;
+    }
+    if (in_window_ >= kPerSecond) {
+      ++held_back_;
+      return kLogSuppressed;
+    }
+    ++in_window_;
+    return std::exchange(held_back_, 0);
+  }
+
+ private:
+  std::mutex mu_;
+  Clock::time_point window_{};
+  uint64_t in_window_ = 0, held_back_ = 0;
+};
+
 // A frame to send. Its bytes are `own`, except that a GET reply's bundle bytes are sent
 // straight from the store's memory (`pieces` with `ext` set), held by `keep` until written.
 struct OutFrame {
@@ -543,6 +570,7 @@ class Server::Impl {
   }
 
   BufferBudget budget_;
+  LogLimiter bad_frame_log_;
   std::chrono::milliseconds tick_{1000};  // how often a session checks its deadlines
   std::mutex park_mu_;
   std::vector<std::pair<std::weak_ptr<Session>, std::atomic<bool>*>> parked_;  // waiting for budget
@@ -1581,7 +1609,12 @@ class Session : public std::enable_shared_from_this<Session> {
     payload_.Reset();
     in_frame_ = false;
     srv_.metrics_.BadFrame();
-    spdlog::warn("session {}: closing after a bad frame: {}", id_, st.ToString());
+    // Rate-limited: a client can open connections that each send a bad frame faster than a log
+    // should grow (sparsekv_bad_frames_total counts them all).
+    if (const uint64_t quiet = srv_.bad_frame_log_.Allow(); quiet != kLogSuppressed) {
+      spdlog::warn("session {}: closing after a bad frame: {}{}", id_, st.ToString(),
+                   quiet > 0 ? fmt::format(" ({} more bad frames not logged before this one)", quiet) : "");
+    }
     closing_ = true;
     QueueWrite(ErrorFrame(request_id, st));
     MaybeClose();

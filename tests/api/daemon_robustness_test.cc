@@ -920,6 +920,56 @@ TEST_F(ClientCostTest, BeforeHelloOnlyAHelloSizedHelloIsRead) {
   EXPECT_GE(GoodRoundTrip(*good, 1), 0);
 }
 
+// The client library: Connect is bounded by its timeout, against a listener that accepts and
+// never answers HELLO, and against one whose backlog is full (a blocking connect).
+TEST(ClientConnect, IsBoundedByItsTimeout) {
+  const int lsn = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(lsn, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  ASSERT_EQ(listen(lsn, 1), 0);
+  socklen_t len = sizeof(sa);
+  getsockname(lsn, reinterpret_cast<sockaddr*>(&sa), &len);
+  ClientOptions o;
+  o.address = "127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
+  o.timeout = std::chrono::milliseconds(300);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto c = Client::Connect(o);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kUnavailable) << c.status().ToString();
+  EXPECT_NE(c.status().ToString().find("no HELLO reply"), std::string::npos) << c.status().ToString();
+  EXPECT_LT(took, 3.0);
+  close(lsn);
+
+  // A Unix listener that never accepts: once its backlog is full, connect itself would block.
+  const auto dir = ScratchDir("conn");
+  const std::string path = (dir / "s.sock").string();
+  const int ul = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un ua{};
+  ua.sun_family = AF_UNIX;
+  std::memcpy(ua.sun_path, path.c_str(), path.size() + 1);
+  ASSERT_EQ(bind(ul, reinterpret_cast<sockaddr*>(&ua), sizeof(ua)), 0);
+  ASSERT_EQ(listen(ul, 0), 0);
+  std::vector<int> fill;
+  for (int i = 0; i < 4; ++i) {
+    const int f = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    connect(f, reinterpret_cast<sockaddr*>(&ua), sizeof(ua));
+    fill.push_back(f);
+  }
+  o.address = "unix:" + path;
+  const auto t1 = std::chrono::steady_clock::now();
+  auto u = Client::Connect(o);
+  const double took_unix = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  ASSERT_FALSE(u.ok());
+  EXPECT_EQ(u.status().code(), StatusCode::kUnavailable) << u.status().ToString();
+  EXPECT_LT(took_unix, 3.0);
+  for (int f : fill) close(f);
+  close(ul);
+  std::filesystem::remove_all(dir);
+}
+
 // The same daemon with room for 100 connections.
 class ManyConnectionsTest : public ClientCostTest {
   void Configure(TieredStoreOptions&, ServerOptions& opts) override { opts.max_connections = 100; }
