@@ -4,12 +4,16 @@
 // `sparsekv stress daemon`: N clients against sparsekvd, every GET checked against the last
 // acknowledged PUT or DELETE, optionally killing and restarting the daemon
 // (bench/daemon_stress.h).
+// `sparsekv stress hostile`: attacks on a running sparsekvd over raw sockets while a
+// well-behaved client measures what they cost it (bench/hostile_stress.h).
 #include <cstdio>
 #include <memory>
+#include <string>
 
 #include "cli/model_options.h"
 #include "cli/registry.h"
 #include "daemon_stress.h"
+#include "hostile_stress.h"
 #include "offload_stress.h"
 
 namespace sparsekv::cli {
@@ -172,6 +176,121 @@ SPARSEKV_CLI_COMMAND(stress) {
           n("deleted_returned"), n("corrupt_returned"), n("refused"), n("errors"), n("lost"),
           n("reconnects"), d->options.clients, d->options.kill_cycles, j["seconds"].get<double>(),
           j["ops_per_s"].get<double>(), j["ok"].get<bool>() ? "OK" : "FAILED");
+    }
+    if (!j["ok"].get<bool>()) exit_code = 1;
+  });
+
+  struct HostileArgs {
+    bench::HostileStressOptions options;
+    bool json = false;
+  };
+  auto h = std::make_shared<HostileArgs>();
+  auto& ho = h->options;
+  CLI::App* hc = stress->add_subcommand(
+      "hostile",
+      "Attack a running sparsekvd (garbage frames, floods, slow and non-reading clients, "
+      "oversized claims, shared-memory resizing) while a good client measures latency and "
+      "errors; exit code 0 only with no daemon death, no good-client error and no finding");
+  hc->add_option("--addr", ho.addr, "HOST:PORT or unix:PATH of the daemon")->capture_default_str();
+  hc->add_option("--namespace", ho.namespace_name, "Namespace")->capture_default_str();
+  hc->add_option("--token", ho.token, "Namespace token");
+  hc->add_option("--seconds", ho.seconds,
+                 "Total seconds: a baseline and each attack get an equal share")
+      ->check(CLI::Range(0.1, 86400.0))
+      ->capture_default_str();
+  hc->add_option("--pid", ho.pid,
+                 "The daemon's pid, for its RSS (0: found over a Unix socket; over TCP the RSS "
+                 "is then not reported)")
+      ->capture_default_str();
+  std::string names;
+  for (const auto& n : bench::HostileAttackNames()) names += (names.empty() ? "" : ", ") + n;
+  hc->add_option("--attacks", ho.attacks,
+                 "Attacks to run, comma-separated (default: all of " + names +
+                     "; shrink-memfd on unix: only)")
+      ->delimiter(',');
+  hc->add_option("--seed", ho.seed, "Seed (0: random)")->capture_default_str();
+  hc->add_option("--garbage-connections", ho.garbage_connections, "garbage: connections")
+      ->capture_default_str();
+  hc->add_option("--big-claim-connections", ho.big_claim_connections, "big-claim: connections")
+      ->capture_default_str();
+  hc->add_option("--slowloris-connections", ho.slowloris_connections, "slowloris: connections")
+      ->capture_default_str();
+  hc->add_option("--non-reader-connections", ho.non_reader_connections, "non-reader: connections")
+      ->capture_default_str();
+  hc->add_option("--oversized-get-hashes", ho.oversized_get_hashes, "oversized-get: hashes in each GET")
+      ->check(CLI::Range(1u, 65536u))
+      ->capture_default_str();
+  hc->add_option("--idle-connections", ho.idle_connections, "idle-flood: connections at most")
+      ->capture_default_str();
+  hc->add_option("--big-frame-connections", ho.big_frame_connections, "big-frames: connections")
+      ->capture_default_str();
+  hc->add_option("--hello-flood-connections", ho.hello_flood_connections,
+                 "hello-flood: connections")
+      ->capture_default_str();
+  hc->add_option("--settle", ho.settle_seconds, "Seconds the daemon gets after each phase")
+      ->check(CLI::Range(0.0, 60.0))
+      ->capture_default_str();
+  hc->add_option("--recover", ho.recover_seconds,
+                 "Seconds a daemon that stopped answering is waited for before the next attack")
+      ->check(CLI::Range(0.0, 3600.0))
+      ->capture_default_str();
+  hc->add_option("--call-timeout", ho.call_timeout_seconds,
+                 "Seconds each good-client call and connection attempt may take")
+      ->check(CLI::Range(0.1, 600.0))
+      ->capture_default_str();
+  hc->add_flag("--json", h->json, "Print JSON");
+  hc->callback([h, &exit_code] {
+    auto r = bench::RunHostileStress(h->options);
+    if (!r.ok()) {
+      exit_code = Fail(r.status());
+      return;
+    }
+    const auto& j = *r;
+    if (h->json) {
+      std::printf("%s\n", j.dump(2).c_str());
+    } else {
+      auto num = [](const nlohmann::json& v, const char* format) {
+        if (!v.is_number()) return std::string("-");
+        char buf[64];
+        std::snprintf(buf, sizeof(buf), format, v.get<double>());
+        return std::string(buf);
+      };
+      std::printf("%-14s %6s %7s %9s %9s %9s %6s %6s %6s %8s %10s %5s\n", "phase", "secs", "ops",
+                  "p50_us", "p99_us", "max_us", "ratio", "errors", "misses", "newconn!", "peak_MiB",
+                  "alive");
+      auto row = [&](const nlohmann::json& p) {
+        const nlohmann::json peak =
+            p["daemon_peak_rss_bytes"].is_number()
+                ? nlohmann::json(p["daemon_peak_rss_bytes"].get<double>() / (1 << 20))
+                : nlohmann::json(nullptr);
+        std::printf("%-14s %6.1f %7llu %9s %9s %9s %6s %6llu %6llu %8llu %10s %5s\n",
+                    p["name"].get<std::string>().c_str(), p["seconds"].get<double>(),
+                    static_cast<unsigned long long>(p["good_ops"].get<uint64_t>()),
+                    num(p["good_p50_us"], "%.0f").c_str(), num(p["good_p99_us"], "%.0f").c_str(),
+                    num(p["good_max_us"], "%.0f").c_str(),
+                    num(p.value("p99_ratio", nlohmann::json()), "%.2f").c_str(),
+                    static_cast<unsigned long long>(p["good_errors"].get<uint64_t>()),
+                    static_cast<unsigned long long>(p["good_misses"].get<uint64_t>()),
+                    static_cast<unsigned long long>(p["new_connection_failures"].get<uint64_t>()),
+                    num(peak, "%.0f").c_str(), p["daemon_alive"].get<bool>() ? "yes" : "NO");
+      };
+      row(j["baseline"]);
+      for (const auto& p : j["attacks"]) row(p);
+      for (const auto& p : j["attacks"]) {
+        std::printf("%s: %s\n", p["name"].get<std::string>().c_str(), p["details"].dump().c_str());
+      }
+      for (const auto& s : j["skipped"]) {
+        std::printf("skipped %s: %s\n", s["name"].get<std::string>().c_str(),
+                    s["why"].get<std::string>().c_str());
+      }
+      std::printf(
+          "daemon_deaths %llu  good_client_errors %llu  findings %llu %s  worst_p99_ratio %s  "
+          "target %s\n%s\n",
+          static_cast<unsigned long long>(j["daemon_deaths"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["good_client_errors"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["findings"].get<uint64_t>()),
+          j["finding_counters"].dump().c_str(), num(j["worst_p99_ratio"], "%.2f").c_str(),
+          j["target_met"].get<bool>() ? "met" : "NOT met", j["ok"].get<bool>() ? "OK" : "FAILED");
     }
     if (!j["ok"].get<bool>()) exit_code = 1;
   });
