@@ -700,6 +700,26 @@ struct AttackEnv {
   std::vector<std::vector<std::byte>> stored;
 };
 
+// Opens a raw connection and says HELLO (no shared memory), counting what failed.
+struct OpenCounts {
+  uint64_t connect_failures = 0, hello_failures = 0;
+  std::string hello_error;
+};
+std::optional<std::pair<Fd, wire::HelloReply>> OpenAuthed(AttackEnv& env, double deadline, OpenCounts& counts) {
+  auto fd = RawConnect(env.ep, std::min(1.0, deadline - NowSeconds()));
+  if (!fd.ok()) {
+    ++counts.connect_failures;
+    return std::nullopt;
+  }
+  auto hello = RawHello(fd->get(), env.o, false, std::min(deadline, NowSeconds() + 2));
+  if (!hello.ok()) {
+    ++counts.hello_failures;
+    if (counts.hello_error.empty()) counts.hello_error = hello.status().ToString();
+    return std::nullopt;
+  }
+  return std::make_pair(std::move(*fd), *hello);
+}
+
 // Stores `count` values of `bytes` under keys (tag, 0..count-1) through a normal client.
 Status StoreValues(AttackEnv& env, uint64_t tag, uint32_t count, size_t bytes) {
   // The values first: the attack compares against them even when storing failed.
@@ -1054,22 +1074,13 @@ json NonReaderAttack(AttackEnv& env, double deadline) {
     keys.hashes.push_back(KeyHash(env.seed, kTagNonReader, k));
   const auto payload = wire::Encode(keys);
   std::vector<Pipe> pipes;
-  uint64_t connect_failures = 0, hello_failures = 0;
-  std::string hello_error;
+  OpenCounts opens;
   for (uint32_t i = 0; i < env.o.non_reader_connections && NowSeconds() < deadline; ++i) {
-    auto fd = RawConnect(env.ep, std::min(1.0, deadline - NowSeconds()));
-    if (!fd.ok()) {
-      ++connect_failures;
-      continue;
-    }
-    auto hello = RawHello(fd->get(), env.o, false, std::min(deadline, NowSeconds() + 2));
-    if (!hello.ok()) {
-      ++hello_failures;
-      if (hello_error.empty()) hello_error = hello.status().ToString();
-      continue;
-    }
+    auto opened = OpenAuthed(env, deadline, opens);
+    if (!opened) continue;
+    auto& [fd, hello] = *opened;
     Pipe p;
-    p.fd = std::move(*fd);
+    p.fd = std::move(fd);
     p.frame = wire::EncodeFrame(wire::Opcode::kGet, 0, p.next_id++, payload);
     pipes.push_back(std::move(p));
   }
@@ -1120,14 +1131,14 @@ json NonReaderAttack(AttackEnv& env, double deadline) {
   }
   json j = {{"keys", env.stored.size()},
             {"connections", pipes.size()},
-            {"connect_failures", connect_failures},
-            {"hello_failures", hello_failures},
+            {"connect_failures", opens.connect_failures},
+            {"hello_failures", opens.hello_failures},
             {"bytes_sent", sent},
             {"bytes_sent_per_connection", per},
             {"get_frames_sent", frames},
             {"reply_bytes_asked", frames * env.stored.size() * (1u << 20)},
             {"closed_by_daemon", closed}};
-  if (!hello_error.empty()) j["hello_error"] = hello_error;
+  if (!opens.hello_error.empty()) j["hello_error"] = opens.hello_error;
   return j;
 }
 
@@ -1569,29 +1580,20 @@ json BigFramesAttack(AttackEnv& env, double deadline) {
   std::mt19937_64 rng(MixBits(env.seed ^ 0xb16f7a3eull));
   const auto chunk = RandomBytes(rng, 1 << 20);
   std::vector<HeldConn> conns;
-  uint64_t connect_failures = 0, hello_failures = 0;
-  std::string hello_error;
+  OpenCounts opens;
   for (uint32_t i = 0; i < env.o.big_frame_connections && NowSeconds() < deadline; ++i) {
-    auto fd = RawConnect(env.ep, std::min(1.0, deadline - NowSeconds()));
-    if (!fd.ok()) {
-      ++connect_failures;
-      continue;
-    }
-    auto hello = RawHello(fd->get(), env.o, false, std::min(deadline, NowSeconds() + 2));
-    if (!hello.ok()) {
-      ++hello_failures;
-      if (hello_error.empty()) hello_error = hello.status().ToString();
-      continue;
-    }
+    auto opened = OpenAuthed(env, deadline, opens);
+    if (!opened) continue;
+    auto& [fd, hello] = *opened;
     wire::FrameHeader h;
     h.opcode = wire::Opcode::kPut;
     h.request_id = 2;
-    h.payload_bytes = std::min(kClaim, hello->max_payload_bytes);
+    h.payload_bytes = std::min(kClaim, hello.max_payload_bytes);
     const auto header = wire::EncodeHeader(h);
     HeldConn c;
     c.opened = NowSeconds();
-    if (SendUntil(fd->get(), header, std::min(deadline, NowSeconds() + 1)) != Io::kOk) continue;
-    c.fd = std::move(*fd);
+    if (SendUntil(fd.get(), header, std::min(deadline, NowSeconds() + 1)) != Io::kOk) continue;
+    c.fd = std::move(fd);
     conns.push_back(std::move(c));
   }
   // Round robin, each as much as its socket takes.
@@ -1628,14 +1630,14 @@ json BigFramesAttack(AttackEnv& env, double deadline) {
   json j = ConnSummary(conns, NowSeconds(), "");
   j["claimed_payload_bytes"] = kClaim;
   j["bytes_to_send_each"] = kSend;
-  j["connect_failures"] = connect_failures;
-  j["hello_failures"] = hello_failures;
+  j["connect_failures"] = opens.connect_failures;
+  j["hello_failures"] = opens.hello_failures;
   j["bytes_sent_total"] = total;
   j["bytes_sent_min"] = sent.empty() ? 0 : static_cast<uint64_t>(sent.front());
   j["bytes_sent_median"] = sent.empty() ? 0 : static_cast<uint64_t>(sent[sent.size() / 2]);
   j["bytes_sent_max"] = sent.empty() ? 0 : static_cast<uint64_t>(sent.back());
   j["sending_seconds"] = sent_by - (conns.empty() ? sent_by : conns.front().opened);
-  if (!hello_error.empty()) j["hello_error"] = hello_error;
+  if (!opens.hello_error.empty()) j["hello_error"] = opens.hello_error;
   return j;
 }
 

@@ -1349,7 +1349,7 @@ class Session : public std::enable_shared_from_this<Session> {
   };
 
   void StepGet(const std::shared_ptr<SlicedGet>& job, std::function<void(Reply)> done) {
-    static constexpr uint64_t kSliceBytes = 4u << 20;
+    static constexpr uint64_t kSliceBytes = 1u << 20;
     GetReplyBuilder& b = *job->builder;
     const std::span<const wire::WireHash> all(job->request.hashes);
     const uint64_t start_bytes = b.bundle_bytes();

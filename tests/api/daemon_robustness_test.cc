@@ -34,6 +34,7 @@
 #include "server/tiered_store.h"
 #include "sparsekv/client.h"
 #include "tests/support/daemon_values.h"
+#include "tests/support/metrics_scrape.h"
 #include "sparsekv/host_tier.h"
 
 namespace sparsekv::server {
@@ -153,6 +154,19 @@ struct RawShmSession {
   uint64_t next_id = 1;
 };
 
+// A client of namespace `ns` (token "<ns>-token"); null, with a test failure, when refused.
+std::unique_ptr<Client> ConnectAs(const std::string& address, const std::string& ns, bool shared_memory) {
+  ClientOptions o;
+  o.address = address;
+  o.namespace_name = ns;
+  o.token = ns + "-token";
+  o.shared_memory = shared_memory;
+  o.timeout = std::chrono::milliseconds(10000);
+  auto c = Client::Connect(o);
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  return c.ok() ? std::move(c).value() : nullptr;
+}
+
 int Seals(int fd) {
   return fcntl(fd, F_GET_SEALS);
 }
@@ -217,15 +231,7 @@ class SealedSharedMemoryTest : public ::testing::TestWithParam<int> {
   }
 
   std::unique_ptr<Client> Connect(const std::string& ns, bool unix_socket) {
-    ClientOptions o;
-    o.address = unix_socket ? "unix:" + unix_ : server_->tcp_address();
-    o.namespace_name = ns;
-    o.token = ns + "-token";
-    o.shared_memory = true;
-    o.timeout = std::chrono::milliseconds(10000);
-    auto c = Client::Connect(o);
-    EXPECT_TRUE(c.ok()) << c.status().ToString();
-    return c.ok() ? std::move(c).value() : nullptr;
+    return ConnectAs(unix_socket ? "unix:" + unix_ : server_->tcp_address(), ns, true);
   }
 
   std::filesystem::path dir_;
@@ -779,15 +785,7 @@ class ClientCostTest : public ::testing::Test {
   }
 
   std::unique_ptr<Client> Connect(const std::string& ns, bool unix_socket = false, bool shm = false) {
-    ClientOptions o;
-    o.address = unix_socket ? "unix:" + unix_ : server_->tcp_address();
-    o.namespace_name = ns;
-    o.token = ns + "-token";
-    o.shared_memory = shm;
-    o.timeout = std::chrono::milliseconds(10000);
-    auto c = Client::Connect(o);
-    EXPECT_TRUE(c.ok()) << c.status().ToString();
-    return c.ok() ? std::move(c).value() : nullptr;
+    return ConnectAs(unix_socket ? "unix:" + unix_ : server_->tcp_address(), ns, shm);
   }
 
   // A raw TCP connection (closed at teardown).
@@ -838,22 +836,7 @@ class ClientCostTest : public ::testing::Test {
     return Status(e->code, e->message);
   }
 
-  std::string Metrics() {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in sa{};
-    sa.sin_family = AF_INET;
-    sa.sin_port = htons(server_->metrics_port());
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
-    const char req[] = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
-    send(fd, req, sizeof(req) - 1, 0);
-    std::string body;
-    char buf[4096];
-    ssize_t n;
-    while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) body.append(buf, static_cast<size_t>(n));
-    close(fd);
-    return body;
-  }
+  std::string Metrics() { return testing::ScrapeMetrics(server_->metrics_port()); }
   // A series' value from /metrics (-1 when absent).
   double Metric(const std::string& name) {
     const std::string body = Metrics();
@@ -1075,14 +1058,15 @@ TEST_F(ManyConnectionsTest, TheBudgetPushesBackInsteadOfAllocating) {
 }
 
 // Frames that never complete cannot hold the budget for good: with 4 MiB frames, 6 connections
-// that send 3.5 MiB of one and stall take the whole 16 MiB budget, so a well-behaved 3 MiB PUT
-// waits; once their frames are frame_timeout_ms (600 ms) old, parked or not, they are dropped,
-// the oldest first, and the PUT goes through.
+// sending all but the last byte of one take the whole 16 MiB budget and are held back (parked),
+// so a well-behaved 3 MiB PUT waits; once their frames are frame_timeout_ms old (1.5 s here),
+// parked or not, they are dropped, the oldest first, and the PUT goes through.
 class BigFramesTest : public ClientCostTest {
   void Configure(TieredStoreOptions& so, ServerOptions& opts) override {
     so.offload.host.max_record_bytes = 4 << 20;
     opts.max_connections = 100;
     opts.max_frame_bytes = 4 << 20;
+    opts.frame_timeout_ms = 1500;  // time to fill the budget, even under a sanitizer
   }
 };
 
@@ -1101,15 +1085,17 @@ TEST_F(BigFramesTest, FramesThatNeverCompleteLoseTheBudgetAfterTheFrameTimeout) 
     stalled.push_back(fd);
     sent.push_back(0);
   }
-  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
-  while (std::chrono::steady_clock::now() < until) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(1000);
+  double parked = 0;
+  for (int round = 0; std::chrono::steady_clock::now() < until; ++round) {
     for (size_t i = 0; i < stalled.size(); ++i) {
       const size_t n = std::min<size_t>(64 << 10, part.size() - sent[i]);
       const ssize_t k = n == 0 ? 0 : send(stalled[i], part.data() + sent[i], n, MSG_NOSIGNAL);
       if (k > 0) sent[i] += static_cast<size_t>(k);
     }
+    if (round % 16 == 15 && (parked = Metric("sparsekv_parked_connections")) >= stalled.size() - 1) break;
   }
-  EXPECT_GT(Metric("sparsekv_parked_connections"), 0);
+  EXPECT_GT(parked, 0) << "the budget never held the stalled frames back";
   EXPECT_GE(Metric("sparsekv_buffered_bytes"), 15.0 * (1 << 20)) << "the stalled frames did not fill the budget";
   const auto big = Value(7, 3 << 20);
   BundleRef ref{H(7), big};

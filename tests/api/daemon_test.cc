@@ -28,6 +28,7 @@
 #include "server/tiered_store.h"
 #include "sparsekv/client.h"
 #include "tests/support/daemon_values.h"
+#include "tests/support/metrics_scrape.h"
 #include "sparsekv/host_tier.h"
 
 namespace sparsekv::server {
@@ -131,22 +132,7 @@ class DaemonTest : public ::testing::Test {
   }
 
   // GET /metrics over HTTP: the whole response.
-  std::string ScrapeMetrics() {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in sa{};
-    sa.sin_family = AF_INET;
-    sa.sin_port = htons(server_->metrics_port());
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
-    const char req[] = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
-    send(fd, req, sizeof(req) - 1, 0);
-    std::string body;
-    char buf[4096];
-    ssize_t n;
-    while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) body.append(buf, static_cast<size_t>(n));
-    close(fd);
-    return body;
-  }
+  std::string ScrapeMetrics() { return testing::ScrapeMetrics(server_->metrics_port()); }
 
   static bool PeerClosed(int fd) {
     char c;
