@@ -824,6 +824,21 @@ class ClientCostTest : public ::testing::Test {
     ASSERT_EQ(send(fd, b.data(), b.size(), MSG_NOSIGNAL), static_cast<ssize_t>(b.size()));
   }
 
+  // A GET of `hashes` on a new raw connection, whose reply frame must be within the 1 MiB limit.
+  // The reply's bundles point into frame_, kept until the next call.
+  void RawGetWithinLimit(const std::vector<WireBlockHash>& hashes, std::optional<wire::GetReply>& reply) {
+    const int fd = RawAuthed();
+    const auto get = wire::EncodeFrame(wire::Opcode::kGet, 0, 5, wire::Encode(wire::HashList{hashes}));
+    ASSERT_EQ(send(fd, get.data(), get.size(), MSG_NOSIGNAL), static_cast<ssize_t>(get.size()));
+    auto r = ReadFrame(fd);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_LE(r->first.payload_bytes, 1u << 20);
+    frame_ = std::move(r->second);
+    auto decoded = wire::DecodeGetReply(frame_, 1 << 20);
+    ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+    reply = std::move(*decoded);
+  }
+
   // The ERROR frame the daemon closes a connection with, then EOF: its status.
   static Status ClosedWith(int fd) {
     auto r = ReadFrame(fd);
@@ -883,6 +898,7 @@ class ClientCostTest : public ::testing::Test {
   std::unique_ptr<TieredStore> store_;
   std::unique_ptr<Server> server_;
   std::vector<int> raw_;
+  std::vector<std::byte> frame_;  // the last reply RawGetWithinLimit read (its bundles point into it)
 };
 
 // Case 2: before HELLO, a header that claims more than a HELLO is refused at once, without
@@ -1266,14 +1282,8 @@ TEST_F(ClientCostTest, RepliesNeverExceedTheAnnouncedFrame) {
   hashes.push_back(H(77));  // absent
 
   // Raw: the first reply answers 3 items (3 x 300 KB fit in 1 MiB) and defers the rest.
-  const int fd = RawAuthed();
-  const auto get = wire::EncodeFrame(wire::Opcode::kGet, 0, 5, wire::Encode(wire::HashList{hashes}));
-  ASSERT_EQ(send(fd, get.data(), get.size(), MSG_NOSIGNAL), static_cast<ssize_t>(get.size()));
-  auto r = ReadFrame(fd);
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_LE(r->first.payload_bytes, 1u << 20);
-  auto reply = wire::DecodeGetReply(r->second, 1 << 20);
-  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  std::optional<wire::GetReply> reply;
+  ASSERT_NO_FATAL_FAILURE(RawGetWithinLimit(hashes, reply));
   ASSERT_EQ(reply->items.size(), hashes.size());
   size_t answered = 0;
   for (size_t i = 0; i < hashes.size(); ++i) {
@@ -1330,14 +1340,8 @@ TEST_F(FrameLimitFromSsdTest, RepliesFromTheSsdTierStayWithinTheFrameLimit) {
   ASSERT_TRUE(put.ok()) << put.status().ToString();
   std::vector<WireBlockHash> hashes;
   for (uint64_t i = 0; i < 32; ++i) hashes.push_back(H(i));
-  const int fd = RawAuthed();
-  const auto get = wire::EncodeFrame(wire::Opcode::kGet, 0, 5, wire::Encode(wire::HashList{hashes}));
-  ASSERT_EQ(send(fd, get.data(), get.size(), MSG_NOSIGNAL), static_cast<ssize_t>(get.size()));
-  auto r = ReadFrame(fd);
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_LE(r->first.payload_bytes, 1u << 20);
-  auto reply = wire::DecodeGetReply(r->second, 1 << 20);
-  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  std::optional<wire::GetReply> reply;
+  ASSERT_NO_FATAL_FAILURE(RawGetWithinLimit(hashes, reply));
   size_t deferred = 0;
   for (const auto& it : reply->items) deferred += it.deferred ? 1 : 0;
   EXPECT_GE(deferred, 27u);
