@@ -180,7 +180,7 @@ void EncodeIdx(const EncodeJob& j) {
     auto plan = [&](uint32_t first, uint32_t which) {
       const uint32_t n = j.count - first < kGroup ? j.count - first : kGroup;
       P::template PlanE4m3<kBf16In>(j.rows + first * j.row_stride, j.row_stride, j.dims, n,
-                                    ScaleRule::kLinear448, plans[which]);
+                                    ScaleRule::kPow2Fp32AmaxFloor, plans[which]);
     };
     if (j.count > 0) plan(0, 0);
     for (uint32_t g = 0; g < j.count; g += kGroup) {

@@ -126,10 +126,23 @@ inline float Pow2(int k) {
 
 enum class ScaleRule : uint8_t {
   kLinear127,  // int8: scale = amax / 127 (fp32)
-  kLinear448,  // fp8, idx_fp8: scale = amax / 448 (fp32)
-  kPow2Fp32,   // fp8_ds_mla: scale = 2^ceil(log2(amax / 448)) stored as fp32
-  kPow2Ue8m0,  // fp8_v4: the same power of two stored as a ue8m0 byte (2^-127 at the least)
+  kLinear448,  // fp8: scale = amax / 448 (fp32)
+  // fp8_ds_mla: scale = 2^ceil(log2(max(amax / 448, 1e-4))) stored as fp32, as FlashMLA's
+  // quantize_k_cache (tests/quant.py) and vLLM's fp8_ds_mla writers store it: the 1e-4 floor
+  // comes before the ceil-log2, so the least scale is 2^-13 (an all-zero tile's too).
+  kPow2Fp32,
+  // fp8_v4: the same power of two (same floor) stored as a ue8m0 byte, as FlashMLA's
+  // MODEL1_FP8Sparse cache.
+  kPow2Ue8m0,
+  // idx_fp8: scale = 2^ceil(log2(max(amax, 1e-4) / 448)) stored as fp32, as DeepSeek's V3.2
+  // reference indexer (act_quant, scale_fmt "ue8m0"), vLLM's indexer_k_quant_and_cache and
+  // SGLang's NSA indexer store it: the floor is on amax, so the least scale is 2^-22.
+  kPow2Fp32AmaxFloor,
 };
+
+// The least exponent of each power-of-two rule (its floor, above): ceil(log2(1e-4)) = -13 and
+// ceil(log2(1e-4 / 448)) = ceil(-22.095) = -22.
+inline int Pow2RuleMinExponent(ScaleRule rule) { return rule == ScaleRule::kPow2Fp32AmaxFloor ? -22 : -13; }
 
 // How one tile is quantized. A value x becomes round((x * prescale) * inv): two fp32
 // multiplies, the first exact. `prescale` is 1 except for tiles so small that 1/scale would
@@ -148,9 +161,11 @@ struct TileQuant {
 // there it is moved up one ulp if it left scale * N < amax: no |x| / scale then exceeds N and
 // nothing is clipped. (In the normal range |x| / scale <= N * (1 + 2^-24), which still rounds
 // to at most N.) Power-of-two rules store the smallest 2^k with 448 * 2^k >= amax, computed
-// exactly from the bits.
-// An all-zero tile stores scale 0 under the linear rules and 2^0 under the power-of-two ones
-// (decoding zeros is exact under any scale; 2^0 keeps "always a power of two" true).
+// exactly from the bits (ceil(log2(amax / 448)) without a rounding step), but never less than
+// their floor (Pow2RuleMinExponent): that is max(ceil(log2(x)), ceil(log2(floor))), which is
+// ceil(log2(max(x, floor))), the public writers' formula.
+// An all-zero tile stores scale 0 under the linear rules and the floor under the power-of-two
+// ones (2^-13, or 2^-22 for idx_fp8), as the public writers do.
 inline TileQuant ComputeTileQuant(ScaleRule rule, uint32_t amax_bits) {
   TileQuant q;
   if (rule == ScaleRule::kLinear127 || rule == ScaleRule::kLinear448) {
@@ -164,7 +179,8 @@ inline TileQuant ComputeTileQuant(ScaleRule rule, uint32_t amax_bits) {
     q.inv = 1.0f / (s * q.prescale);
     return q;
   }
-  int k = 0;
+  const int kmin = Pow2RuleMinExponent(rule);
+  int k = kmin;
   if (amax_bits != 0) {
     int e;       // floor(log2(amax))
     bool above;  // amax > 1.75 * 2^e, i.e. 448 * 2^(e-8) < amax
@@ -178,7 +194,6 @@ inline TileQuant ComputeTileQuant(ScaleRule rule, uint32_t amax_bits) {
     }
     k = above ? e - 7 : e - 8;
   }
-  const int kmin = rule == ScaleRule::kPow2Ue8m0 ? -127 : -149;
   if (k < kmin) k = kmin;
   q.scale = Pow2(k);
   q.ue8m0 = static_cast<uint8_t>(k + 127 < 0 ? 0 : k + 127);

@@ -364,10 +364,12 @@ TEST(PageCodec, ZeroTilesStoreTheDocumentedScaleAndDecodeToZero) {
       const auto page = Encode(codec, rows, t, 0);
       const auto dec = Decode<float>(codec, page, 0, rows.count);
       for (uint32_t r = 0; r < 2; ++r) {
-        const bool pow2 =
-            shape.format == StorageFormat::kFp8DsMla || shape.format == StorageFormat::kFp8V4;
-        for (const TileRef& tile : Tiles(shape, page, rows.count, r))
-          EXPECT_EQ(tile.scale, pow2 ? 1.0f : 0.0f);
+        // The public writers' floors: 2^-13 for fp8_ds_mla and fp8_v4 (max(amax / 448, 1e-4)),
+        // 2^-22 for idx_fp8 (max(amax, 1e-4) / 448); the int8 formats store 0.
+        const float expected = shape.format == StorageFormat::kFp8DsMla || shape.format == StorageFormat::kFp8V4
+                                   ? 0x1p-13f
+                                   : shape.format == StorageFormat::kIdxFp8 ? 0x1p-22f : 0.0f;
+        for (const TileRef& tile : Tiles(shape, page, rows.count, r)) EXPECT_EQ(tile.scale, expected);
         for (uint32_t i = 0; i < NopeDims(shape); ++i) {
           const float y = dec[size_t{r} * shape.dims + i];
           EXPECT_EQ(y, 0.0f);
