@@ -283,24 +283,6 @@ void TierChain::DrainInvalidations() {
     std::vector<std::vector<bool>> poisoned(batch.size());
     std::vector<uint64_t> invalidated(batch.size(), 0);
     for (size_t b = 0; b < batch.size(); ++b) poisoned[b].assign(batch[b].bundles.size(), false);
-    // An older copy the first tier evicted just before this version was stored there may not
-    // be on its way down yet (its eviction listener has not run, so it is not `moving`): the
-    // loop below skips the first tier where the demote stored the new version, and would then
-    // look in the tier below before the old copy lands there, and acknowledge. Erasing older
-    // copies in the first tier waits for such a handover (HostTier::EraseOlderAsync), and then
-    // WaitNotMoving covers the copy. It erases nothing the demote stored (same sequence).
-    if (tiers_.size() > 1 && !all.empty()) {
-      std::vector<uint64_t> own;
-      std::vector<BundleKey> keys;
-      for (const auto& inv : batch) {
-        for (const BundlePtr& b : inv.bundles) {
-          if (!b || b->sequence() == 0) continue;
-          keys.push_back(b->key());
-          own.push_back(b->sequence());
-        }
-      }
-      tiers_[0]->EraseOlder(keys, own).get();  // failures are the loop's to report
-    }
     for (size_t t = 0; t < tiers_.size(); ++t) {
       // Fastest tier first, as Erase: a tier erased cannot start moving an older copy down.
       if (t > 0) WaitNotMoving(all);
