@@ -154,6 +154,17 @@ struct RawShmSession {
   uint64_t next_id = 1;
 };
 
+// An in-process daemon: the store, then the server in front of it.
+void StartInProcess(const TieredStoreOptions& so, const ServerOptions& opts, std::unique_ptr<TieredStore>& store,
+                    std::unique_ptr<Server>& server) {
+  auto opened = TieredStore::Open(so);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  store = std::move(opened).value();
+  auto started = Server::Start(opts, store.get());
+  ASSERT_TRUE(started.ok()) << started.status().ToString();
+  server = std::move(started).value();
+}
+
 // A client of namespace `ns` (token "<ns>-token"); null, with a test failure, when refused.
 std::unique_ptr<Client> ConnectAs(const std::string& address, const std::string& ns, bool shared_memory) {
   ClientOptions o;
@@ -216,12 +227,7 @@ class SealedSharedMemoryTest : public ::testing::TestWithParam<int> {
     opts.staging_bytes = 1 << 20;
     opts.namespaces = {{"alpha", "alpha-token"}};
     if (GetParam() == 2) opts.namespaces.push_back({"beta", "beta-token"});
-    auto store = TieredStore::Open(so);
-    ASSERT_TRUE(store.ok()) << store.status().ToString();
-    store_ = std::move(store).value();
-    auto srv = Server::Start(opts, store_.get());
-    ASSERT_TRUE(srv.ok()) << srv.status().ToString();
-    server_ = std::move(srv).value();
+    ASSERT_NO_FATAL_FAILURE(StartInProcess(so, opts, store_, server_));
     unix_ = opts.unix_path;
   }
   void TearDown() override {
@@ -775,12 +781,7 @@ class ClientCostTest : public ::testing::Test {
     opts.max_frame_bytes = 1 << 20;
     opts.namespaces = {{"alpha", "alpha-token", 3}, {"beta", "beta-token", 0}};
     Configure(so, opts);
-    auto store = TieredStore::Open(so);
-    ASSERT_TRUE(store.ok()) << store.status().ToString();
-    store_ = std::move(store).value();
-    auto srv = Server::Start(opts, store_.get());
-    ASSERT_TRUE(srv.ok()) << srv.status().ToString();
-    server_ = std::move(srv).value();
+    ASSERT_NO_FATAL_FAILURE(StartInProcess(so, opts, store_, server_));
     unix_ = opts.unix_path;
   }
 
