@@ -235,6 +235,21 @@ void TierChain::Invalidate(std::vector<BundlePtr> bundles, std::vector<std::vect
       items.push_back(i);
     }
   }
+  // In write-back the first tier hands its evictions to Cascade. One of an older copy may have
+  // left that tier's index (another put evicted it) without being `moving` yet: neither check
+  // below would see it, this demote would be acknowledged, and the copy would land below
+  // afterwards with nothing left to erase it there. Erasing older copies from the first tier
+  // waits for such handovers (HostTier::EraseOlderAsync); it erases nothing this demote stored.
+  if (options_.write_policy == WritePolicy::kWriteBack && tiers_.size() > 1 && !keys.empty()) {
+    std::vector<uint64_t> own;
+    own.reserve(items.size());
+    for (size_t i : items) own.push_back(bundles[i]->sequence());
+    const std::vector<Status> es = tiers_[0]->EraseOlder(keys, own).get();
+    for (size_t j = 0; j < es.size(); ++j) {
+      if (!es[j].ok() && st[items[j]].ok())
+        st[items[j]] = es[j].WithContext("tier chain: erasing an older copy");
+    }
+  }
   bool needed = false;
   {
     MutexLock lock(shared_->mu);
