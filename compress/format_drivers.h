@@ -68,7 +68,13 @@ struct Fp8TokenTiles {
   }
 };
 
-// ---- c8_mla and fp8_ds_mla: per token 512 8-bit values | 4 fp32 scales | 64 bf16 rope ----
+// ---- c8_mla and fp8_ds_mla: per token 512 8-bit values, 4 fp32 scales and 64 bf16 rope ----
+// fp8_ds_mla: nope | scales | rope (FlashMLA). c8_mla: nope | rope | scales (CANN).
+
+template <bool kFp8>
+constexpr uint32_t kMlaScaleAt = kFp8 ? layout::kDsMlaScaleOffset : layout::kC8MlaScaleOffset;
+template <bool kFp8>
+constexpr uint32_t kMlaRopeAt = kFp8 ? layout::kDsMlaRopeOffset : layout::kC8MlaRopeOffset;
 
 template <class P, bool kFp8, bool kBf16In>
 void EncodeMla8(const EncodeJob& j) {
@@ -85,18 +91,18 @@ void EncodeMla8(const EncodeJob& j) {
       if (r + 1 < j.count) fp8.Plan(x + j.row_stride, (r + 1) & 1, ScaleRule::kPow2Fp32);
       fp8.Apply(x, r & 1, tok);
       for (uint32_t t = 0; t < kTiles; ++t) {
-        StoreF32(tok + layout::kMlaScaleOffset + 4 * t, fp8.plans[r & 1][t].scale);
+        StoreF32(tok + kMlaScaleAt<kFp8> + 4 * t, fp8.plans[r & 1][t].scale);
       }
     } else {
       for (uint32_t t = 0; t < kTiles; ++t) {
         const uint8_t* src = x + t * layout::kMlaTile * in;
         const TilePlan plan = P::template PlanInt8<kBf16In>(src, layout::kMlaTile);
         P::template ApplyInt8<kBf16In>(src, layout::kMlaTile, plan, tok + t * layout::kMlaTile);
-        StoreF32(tok + layout::kMlaScaleOffset + 4 * t, plan.scale);
+        StoreF32(tok + kMlaScaleAt<kFp8> + 4 * t, plan.scale);
       }
     }
     P::template ToBf16<kBf16In>(x + layout::kMlaNopeDims * in, layout::kMlaRopeDims,
-                                tok + layout::kMlaRopeOffset);
+                                tok + kMlaRopeAt<kFp8>);
   }
 }
 
@@ -107,7 +113,7 @@ void DecodeMla8(const DecodeJob& j) {
     const uint8_t* tok = j.page + uint64_t{j.first_slot + r} * layout::kMla8BitBytes;
     uint8_t* y = j.rows + r * j.row_stride;
     for (uint32_t t = 0; t < layout::kMlaNopeDims / layout::kMlaTile; ++t) {
-      const float scale = LoadF32(tok + layout::kMlaScaleOffset + 4 * t);
+      const float scale = LoadF32(tok + kMlaScaleAt<kFp8> + 4 * t);
       const uint8_t* src = tok + t * layout::kMlaTile;
       uint8_t* dst = y + t * layout::kMlaTile * out;
       if constexpr (kFp8) {
@@ -116,7 +122,7 @@ void DecodeMla8(const DecodeJob& j) {
         P::template DecodeInt8<kBf16Out>(src, scale, layout::kMlaTile, dst);
       }
     }
-    P::template FromBf16<kBf16Out>(tok + layout::kMlaRopeOffset, layout::kMlaRopeDims,
+    P::template FromBf16<kBf16Out>(tok + kMlaRopeAt<kFp8>, layout::kMlaRopeDims,
                                    y + layout::kMlaNopeDims * out);
   }
 }

@@ -34,6 +34,14 @@ using offload::EncodeBundleKey;
 using offload::FromRocksDb;
 
 constexpr char kMetaFamily[] = "meta";
+// In the data family, beside the fixed-size encoded bundle keys (key_codec.h): the record
+// format the tier holds. A database without it and with records predates it: bundle format 2,
+// whose c8_mla pages had their scales before the rope (README, "Storage formats").
+constexpr char kFormatKey[] = "sparsekv:format";
+const std::string& FormatValue() {
+  static const std::string v = fmt::format("sparsekv-bundle-{}", kBundleFormatVersion);
+  return v;
+}
 
 struct MetaValue {
   uint64_t record_bytes = 0;
@@ -192,6 +200,32 @@ class RocksDbTierImpl final : public RocksDbTier {
     std::list<BundleKey>::iterator lru;
   };
 
+  // Marks a new database with the record format, and refuses one that holds another.
+  Status CheckFormat(const std::string& path) {
+    std::string format;
+    rocksdb::Status rs = db_->Get(rocksdb::ReadOptions(), data_cf(), kFormatKey, &format);
+    if (rs.ok()) {
+      if (format == FormatValue()) return Status::OK();
+      return Status::FailedPrecondition(fmt::format(
+          "rocksdb tier: {} holds records of format '{}', this version reads '{}': remove the "
+          "directory to start the tier empty",
+          path, format, FormatValue()));
+    }
+    if (!rs.IsNotFound()) return FromRocksDb(rs, "rocksdb tier: read the record format");
+    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), meta_cf()));
+    it->SeekToFirst();
+    if (!it->status().ok()) return FromRocksDb(it->status(), "rocksdb tier: scan metadata");
+    if (it->Valid()) {
+      return Status::FailedPrecondition(fmt::format(
+          "rocksdb tier: {} holds records of an earlier sparsekv (bundle format 2, before "
+          "c8_mla pages took CANN's byte order) and this version reads '{}': remove the "
+          "directory to start the tier empty",
+          path, FormatValue()));
+    }
+    rs = db_->Put(write_options_, data_cf(), kFormatKey, FormatValue());
+    return rs.ok() ? Status::OK() : FromRocksDb(rs, "rocksdb tier: write the record format");
+  }
+
   rocksdb::ColumnFamilyHandle* data_cf() const { return handles_[0]; }
   rocksdb::ColumnFamilyHandle* meta_cf() const { return handles_[1]; }
 
@@ -275,6 +309,7 @@ Status RocksDbTierImpl::Init() {
   rocksdb::Status rs = rocksdb::DB::Open(dbo, o.path, families, &handles_, &db);
   if (!rs.ok()) return FromRocksDb(rs, "rocksdb tier: open " + o.path);
   db_.reset(db);
+  if (Status s = CheckFormat(o.path); !s.ok()) return s;
 
   struct Loaded {
     BundleKey key;

@@ -49,7 +49,9 @@ using offload::UringOp;
 using offload::UringQueue;
 
 constexpr char kFormatKey[] = "m:format";
-constexpr char kFormatValue[] = "sparsekv-ssd-index-2";
+constexpr char kFormatValue[] = "sparsekv-ssd-index-3";
+// Written by releases of bundle format 2, whose c8_mla pages had their scales before the rope.
+constexpr char kBundle2FormatValue[] = "sparsekv-ssd-index-2";
 // Written by releases that kept one slab file per size class.
 constexpr char kSlabFormatValue[] = "sparsekv-ssd-index-1";
 constexpr char kDataFileName[] = "data.dat";
@@ -380,6 +382,12 @@ Status SsdTierImpl::Init() {
         "ssd tier: {} holds the slab-file layout of an earlier sparsekv (index format '{}'); this "
         "version stores one data file (format '{}') and cannot read it: remove the directory to "
         "start the tier empty",
+        o.path, format, kFormatValue));
+  } else if (format == kBundle2FormatValue) {
+    return Status::FailedPrecondition(fmt::format(
+        "ssd tier: {} holds records of bundle format 2 (index format '{}'), written before "
+        "c8_mla pages took CANN's byte order; this version reads format '{}' only: remove the "
+        "directory to start the tier empty",
         o.path, format, kFormatValue));
   } else if (format != kFormatValue) {
     return Status::FailedPrecondition(fmt::format(

@@ -85,6 +85,8 @@ int8_t Int8Of(float x, float s) {
   return static_cast<int8_t>(std::nearbyint(std::fmax(-127.0f, std::fmin(127.0f, v))));
 }
 
+// CANN's key for npu_kv_quant_sparse_flash_attention (key_quant_mode 2, tile 128): per token
+// 512 int8 nope values, 64 bf16 rope values, then the 4 fp32 tile scales (byte 640).
 TEST(PageLayout, C8Mla) {
   const uint32_t entries = 16;
   const Rows rows = codec_testing::GaussianRows(entries, 576, 31);
@@ -97,7 +99,7 @@ TEST(PageLayout, C8Mla) {
     for (uint32_t slot = 0; slot < entries; ++slot) {
       const uint64_t base = uint64_t{slot} * layout::kMla8BitBytes;
       for (uint32_t tile = 0; tile < 4; ++tile) {
-        const float s = F32At(page, base + layout::kMlaScaleOffset + 4 * tile);
+        const float s = F32At(page, base + 640 + 4 * tile);
         ASSERT_EQ(s, LinearScale(AbsMax(rows, t, slot, tile * 128, 128), 127.0f))
             << slot << " " << tile;
         for (uint32_t i = tile * 128; i < tile * 128 + 128; ++i) {
@@ -106,7 +108,7 @@ TEST(PageLayout, C8Mla) {
         }
       }
       for (uint32_t i = 0; i < 64; ++i) {
-        ASSERT_EQ(U16At(page, base + layout::kMlaRopeOffset + 2 * i),
+        ASSERT_EQ(U16At(page, base + 512 + 2 * i),
                   rows.bf16[size_t{slot} * 576 + 512 + i]);
       }
     }

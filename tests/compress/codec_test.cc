@@ -119,7 +119,8 @@ TEST(PageCodec, EveryPathDecodesArbitraryBytesLikeScalar) {
             std::memcpy(page.data() + layout::IdxScaleOffset(shape.dims, entries, e), &s, 4);
           } else if (shape.format == StorageFormat::kC8Mla ||
                      shape.format == StorageFormat::kFp8DsMla) {
-            for (int t = 0; t < 4; ++t) std::memcpy(page.data() + e * 656 + 512 + 4 * t, &s, 4);
+            const uint32_t at = shape.format == StorageFormat::kC8Mla ? 640 : 512;
+            for (int t = 0; t < 4; ++t) std::memcpy(page.data() + e * 656 + at + 4 * t, &s, 4);
           }
         }
       }
@@ -158,7 +159,9 @@ std::vector<TileRef> Tiles(const Shape& s, const std::vector<uint8_t>& page, uin
     case StorageFormat::kC8Mla:
     case StorageFormat::kFp8DsMla:
       for (uint32_t t = 0; t < 4; ++t) {
-        tiles.push_back({t * 128, 128, f32_at(uint64_t{slot} * 656 + 512 + 4 * t)});
+        // fp8_ds_mla: nope | scales | rope (FlashMLA); c8_mla: nope | rope | scales (CANN).
+        const uint32_t at = s.format == StorageFormat::kC8Mla ? 640 : 512;
+        tiles.push_back({t * 128, 128, f32_at(uint64_t{slot} * 656 + at + 4 * t)});
       }
       break;
     case StorageFormat::kFp8V4:

@@ -1,6 +1,7 @@
 #include "sparsekv/rocksdb_tier.h"
 
 #include <gtest/gtest.h>
+#include <rocksdb/db.h>
 
 #include <filesystem>
 
@@ -61,6 +62,63 @@ TEST(RocksDbTier, RoundTripRestartAndBlobFiles) {
   for (const auto& e : std::filesystem::directory_iterator(dir.path()))
     blob |= e.path().extension() == ".blob";
   EXPECT_TRUE(blob) << "large values should live in blob files";
+}
+
+// The tier marks its database with the record format. One holding records but no mark was
+// written by a release of bundle format 2 (c8_mla scales before the rope) and is refused with
+// an error that says so; so is a mark of another format. A new database is marked and opens.
+TEST(RocksDbTier, RecordsOfAnotherBundleFormatAreRefusedAtOpen) {
+  testing::TempDir dir("rocks");
+  RocksDbTierOptions o = Options(dir.path());
+  {
+    auto tier = OpenRocks(o);
+    ASSERT_TRUE(tier->Put({MakeBundleOfBytes(1, 100)}).get()[0].ok());
+  }
+  ASSERT_TRUE(RocksDbTier::Open(o).ok()) << "its own format reopens";
+  auto rewrite = [&](const char* value) {
+    rocksdb::DBOptions dbo;
+    std::vector<rocksdb::ColumnFamilyDescriptor> families = {
+        {rocksdb::kDefaultColumnFamilyName, {}}, {"meta", {}}};
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;
+    rocksdb::DB* raw = nullptr;
+    ASSERT_TRUE(rocksdb::DB::Open(dbo, dir.path(), families, &handles, &raw).ok());
+    std::string format;
+    ASSERT_TRUE(raw->Get(rocksdb::ReadOptions(), handles[0], "sparsekv:format", &format).ok());
+    EXPECT_EQ(format, "sparsekv-bundle-3");
+    if (value == nullptr) {
+      ASSERT_TRUE(raw->Delete(rocksdb::WriteOptions(), handles[0], "sparsekv:format").ok());
+    } else {
+      ASSERT_TRUE(raw->Put(rocksdb::WriteOptions(), handles[0], "sparsekv:format", value).ok());
+    }
+    for (auto* h : handles) raw->DestroyColumnFamilyHandle(h);
+    delete raw;
+  };
+  rewrite(nullptr);  // as a release before the mark left it
+  auto old = RocksDbTier::Open(o);
+  ASSERT_FALSE(old.ok());
+  EXPECT_EQ(old.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(old.status().message().find("bundle format 2"), std::string_view::npos)
+      << old.status().ToString();
+  {
+    // Put the mark back to check the other branch: a mark naming another format.
+    rocksdb::DBOptions dbo;
+    std::vector<rocksdb::ColumnFamilyDescriptor> families = {
+        {rocksdb::kDefaultColumnFamilyName, {}}, {"meta", {}}};
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;
+    rocksdb::DB* raw = nullptr;
+    ASSERT_TRUE(rocksdb::DB::Open(dbo, dir.path(), families, &handles, &raw).ok());
+    ASSERT_TRUE(
+        raw->Put(rocksdb::WriteOptions(), handles[0], "sparsekv:format", "sparsekv-bundle-9").ok());
+    for (auto* h : handles) raw->DestroyColumnFamilyHandle(h);
+    delete raw;
+  }
+  auto other = RocksDbTier::Open(o);
+  ASSERT_FALSE(other.ok());
+  EXPECT_NE(other.status().message().find("sparsekv-bundle-9"), std::string_view::npos)
+      << other.status().ToString();
+  // An empty database without the mark is simply new.
+  testing::TempDir fresh("rocks");
+  ASSERT_TRUE(RocksDbTier::Open(Options(fresh.path())).ok());
 }
 
 TEST(RocksDbTier, CorruptValueIsDetectedCountedErased) {

@@ -1,6 +1,7 @@
 #include "sparsekv/ssd_tier.h"
 
 #include <gtest/gtest.h>
+#include <rocksdb/db.h>
 
 #include <filesystem>
 #include <thread>
@@ -246,6 +247,32 @@ TEST(SsdTier, IndexEntriesPointingOutsideTheDataFileAreDroppedAtOpen) {
   EXPECT_EQ(tier->Details().dropped_at_open, 1u);
   EXPECT_EQ(tier->Contains({KeyOf(1), KeyOf(2)}).get(), (std::vector<bool>{true, false}));
   EXPECT_TRUE(tier->Get({KeyOf(1)}).get()[0].ok());
+}
+
+// A directory written by a release of bundle format 2 (c8_mla scales before the rope) is
+// refused at open with an error that says so; its records are never read as today's.
+TEST(SsdTier, AnIndexOfBundleFormat2IsRefusedAtOpen) {
+  testing::TempDir dir("ssd");
+  SsdTierOptions o = SmallOptions(dir.path());
+  {
+    auto tier = OpenSsd(o);
+    ASSERT_TRUE(tier->Put({MakeBundleOfBytes(1, 30000)}).get()[0].ok());
+  }
+  {
+    rocksdb::DB* raw = nullptr;
+    ASSERT_TRUE(rocksdb::DB::Open(rocksdb::Options(), dir.path() + "/index", &raw).ok());
+    std::unique_ptr<rocksdb::DB> db(raw);
+    std::string format;
+    ASSERT_TRUE(db->Get(rocksdb::ReadOptions(), "m:format", &format).ok());
+    EXPECT_EQ(format, "sparsekv-ssd-index-3");
+    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), "m:format", "sparsekv-ssd-index-2").ok());
+  }
+  auto old = SsdTier::Open(o);
+  ASSERT_FALSE(old.ok());
+  EXPECT_EQ(old.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(old.status().message().find("bundle format 2"), std::string_view::npos)
+      << old.status().ToString();
+  EXPECT_NE(old.status().message().find("remove the directory"), std::string_view::npos);
 }
 
 TEST(SsdTier, ConcurrentBatchesOnTwoRings) {

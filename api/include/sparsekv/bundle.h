@@ -55,7 +55,8 @@ struct BundleKeyHasher {
 };
 
 inline constexpr uint32_t kBundleMagic = 0x42564b53;  // "SKVB" read as little-endian bytes
-inline constexpr uint16_t kBundleFormatVersion = 2;
+// 3: c8_mla pages in CANN's byte order (nope | rope | scales); 2 had scales before the rope.
+inline constexpr uint16_t kBundleFormatVersion = 3;
 inline constexpr uint32_t kMaxBundleSegments = 64;
 inline constexpr uint64_t kBundleFixedHeaderBytes = 56;
 

@@ -32,7 +32,7 @@ bool IsFullHistoryKind(CacheKind kind);
 enum class StorageFormat : uint8_t {
   kBf16 = 0,   // raw bf16 values: 2 x dims bytes
   kFp32,       // raw fp32 values: 4 x dims bytes (compressor state)
-  kC8Mla,      // 512 int8 (4 tiles of 128) | 4 fp32 scales | 64 bf16 rope = 656 B/token
+  kC8Mla,      // 512 int8 (4 tiles of 128) | 64 bf16 rope | 4 fp32 scales = 656 B/token (CANN)
   kFp8DsMla,   // 512 fp8 e4m3 (4 tiles) | 4 fp32 power-of-two scales | 64 bf16 rope = 656 B
   kFp8V4,      // page: n x (448 fp8 + 64 bf16) then n x (7 ue8m0 + 1 pad), padded to 576 B
   kIdxFp8,     // page: n x dims fp8 values then n x fp32 scales
@@ -59,8 +59,13 @@ inline constexpr uint32_t kMlaNopeDims = 512;
 inline constexpr uint32_t kMlaRopeDims = 64;
 inline constexpr uint32_t kMlaTile = 128;          // c8_mla / fp8_ds_mla scale tile
 inline constexpr uint32_t kMla8BitBytes = 656;     // 512 + 4*4 + 64*2
-inline constexpr uint32_t kMlaScaleOffset = 512;   // within a token's 656 bytes
-inline constexpr uint32_t kMlaRopeOffset = 528;
+// Within a token's 656 bytes. fp8_ds_mla keeps FlashMLA's order, nope | scales | rope
+// (FlashMLA README, "FP8 KV cache"); c8_mla keeps CANN's, nope | rope | scales (the key of
+// npu_kv_quant_sparse_flash_attention with key_quant_mode 2, tile 128).
+inline constexpr uint32_t kDsMlaScaleOffset = 512;
+inline constexpr uint32_t kDsMlaRopeOffset = 528;
+inline constexpr uint32_t kC8MlaRopeOffset = 512;
+inline constexpr uint32_t kC8MlaScaleOffset = 640;
 
 inline constexpr uint32_t kV4Dims = 512;           // 448 nope + 64 rope
 inline constexpr uint32_t kV4NopeDims = 448;
