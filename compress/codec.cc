@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <bit>
+#include <cstring>
+
 #include "compress/kernels.h"
 #include "sparsekv/tile_kernels.h"
 
@@ -173,6 +176,31 @@ Result<const TileKernels*> TileKernelsFor(SimdPath path) {
 
 const TileKernels& ActiveTileKernels() {
   return compress::KernelsFor(ActiveSimdPath())->tiles;
+}
+
+Status ExportIdxC8(const PageCodec& codec, const void* page, uint32_t first_slot, uint32_t count,
+                   int8_t* keys, uint16_t* scales_fp16) {
+  if (codec.format() != StorageFormat::kIdxC8) {
+    return Status::InvalidArgument(fmt::format("ExportIdxC8: the codec's format is {}, not idx_c8",
+                                               StorageFormatName(codec.format())));
+  }
+  if (page == nullptr || keys == nullptr || scales_fp16 == nullptr)
+    return Status::InvalidArgument("ExportIdxC8: null page or output");
+  if (first_slot > codec.entries() || count > codec.entries() - first_slot) {
+    return Status::InvalidArgument(fmt::format(
+        "ExportIdxC8: slots {} .. {} are past the page's {} entries", first_slot,
+        uint64_t{first_slot} + count, codec.entries()));
+  }
+  const auto* p = static_cast<const uint8_t*>(page);
+  const uint32_t dims = codec.dims();
+  std::memcpy(keys, p + layout::IdxValueOffset(dims, first_slot), uint64_t{count} * dims);
+  for (uint32_t i = 0; i < count; ++i) {
+    float s;
+    std::memcpy(&s, p + layout::IdxScaleOffset(dims, codec.entries(), first_slot + i), 4);
+    // GCC's _Float16 conversion is IEEE's: nearest even, overflow to infinity, NaN kept.
+    scales_fp16[i] = std::bit_cast<uint16_t>(static_cast<_Float16>(s));
+  }
+  return Status::OK();
 }
 
 }  // namespace sparsekv

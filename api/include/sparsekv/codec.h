@@ -119,4 +119,16 @@ class PageCodec {
   const compress::FormatKernels* kernels_ = nullptr;
 };
 
+// An idx_c8 page in the shape vllm-ascend's C8 indexer caches keep (two tensors: int8 keys
+// [count, dims] and one fp16 scale per key), for slots [first_slot, first_slot + count).
+// `keys` gets count x dims bytes (the page's own values: they can also be used in place, as a
+// [entries, dims] int8 view at offset 0 of the page); `scales_fp16` gets count IEEE fp16 bit
+// patterns, each the page's fp32 scale rounded to nearest even (beyond 65504: infinity; a NaN
+// scale, an idx_c8 row that held NaN or inf: NaN). The values stay those our fp32 scale
+// chose, so a reader's key * fp16 scale differs from ours by the scale's rounding (at most
+// 2^-11 relative for scales of 2^-14 and above).
+// Errors: a codec of another format, null outputs, slots past the page's entries.
+Status ExportIdxC8(const PageCodec& codec, const void* page, uint32_t first_slot, uint32_t count,
+                   int8_t* keys, uint16_t* scales_fp16);
+
 }  // namespace sparsekv
