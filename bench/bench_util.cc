@@ -1,6 +1,10 @@
 #include "bench_util.h"
 
+#include <fmt/format.h>
+#include <sys/wait.h>
+
 #include <algorithm>
+#include <cstdio>
 
 namespace sparsekv::bench {
 
@@ -56,6 +60,40 @@ nlohmann::json SamplesJson(const std::vector<Method>& methods) {
   nlohmann::json j = nlohmann::json::object();
   for (const Method& m : methods) j[m.name] = m.samples.ToJson();
   return j;
+}
+
+std::string FioJobCommand(std::string_view file, uint64_t size_bytes, uint64_t block_bytes,
+                          uint32_t iodepth, std::string_view rw) {
+  return fmt::format(
+      "fio --name=sparsekv-{} --filename={} --size={} --ioengine=io_uring --direct=1 --bs={} "
+      "--iodepth={} "
+      "--rw={} --output-format=json",
+      rw, file, size_bytes, block_bytes, iodepth, rw);
+}
+
+Result<double> RunFioJob(const std::string& command, std::string_view rw) {
+  const std::string cmd = command + " 2>/dev/null";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return Status::Unavailable("fio: popen failed");
+  std::string out;
+  char chunk[4096];
+  size_t n;
+  while ((n = fread(chunk, 1, sizeof chunk, p)) > 0) out.append(chunk, n);
+  const int rc = pclose(p);
+  if (rc != 0) {
+    return Status::Unavailable(
+        fmt::format("fio exited with status {} (is fio installed? scripts/setup.sh installs it)",
+                    WIFEXITED(rc) ? WEXITSTATUS(rc) : rc));
+  }
+  const size_t brace = out.find('{');
+  auto j =
+      nlohmann::json::parse(brace == std::string::npos ? out : out.substr(brace), nullptr, false);
+  if (j.is_discarded() || !j.contains("jobs") || j["jobs"].empty()) {
+    return Status::Internal("fio: could not parse its JSON output");
+  }
+  const auto& job = j["jobs"][0];
+  const char* side = rw == "write" ? "write" : "read";
+  return job[side]["bw_bytes"].get<double>();
 }
 
 }  // namespace sparsekv::bench

@@ -8,7 +8,10 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
+
+#include "sparsekv/status.h"
 
 namespace sparsekv::bench {
 
@@ -62,5 +65,14 @@ double MedianOf(const std::vector<Method>& methods, const std::string& name);
 
 // {"name": {"median", "min", "max", "rounds"}, ...}
 nlohmann::json SamplesJson(const std::vector<Method>& methods);
+
+// fio's command line for one sequential job of `rw` ("read" or "write") over `file`: io_uring,
+// O_DIRECT, `block_bytes` per I/O, `iodepth` in flight, `size_bytes` in all, JSON output.
+std::string FioJobCommand(std::string_view file, uint64_t size_bytes, uint64_t block_bytes,
+                          uint32_t iodepth, std::string_view rw);
+// Runs a FioJobCommand (stderr discarded) and returns the bytes per second fio reports for its
+// first job's `rw` side. Unavailable when fio is missing or fails; Internal for output it cannot
+// parse.
+Result<double> RunFioJob(const std::string& command, std::string_view rw);
 
 }  // namespace sparsekv::bench

@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -210,37 +209,12 @@ Result<std::pair<double, double>> RunBaseline(const TierBenchOptions& o, const s
 }
 
 std::string FioCommand(const TierBenchOptions& o, const std::string& file, const char* rw) {
-  return fmt::format(
-      "fio --name=sparsekv-{} --filename={} --size={} --ioengine=io_uring --direct=1 --bs={} "
-      "--iodepth={} "
-      "--rw={} --output-format=json",
-      rw, file, o.data_bytes, o.bundle_bytes, o.queue_depth, rw);
+  return FioJobCommand(file, o.data_bytes, o.bundle_bytes, o.queue_depth, rw);
 }
 
 // Bytes per second fio reports for one sequential job.
 Result<double> RunFio(const TierBenchOptions& o, const std::string& file, const char* rw) {
-  const std::string cmd = FioCommand(o, file, rw) + " 2>/dev/null";
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return Status::Unavailable("fio: popen failed");
-  std::string out;
-  char chunk[4096];
-  size_t n;
-  while ((n = fread(chunk, 1, sizeof chunk, p)) > 0) out.append(chunk, n);
-  const int rc = pclose(p);
-  if (rc != 0) {
-    return Status::Unavailable(
-        fmt::format("fio exited with status {} (is fio installed? scripts/setup.sh installs it)",
-                    WIFEXITED(rc) ? WEXITSTATUS(rc) : rc));
-  }
-  const size_t brace = out.find('{');
-  auto j =
-      nlohmann::json::parse(brace == std::string::npos ? out : out.substr(brace), nullptr, false);
-  if (j.is_discarded() || !j.contains("jobs") || j["jobs"].empty()) {
-    return Status::Internal("fio: could not parse its JSON output");
-  }
-  const auto& job = j["jobs"][0];
-  const char* side = std::strcmp(rw, "write") == 0 ? "write" : "read";
-  return job[side]["bw_bytes"].get<double>();
+  return RunFioJob(FioCommand(o, file, rw), rw);
 }
 
 }  // namespace

@@ -1,0 +1,88 @@
+#include <cstdio>
+#include <memory>
+
+#include "cli/model_options.h"
+#include "cli/registry.h"
+#include "restore_bench.h"
+
+namespace sparsekv::cli {
+
+SPARSEKV_BENCH_COMMAND(restore) {
+  struct Args {
+    bench::RestoreBenchOptions options;
+    ModelOptions model;
+    std::string durability = "none";
+    bool json = false;
+  };
+  auto args = std::make_shared<Args>();
+  CLI::App* cmd = bench.add_subcommand(
+      "restore",
+      "Store a prompt's blocks into one offload tier and restore them into L1, against memcpy "
+      "(and O_DIRECT pread / fio for ssd)");
+  args->model.AddTo(cmd);
+  cmd->add_option("--blocks", args->options.blocks, "Full blocks of the prompt")
+      ->capture_default_str();
+  cmd->add_option("--tier", args->options.tier, "host or ssd")->capture_default_str();
+  cmd->add_option("--dir", args->options.dir,
+                  "Directory on the file system to measure (required for ssd)");
+  cmd->add_option("--rounds", args->options.rounds, "Interleaved rounds per method")
+      ->check(CLI::Range(1, 100))
+      ->capture_default_str();
+  cmd->add_flag("!--no-warmup", args->options.warmup_round,
+                "Count the first round too (by default one uncounted round runs first)");
+  AddDurabilityOption(cmd, args->durability);
+  cmd->add_option("--read-arena-bytes", args->options.ssd_read_arena_bytes,
+                  "SSD tier's registered read arena (0: the tier's default)")
+      ->capture_default_str();
+  cmd->add_flag("--with-fio", args->options.with_fio,
+                "ssd: also run fio (io_uring, O_DIRECT, 1 MiB reads, depth 1 and 16) each round");
+  cmd->add_flag("--json", args->json, "Print JSON");
+  cmd->callback([args, &exit_code] {
+    if (!ParseDurabilityOption(args->durability, args->options.durability, exit_code)) return;
+    auto spec = args->model.Load();
+    if (!spec.ok()) {
+      exit_code = Fail(spec.status());
+      return;
+    }
+    bench::RestoreBenchOptions& o = args->options;
+    o.model = spec->name;
+    o.kv_format = args->model.spec_file.empty() ? args->model.kv_format : "";
+    o.block_tokens = args->model.block_tokens;
+    o.spec = *std::move(spec);
+    const auto r = bench::RunRestoreBench(o);
+    const auto* report = ReportBench(r, args->json, exit_code);
+    if (report == nullptr) return;
+    const auto& j = *report;
+    const double gb = 1e9;
+    std::printf("%s (%s), %u blocks of %llu bytes, %s tier, median of %d rounds\n",
+                j["model"].get<std::string>().c_str(), j["kv_format"].get<std::string>().c_str(),
+                j["blocks"].get<unsigned>(),
+                static_cast<unsigned long long>(j["block_bytes"].get<uint64_t>()),
+                j["tier"].get<std::string>().c_str(), o.rounds);
+    std::printf("store    %7.2f GB/s   time vs memcpy %5.2fx   %6.3f CPU s/GB   %6.1f faults/block\n",
+                j["store_bytes_per_s"].get<double>() / gb, j["store_time_vs_memcpy"].get<double>(),
+                j["store_cpu_s_per_gb"].get<double>(), j["store_faults_per_block"].get<double>());
+    std::printf(
+        "restore  %7.2f GB/s   vs memcpy %5.2f (time %.2fx)   %6.3f CPU s/GB   %6.1f "
+        "faults/block\n",
+        j["restore_bytes_per_s"].get<double>() / gb, j["restore_vs_memcpy"].get<double>(),
+        j["restore_time_vs_memcpy"].get<double>(), j["restore_cpu_s_per_gb"].get<double>(),
+        j["faults_per_block"].get<double>());
+    std::printf("memcpy   %7.2f GB/s   (one thread, prefaulted buffers)\n",
+                j["memcpy_bytes_per_s"].get<double>() / gb);
+    if (!j["pread_bytes_per_s"].is_null()) {
+      std::printf("pread    %7.2f GB/s   (O_DIRECT, 1 MiB, depth 1; restore/pread %.2f)\n",
+                  j["pread_bytes_per_s"].get<double>() / gb, j["restore_vs_pread"].get<double>());
+    }
+    if (j.contains("fio_qd1_read_bytes_per_s")) {
+      std::printf("fio      %7.2f GB/s at depth 1, %.2f GB/s at depth 16   (restore/best %.2f)\n",
+                  j["fio_qd1_read_bytes_per_s"].get<double>() / gb,
+                  j["fio_qd16_read_bytes_per_s"].get<double>() / gb,
+                  j["restore_vs_fio_best"].get<double>());
+    } else if (j.contains("fio_error")) {
+      std::printf("fio: %s\n", j["fio_error"].get<std::string>().c_str());
+    }
+  });
+}
+
+}  // namespace sparsekv::cli

@@ -1,0 +1,62 @@
+// `sparsekv bench restore`: a model's prompt of N blocks stored into one offload tier by an
+// OffloadedCache (write-through, every kind of every block) and restored from it into fresh L1
+// pages after the manager forgot them, against a single-threaded memcpy of the same bytes
+// between prefaulted buffers and, for the SSD tier, a plain O_DIRECT pread loop over the tier's
+// data file (and optionally fio), all in the same run, interleaved.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "sparsekv/model_spec.h"
+#include "sparsekv/status.h"
+#include "sparsekv/tier.h"
+
+namespace sparsekv::bench {
+
+struct RestoreBenchOptions {
+  // Model preset, used when `spec` is unset. Default: "deepseek-v3.2-exp".
+  std::string model = "deepseek-v3.2-exp";
+  // The preset's storage precision: bf16, c8 or fp8. Default: "bf16".
+  std::string kv_format = "bf16";
+  // A spec to use instead of the preset (the CLI's --spec / --model). Default: unset.
+  std::optional<ModelSpec> spec;
+  // Tokens per block. Default: 128.
+  uint32_t block_tokens = 128;
+  // Full blocks of the prompt (it has blocks * block_tokens + 1 tokens). Default: 120.
+  uint32_t blocks = 120;
+  // The one tier under L1: "host" (a HostTier, huge pages) or "ssd" (an SsdTier). Default: "host".
+  std::string tier = "host";
+  // Directory for the SSD tier's files and fio's file; required for ssd. Everything the bench
+  // creates there is removed. Default: "".
+  std::string dir;
+  // Rounds of every method, interleaved; medians are reported. Default: 3.
+  int rounds = 3;
+  // Run one more round first, not counted, so that the first touch of the tier's memory and
+  // files is not part of a measured store. Default: true.
+  bool warmup_round = true;
+  // The SSD tier's durability (part of the store time). Default: kNone.
+  Durability durability = Durability::kNone;
+  // The SSD tier's registered read arena; reads past it land in heap memory. 0: the tier's
+  // default (256 MiB). Default: 0.
+  uint64_t ssd_read_arena_bytes = 0;
+  // SSD only: also run fio (io_uring, O_DIRECT, 1 MiB reads, depth 1 and 16) over a file of the
+  // restored size in `dir`, each round. Default: false.
+  bool with_fio = false;
+};
+
+// Keys: restore_bytes_per_s, store_bytes_per_s, memcpy_bytes_per_s, pread_bytes_per_s (null for
+// the host tier), restore_vs_memcpy (restore rate / memcpy rate), restore_time_vs_memcpy and
+// store_time_vs_memcpy (seconds per block / memcpy's: lower is better), restore_vs_pread (ssd),
+// faults_per_block (minor + major page faults of the process during a restore, per block),
+// store_faults_per_block, restore_cpu_s_per_gb and store_cpu_s_per_gb (user + system CPU of every
+// thread of the process per 1e9 bytes), (with fio:) fio_qd1_read_bytes_per_s,
+// fio_qd16_read_bytes_per_s, restore_vs_fio_best, fio_command (or fio_error); the setup (model,
+// kv_format, block_tokens, blocks, block_bytes = the sum of the pools' block strides, record_bytes,
+// tier, durability, rounds, ...) and per-method samples (median, min, max). Rates are
+// blocks * block_bytes per second. Every restore is checked byte for byte (outside the timing).
+Result<nlohmann::json> RunRestoreBench(const RestoreBenchOptions& options);
+
+}  // namespace sparsekv::bench
