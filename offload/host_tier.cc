@@ -79,24 +79,90 @@ class HostTierImpl final : public HostTier {
     std::vector<Status> out(bundles.size());
     std::vector<BundlePtr> evicted;
     for (size_t i = 0; i < bundles.size(); ++i) out[i] = PutOne(bundles[i], &evicted);
-    if (!evicted.empty()) {
-      EvictionListener listener;
-      std::vector<BundleKey> keys;
-      {
-        MutexLock lock(mu_);
-        listener = listener_;
-      }
-      for (const BundlePtr& b : evicted) keys.push_back(b->key());
-      if (listener) listener(std::move(evicted));
-      // Handed over: the listener has taken them (a chain registers them as moving down).
-      MutexLock lock(mu_);
-      for (const BundleKey& k : keys) {
-        auto it = handing_over_.find(k);
-        if (it != handing_over_.end() && --it->second == 0) handing_over_.erase(it);
-      }
-      handed_over_.notify_all();
-    }
+    HandOver(std::move(evicted));
     done(std::move(out));
+  }
+
+  Result<BundlePtr> PutGathered(const BundleKey& key,
+                                std::span<const std::span<const std::byte>> segments,
+                                uint64_t sequence) override {
+    std::vector<uint64_t> sizes;
+    for (const auto& seg : segments) sizes.push_back(seg.size());
+    if (segments.size() > kMaxBundleSegments) {
+      return Status::InvalidArgument(fmt::format("host tier: a bundle holds at most {} segments",
+                                                 kMaxBundleSegments));
+    }
+    const uint64_t record_bytes = BundleRecordBytes(sizes);
+    if (record_bytes > options_.max_record_bytes) {
+      MutexLock lock(mu_);
+      ++stats_.put_failures;
+      return Status::InvalidArgument(
+          fmt::format("host tier: bundle {} of {} bytes exceeds the largest record the tier takes "
+                      "({} bytes)",
+                      key.ToString(), record_bytes, options_.max_record_bytes));
+    }
+    const uint64_t units = UnitsOf(record_bytes);
+    std::vector<BundlePtr> evicted;
+    EntryId id = 0;
+    std::byte* dst = nullptr;
+    Status refused;
+    {
+      MutexLock lock(mu_);
+      auto same = index_.find(key);
+      if (same != index_.end() && entries_[same->second].sequence > sequence) {
+        ++stats_.superseded;
+        return Status::FailedPrecondition(
+            fmt::format("host tier: a newer version of {} is held", key.ToString()));
+      }
+      std::optional<uint64_t> at = AllocateLocked(units, listener_ ? &evicted : nullptr);
+      if (!at) {
+        ++stats_.put_failures;
+        refused = Status::ResourceExhausted(fmt::format(
+            "host tier: no room for {} bytes: the {} bytes that are not free are held by "
+            "readers",
+            units * kUnit, capacity_bytes() - free_.free_units() * kUnit));
+      } else {
+        id = NewEntryLocked();
+        Entry& e = entries_[id];
+        e.key = key;
+        e.at = *at;
+        e.units = units;
+        e.record_bytes = record_bytes;
+        e.sequence = sequence;
+        e.readers = 1;  // the copy below, then the pinned result: never evictable meanwhile
+        dst = DataOf(e);
+      }
+    }
+    HandOver(std::move(evicted));
+    if (!refused.ok()) return refused;
+    Result<uint64_t> sum = Bundle::WriteRecord({dst, record_bytes}, key, segments, sequence);
+    std::memset(dst + record_bytes, 0, units * kUnit - record_bytes);  // as PutOne's padding
+    MutexLock lock(mu_);
+    Entry& e = entries_[id];
+    if (!sum.ok()) {
+      ReleaseReaderLocked(id);
+      ++stats_.put_failures;
+      return sum.status().WithContext("host tier");
+    }
+    e.checksum = *sum;
+    auto it = index_.find(key);
+    if (it != index_.end()) {
+      if (entries_[it->second].sequence > e.sequence) {
+        ++stats_.superseded;  // a newer copy landed while this one was written
+        ReleaseReaderLocked(id);
+        return Status::FailedPrecondition(
+            fmt::format("host tier: a newer version of {} is held", key.ToString()));
+      }
+      ForgetLocked(it);
+    }
+    e.indexed = true;
+    e.lru = lru_.insert(lru_.end(), id);
+    index_.emplace(key, id);
+    stats_.bytes += e.record_bytes;
+    stats_.bytes_written += e.record_bytes;
+    ++stats_.puts;
+    RecordBuffer view(dst, units * kUnit, [this, id](std::byte*) { ReleaseReader(id); });
+    return Bundle::AdoptVerifiedRecord(std::move(view), record_bytes);
   }
 
   void GetAsync(std::vector<BundleKey> keys, BundlesCallback done) override {
@@ -239,6 +305,26 @@ class HostTierImpl final : public HostTier {
       ++stats_.evictions;
       ForgetLocked(index_.find(e.key));
     }
+  }
+
+  // Gives evicted records to the eviction listener, then marks them handed over (a chain
+  // registers them as moving down in the listener).
+  void HandOver(std::vector<BundlePtr> evicted) SPARSEKV_EXCLUDES(mu_) {
+    if (evicted.empty()) return;
+    EvictionListener listener;
+    std::vector<BundleKey> keys;
+    {
+      MutexLock lock(mu_);
+      listener = listener_;
+    }
+    for (const BundlePtr& b : evicted) keys.push_back(b->key());
+    if (listener) listener(std::move(evicted));
+    MutexLock lock(mu_);
+    for (const BundleKey& k : keys) {
+      auto it = handing_over_.find(k);
+      if (it != handing_over_.end() && --it->second == 0) handing_over_.erase(it);
+    }
+    handed_over_.notify_all();
   }
 
   Status PutOne(const BundlePtr& b, std::vector<BundlePtr>* evicted) SPARSEKV_EXCLUDES(mu_) {

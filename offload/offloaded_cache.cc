@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
+#include <future>
 
+#include "sparsekv/host_tier.h"
 #include "worker_pool.h"
 
 namespace sparsekv {
@@ -82,6 +84,9 @@ OffloadedCache::OffloadedCache(CacheManager& manager, TierChain& chain,
   spare_ = std::make_shared<SparePool>();
   spare_->max_buffers = std::max<uint64_t>(
       1, std::min<uint64_t>(options_.max_pending_demote_bytes, 64ull << 20) / block_payload_bytes_);
+  const uint32_t restore_threads = std::clamp<uint32_t>(options_.restore_threads, 1, 16);
+  if (restore_threads > 1)
+    restorers_ = std::make_unique<offload::WorkerPool>("skv-restore", restore_threads - 1);
   if (options_.write_policy == WritePolicy::kWriteBack) {
     // One thread: the chain's put is asynchronous past the first tier, so it only has to keep
     // the host tier's copies off the manager's lock; one drain per wake-up batches the puts.
@@ -95,6 +100,7 @@ OffloadedCache::~OffloadedCache() {
   if (demoter_) manager_.SetBlockEvictHook(nullptr);
   WaitIdle();
   demoter_.reset();
+  restorers_.reset();
 }
 
 void OffloadedCache::WaitIdle() {
@@ -155,32 +161,34 @@ Status OffloadedCache::Free(SequenceId seq) {
 }
 
 BundlePtr OffloadedCache::GatherBlock(SequenceId seq, uint32_t block, const BlockDigest& digest,
-                                      const std::vector<std::vector<PageId>>& tables) const {
+                                      const std::vector<std::vector<PageId>>& tables,
+                                      bool into_host) const {
   std::vector<PageId> pages;
   for (const std::vector<PageId>& table : tables)
     pages.push_back(block < table.size() ? table[block] : kInvalidPage);
-  return GatherPages(digest, pages);
+  return GatherPages(digest, pages, into_host);
 }
 
-BundlePtr OffloadedCache::GatherPages(const BlockDigest& digest,
-                                      std::span<const PageId> pages) const {
+BundlePtr OffloadedCache::GatherPages(const BlockDigest& digest, std::span<const PageId> pages,
+                                      bool into_host) const {
   const BlockGeometry& geo = manager_.geometry();
-  std::vector<uint64_t> sizes;
+  std::vector<std::span<const std::byte>> segments;
   for (size_t p = 0; p < geo.pools.size(); ++p) {
     if (pages[p] == kInvalidPage) return nullptr;
-    sizes.push_back(geo.pools[p].block_stride);
+    segments.emplace_back(manager_.pool(p).PageData(pages[p]), geo.pools[p].block_stride);
   }
-  sizes.push_back(sizeof digest.check);
-  auto b = Bundle::MakeWith(
-      KeyOf(digest), sizes,
-      [&](uint32_t seg, std::span<std::byte> out) {
-        if (seg < geo.pools.size()) {
-          std::memcpy(out.data(), manager_.pool(seg).PageData(pages[seg]), out.size());
-        } else {
-          std::memcpy(out.data(), &digest.check, sizeof digest.check);
-        }
-      },
-      chain_.NextSequence());
+  segments.emplace_back(reinterpret_cast<const std::byte*>(&digest.check), sizeof digest.check);
+  const uint64_t sequence = chain_.NextSequence();
+  // Written straight into the host tier's memory when it is the chain's first tier: one
+  // copy-and-hash pass, and the demote that follows only refreshes it there and writes the
+  // tiers below from it. Where it cannot (no room, a newer version held), a bundle of our own
+  // goes to the chain, which decides as for any put.
+  auto* host = into_host ? dynamic_cast<HostTier*>(&chain_.tier(0)) : nullptr;
+  if (host != nullptr) {
+    Result<BundlePtr> b = host->PutGathered(KeyOf(digest), segments, sequence);
+    if (b.ok()) return *b;
+  }
+  auto b = Bundle::Make(KeyOf(digest), segments, sequence);
   return b.ok() ? *b : nullptr;
 }
 
@@ -237,17 +245,14 @@ void OffloadedCache::OnEvict(const EvictingBlock& block) {
 
 BundlePtr OffloadedCache::BundleOf(const Staged& staged) const {
   const BlockGeometry& geo = manager_.geometry();
-  std::vector<uint64_t> sizes;
-  for (const PoolGeometry& g : geo.pools) sizes.push_back(g.block_stride);
-  sizes.push_back(sizeof staged.digest.check);
+  std::vector<std::span<const std::byte>> segments;
   const std::byte* in = staged.bytes.get();
-  auto b = Bundle::MakeWith(
-      KeyOf(staged.digest), sizes,
-      [&](uint32_t, std::span<std::byte> out) {
-        std::memcpy(out.data(), in, out.size());
-        in += out.size();
-      },
-      chain_.NextSequence());
+  for (const PoolGeometry& g : geo.pools) {
+    segments.emplace_back(in, g.block_stride);
+    in += g.block_stride;
+  }
+  segments.emplace_back(in, sizeof staged.digest.check);
+  auto b = Bundle::Make(KeyOf(staged.digest), segments, chain_.NextSequence());
   return b.ok() ? *b : nullptr;
 }
 
@@ -400,9 +405,24 @@ Status OffloadedCache::CommitComputed(SequenceId seq, uint64_t num_tokens) {
       std::vector<std::vector<PageId>> tables(manager_.num_pools());
       for (size_t p = 0; p < tables.size(); ++p)
         SPARSEKV_RETURN_IF_ERROR(manager_.GetBlockTable(seq, p, &tables[p]));
-      for (uint32_t b = first; b < end; ++b) {
-        if (BundlePtr bundle = GatherBlock(seq, b, st->digests[b], tables))
-          bundles.push_back(std::move(bundle));
+      // Stored in the host tier as they are gathered, pinned there until the chain has them
+      // below: at most half the tier at once, so the batch never crowds out its own later
+      // blocks (those go as bundles of their own, and the tier evicts as for any put).
+      auto* host = dynamic_cast<HostTier*>(&chain_.tier(0));
+      const uint64_t in_place_limit = host != nullptr ? host->capacity_bytes() / 2 : 0;
+      const uint32_t count = end - first;
+      const auto in_place_blocks = static_cast<uint32_t>(
+          std::min<uint64_t>(count, in_place_limit / std::max<uint64_t>(1, block_record_bytes_)));
+      // Copy-and-hash is compute-bound per thread: the blocks are split as a restore's are.
+      std::vector<BundlePtr> made(count);
+      auto gather = [&](uint32_t from, uint32_t to) {
+        for (uint32_t i = from; i < to; ++i)
+          made[i] = GatherBlock(seq, first + i, st->digests[first + i], tables,
+                                /*into_host=*/i < in_place_blocks);
+      };
+      RunSplit(count, gather);
+      for (BundlePtr& b : made) {
+        if (b) bundles.push_back(std::move(b));
       }
     }
   }
@@ -416,12 +436,57 @@ Status OffloadedCache::CommitComputed(SequenceId seq, uint64_t num_tokens) {
   return Status::OK();
 }
 
+void OffloadedCache::RunSplit(uint32_t count,
+                              const std::function<void(uint32_t, uint32_t)>& range) const {
+  const uint32_t parts =
+      restorers_ ? std::min<uint32_t>(count, static_cast<uint32_t>(restorers_->size()) + 1) : 1;
+  if (parts <= 1) {
+    range(0, count);
+    return;
+  }
+  std::vector<std::future<void>> helpers;
+  for (uint32_t k = 1; k < parts; ++k) {
+    auto done = std::make_shared<std::promise<void>>();
+    helpers.push_back(done->get_future());
+    const uint32_t from = count * k / parts, to = count * (k + 1) / parts;
+    restorers_->Submit([&range, from, to, done](size_t) {
+      range(from, to);
+      done->set_value();
+    });
+  }
+  range(0, count / parts);
+  for (auto& h : helpers) h.wait();
+}
+
 uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
                                        std::span<const BlockDigest> digests) {
   std::vector<BundleKey> keys;
   for (const BlockDigest& d : digests) keys.push_back(KeyOf(d));
   const std::vector<BundlePtr> pending = PendingBundles(keys);
-  std::vector<Result<BundlePtr>> got = chain_.Promote(keys).get();
+  // What the host tier holds is read where it lies (pinned, not copied out) and checked as it
+  // is copied into the L1 pages below: one pass over its bytes, no allocation. The rest comes
+  // through the chain, checked there.
+  std::vector<Result<BundlePtr>> got(keys.size(), Status::NotFound(""));
+  std::vector<bool> in_place(keys.size(), false);
+  auto* host = dynamic_cast<HostTier*>(&chain_.tier(0));
+  std::vector<BundleKey> rest;
+  std::vector<size_t> rest_at;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (host != nullptr) {
+      Result<BundlePtr> b = host->GetPinned(keys[i], /*check=*/false);
+      if (b.ok() && !chain_.IsStale(keys[i], (*b)->sequence())) {
+        got[i] = std::move(b);
+        in_place[i] = true;
+        continue;
+      }
+    }
+    rest.push_back(keys[i]);
+    rest_at.push_back(i);
+  }
+  if (!rest.empty()) {
+    std::vector<Result<BundlePtr>> promoted = chain_.Promote(rest).get();
+    for (size_t j = 0; j < rest.size(); ++j) got[rest_at[j]] = std::move(promoted[j]);
+  }
   for (size_t i = 0; i < got.size(); ++i) {
     // Evicted from L1 and not yet in the chain (write-back): the gathered copy serves.
     if (!got[i].ok() && pending[i] != nullptr) got[i] = pending[i];
@@ -440,6 +505,7 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
       break;
     }
   }
+  got.erase(got.begin() + usable, got.end());  // pinned records past the prefix go back now
   auto count = [&](uint64_t restored, uint64_t no_room) {
     MutexLock lock(shared_->mu);
     shared_->stats.restored_blocks += restored;
@@ -451,8 +517,7 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
     return 0;
   }
   const uint32_t bt = manager_.geometry().block_tokens;
-  const uint64_t upto = uint64_t{first_block + usable} * bt;
-  Result<SlotAllocation> alloc = manager_.AllocateSlots(seq, upto);
+  Result<SlotAllocation> alloc = manager_.AllocateSlots(seq, uint64_t{first_block + usable} * bt);
   if (!alloc.ok()) {
     count(0, 1);
     return 0;  // no room in L1: the L1 prefix stands alone, nothing changed
@@ -462,23 +527,54 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
     std::memcpy(manager_.pool(c.pool).PageData(c.dst), manager_.pool(c.pool).PageData(c.src),
                 geo.pools[c.pool].block_stride);
   }
+  std::vector<std::vector<PageId>> tables(geo.pools.size());
   for (size_t p = 0; p < geo.pools.size(); ++p) {
-    std::vector<PageId> table;
-    if (!manager_.GetBlockTable(seq, p, &table).ok()) return 0;
-    for (uint32_t i = 0; i < usable; ++i) {
-      const std::span<const std::byte> seg = (*got[i])->segment(static_cast<uint32_t>(p));
-      std::memcpy(manager_.pool(p).PageData(table[first_block + i]), seg.data(), seg.size());
+    if (!manager_.GetBlockTable(seq, p, &tables[p]).ok()) return 0;
+  }
+  // Each block's pages are written and (from the host tier) checked on one thread; blocks are
+  // split between the caller and the restorers. A block that fails its check ends the prefix.
+  std::vector<Status> checked(usable);
+  auto restore_range = [&](uint32_t from, uint32_t to) {
+    std::vector<std::byte*> dst(geo.pools.size() + 1, nullptr);  // the digest is not copied
+    for (uint32_t i = from; i < to; ++i) {
+      const Bundle& b = **got[i];
+      for (size_t p = 0; p < geo.pools.size(); ++p)
+        dst[p] = manager_.pool(p).PageData(tables[p][first_block + i]);
+      if (in_place[i]) {
+        checked[i] = b.CopySegmentsVerified(dst);
+        continue;
+      }
+      for (size_t p = 0; p < geo.pools.size(); ++p) {
+        const std::span<const std::byte> seg = b.segment(static_cast<uint32_t>(p));
+        std::memcpy(dst[p], seg.data(), seg.size());
+      }
     }
+  };
+  RunSplit(usable, restore_range);
+  uint32_t restored = 0;
+  for (; restored < usable; ++restored) {
+    if (checked[restored].ok()) continue;
+    // Damaged in host memory: the tier drops it, and the restored prefix ends before it. The
+    // pages allocated past it stay the sequence's, uncommitted, as any allocation.
+    host->CheckPinned(*got[restored], keys[restored]).IgnoreError();
+    spdlog::warn("offloaded cache: not restoring: {}", checked[restored].ToString());
+    ++rejected;
+    break;
+  }
+  got.clear();  // unpins
+  if (restored == 0) {
+    count(0, 0);
+    return 0;
   }
   // Committed like computed KV: the blocks become the sequence's and findable again.
-  const Status s = manager_.CommitComputed(seq, upto);
+  const Status s = manager_.CommitComputed(seq, uint64_t{first_block + restored} * bt);
   if (!s.ok()) {
     spdlog::warn("offloaded cache: committing restored blocks: {}", s.ToString());
     count(0, 0);
     return 0;
   }
-  count(usable, 0);
-  return usable;
+  count(restored, 0);
+  return restored;
 }
 
 Result<OffloadedPrefix> OffloadedCache::AcquirePrefix(SequenceId seq) {

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <map>
 #include <random>
 
@@ -26,7 +27,8 @@ struct Stack {
   std::unique_ptr<OffloadedCache> cache;
 };
 
-Stack Build(const std::string& ssd_dir) {
+// `host_blocks`: the host tier's capacity in blocks.
+Stack Build(const std::string& ssd_dir, uint64_t host_blocks = 2) {
   Stack s;
   auto spec = ModelPreset("deepseek-v3.2-exp", KvPrecision::kFp8);
   EXPECT_TRUE(spec.ok());
@@ -44,7 +46,8 @@ Stack Build(const std::string& ssd_dir) {
   block_bytes = BundleRecordBytes(sizes);
   HostTierOptions h;
   h.max_record_bytes = block_bytes;
-  h.capacity_bytes = 2 * ((block_bytes + 4095) & ~uint64_t{4095});  // smaller than the prefix: it spills
+  // By default smaller than the prefix: it spills.
+  h.capacity_bytes = host_blocks * ((block_bytes + 4095) & ~uint64_t{4095});
   h.huge_pages = false;
   SsdTierOptions d;
   d.path = ssd_dir;
@@ -188,6 +191,66 @@ TEST(OffloadedCache, ACorruptBundleEndsTheRestoredPrefixAndIsNeverUsed) {
   EXPECT_EQ(hit->lower_blocks, 2u);  // blocks 0 and 1; block 2 is corrupt, so the prefix ends there
   EXPECT_EQ(s.chain->tier(1).Stats().corrupt, 1u);
   EXPECT_EQ(s.cache->Stats().restore_rejected, 1u);
+  ASSERT_TRUE(s.cache->Free(*seq).ok());
+}
+
+// A restore from the host tier reads the records where they lie and checks them as they are
+// copied into L1: a record damaged in host memory ends the restored prefix there, is dropped
+// from the host tier, and the next restore takes that block from the SSD, byte-identical.
+TEST(OffloadedCache, ABundleDamagedInHostMemoryEndsTheRestoreAndComesBackFromTheSsd) {
+  testing::TempDir dir("offcache");
+  const std::vector<TokenId> prompt = Prompt();
+  Stack s = Build(dir.path(), /*host_blocks=*/8);
+  auto seq = s.cache->CreateSequence();
+  ASSERT_TRUE(s.cache->AppendTokens(*seq, prompt).ok());
+  ASSERT_TRUE(s.cache->AcquirePrefix(*seq).ok());
+  ASSERT_TRUE(s.manager->AllocateSlots(*seq, prompt.size()).ok());
+  std::mt19937_64 rng(9);
+  for (size_t p = 0; p < s.manager->num_pools(); ++p) {
+    std::vector<PageId> table;
+    ASSERT_TRUE(s.manager->GetBlockTable(*seq, p, &table).ok());
+    for (PageId page : table) {
+      std::byte* d = s.manager->pool(p).PageData(page);
+      for (uint64_t i = 0; i < s.manager->geometry().pools[p].block_stride; i += 8) {
+        const uint64_t v = rng();
+        std::memcpy(d + i, &v, 8);
+      }
+    }
+  }
+  const Snapshot before = Read(*s.manager, *seq, kBlocks);
+  ASSERT_TRUE(s.cache->CommitComputed(*seq, prompt.size()).ok());
+  ASSERT_TRUE(s.cache->Free(*seq).ok());
+  s.cache->WaitIdle();
+  ASSERT_TRUE(s.manager->Reset().ok());
+  std::vector<BlockDigest> digests;
+  s.manager->hasher().HashFullBlocks(s.manager->hasher().Root(""), prompt, "", &digests);
+  const BundleKey victim{0, digests[2].hash};
+  ASSERT_TRUE(s.chain->tier(0).Contains({victim}).get()[0]);
+  ASSERT_TRUE(static_cast<HostTier&>(s.chain->tier(0)).CorruptForTesting(victim, 100000).ok());
+
+  seq = s.cache->CreateSequence();
+  ASSERT_TRUE(s.cache->AppendTokens(*seq, prompt).ok());
+  auto hit = s.cache->AcquirePrefix(*seq);
+  ASSERT_TRUE(hit.ok()) << hit.status().ToString();
+  EXPECT_EQ(hit->lower_blocks, 2u) << "blocks 0 and 1; block 2 is damaged";
+  EXPECT_EQ(s.chain->tier(0).Stats().corrupt, 1u);
+  EXPECT_FALSE(s.chain->tier(0).Contains({victim}).get()[0]) << "dropped from the host tier";
+  EXPECT_EQ(s.cache->Stats().restore_rejected, 1u);
+  auto info = s.manager->GetSequenceInfo(*seq);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->computed_tokens, 2u * kBlockTokens) << "only what was checked is committed";
+  ASSERT_TRUE(s.cache->Free(*seq).ok());
+  ASSERT_TRUE(s.manager->Reset().ok());
+
+  seq = s.cache->CreateSequence();
+  ASSERT_TRUE(s.cache->AppendTokens(*seq, prompt).ok());
+  hit = s.cache->AcquirePrefix(*seq);
+  ASSERT_TRUE(hit.ok());
+  EXPECT_EQ(hit->lower_blocks, kBlocks);
+  const Snapshot after = Read(*s.manager, *seq, kBlocks);
+  for (const auto& [where, bytes] : before) {
+    EXPECT_TRUE(after.at(where) == bytes) << "block " << where.first << " pool " << where.second;
+  }
   ASSERT_TRUE(s.cache->Free(*seq).ok());
 }
 

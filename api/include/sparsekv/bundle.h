@@ -115,6 +115,14 @@ class Bundle {
       const BundleKey& key, std::span<const uint64_t> segment_bytes,
       const std::function<void(uint32_t, std::span<std::byte>)>& fill, uint64_t sequence = 0);
 
+  // Writes the record Make would build into `out` (at least BundleRecordBytes of the segments'
+  // sizes; bytes past the record are left alone) and returns its checksum: header, then each
+  // segment copied and hashed in cache-sized chunks, one pass. For a tier that fills its own
+  // memory (HostTier::PutGathered). Errors: as Make, and an `out` too small.
+  static Result<uint64_t> WriteRecord(std::span<std::byte> out, const BundleKey& key,
+                                      std::span<const std::span<const std::byte>> segments,
+                                      uint64_t sequence);
+
   // Checks a record read back from storage: magic, version, sizes against `record.size()`, the
   // checksum, and that it is filed under `expected`. Returns Corruption (data_loss) naming what
   // failed. `ParseRecord` copies; `AdoptRecord` takes over a buffer holding the record (its
@@ -132,6 +140,13 @@ class Bundle {
   // VerifyRecord's checks of the header (magic, version, sizes, key) without the checksum pass:
   // enough to trust the record's layout, so that no span reaches past it.
   static Status VerifyRecordLayout(std::span<const std::byte> record, const BundleKey& expected);
+
+  // Copies segment i into dst[i] (segment_bytes(i) bytes; a null dst[i] is read, not copied)
+  // and checks the record's checksum over the bytes as they land, in the same pass: the one
+  // pass over memory a restore of a record not yet checked needs (HostTier::GetPinned with
+  // `check` false). Returns Corruption on a mismatch; the destinations then hold what the
+  // record held, damage included. Precondition: dst.size() == segment_count().
+  Status CopySegmentsVerified(std::span<std::byte* const> dst) const;
 
   const BundleKey& key() const { return key_; }
   // The version this copy holds (see the record layout above).

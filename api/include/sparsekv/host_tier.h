@@ -50,6 +50,16 @@ class HostTier : public Tier {
   // before it trusts the bytes (it may first hand them to the kernel, which brings them into
   // the cache the check then reads from).
   virtual Result<BundlePtr> GetPinned(const BundleKey& key, bool check = true) = 0;
+  // Stores a new version of `key` gathered straight from `segments` (the record Bundle::Make
+  // would build, written into the tier's memory in one copy-and-hash pass, no bundle in
+  // between) and returns it pinned, as GetPinned does: a write-through store hands that to the
+  // chain, whose put of it here then changes only its recency, and the tiers below write from
+  // this memory. Evictions it causes go to the eviction listener as a put's do. Errors: as
+  // Bundle::Make, a record above max_record_bytes, no room (ResourceExhausted), a newer
+  // version of `key` already held (FailedPrecondition: nothing stored).
+  virtual Result<BundlePtr> PutGathered(const BundleKey& key,
+                                        std::span<const std::span<const std::byte>> segments,
+                                        uint64_t sequence) = 0;
   // Checks a bundle GetPinned(key, false) returned; a damaged one is dropped from the tier and
   // Corruption returned.
   virtual Status CheckPinned(const BundlePtr& bundle, const BundleKey& key) = 0;

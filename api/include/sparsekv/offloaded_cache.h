@@ -40,6 +40,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <unordered_map>
@@ -67,6 +68,12 @@ struct OffloadedCacheOptions {
   uint64_t max_pending_demote_bytes = 256ull << 20;
   // Blocks after a restored prefix to prefetch; -1 takes the chain's prefetch_blocks. Default: -1.
   int prefetch_blocks = -1;
+  // Threads copying a restore into the L1 pages (checking host-tier records as they land) and
+  // a write-through store out of them (hashing as it copies): the caller and
+  // restore_threads - 1 of the cache's own, for 2 blocks or more. Copy and hash together are
+  // compute-bound per thread; one thread does not saturate memory. Clamped to [1, 16].
+  // Default: 2.
+  uint32_t restore_threads = 2;
 };
 
 struct OffloadedPrefix {
@@ -127,9 +134,15 @@ class OffloadedCache {
   // Copies block `block` of `seq` (every pool, then the digest check) into a bundle; nullptr if
   // one of its pages is gone.
   BundlePtr GatherBlock(SequenceId seq, uint32_t block, const BlockDigest& digest,
-                        const std::vector<std::vector<PageId>>& tables) const;
-  // The same from one page per pool; nullptr if one is missing.
-  BundlePtr GatherPages(const BlockDigest& digest, std::span<const PageId> pages) const;
+                        const std::vector<std::vector<PageId>>& tables, bool into_host) const;
+  // The same from one page per pool; nullptr if one is missing. With `into_host` and a host
+  // tier first in the chain, the record is stored there as it is gathered
+  // (HostTier::PutGathered) and returned pinned there: only for a bundle demoted next.
+  BundlePtr GatherPages(const BlockDigest& digest, std::span<const PageId> pages,
+                        bool into_host) const;
+  // Runs range(from, to) over [0, count) split between the caller and the restorers (one part
+  // each), and returns when every part has.
+  void RunSplit(uint32_t count, const std::function<void(uint32_t, uint32_t)>& range) const;
   // Write-back: the manager's eviction hook (runs under the manager's lock): copies the block's
   // pages out and queues them.
   void OnEvict(const EvictingBlock& block);
@@ -156,6 +169,7 @@ class OffloadedCache {
   uint64_t block_payload_bytes_ = 0;  // its segments' bytes: every pool's page and the check
   std::shared_ptr<SparePool> spare_;  // write-back: staging buffers kept for reuse
   std::unique_ptr<offload::WorkerPool> demoter_;  // write-back only
+  std::unique_ptr<offload::WorkerPool> restorers_;  // restore_threads - 1 threads, or none
   mutable Mutex mu_;
   std::unordered_map<SequenceId, std::shared_ptr<SequenceState>> sequences_
       SPARSEKV_GUARDED_BY(mu_);
