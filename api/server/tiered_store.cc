@@ -78,10 +78,29 @@ std::vector<wire::ItemStatus> TieredStore::Put(uint32_t ns, std::span<const wire
   std::vector<wire::ItemStatus> out(items.size());
   std::vector<BundlePtr> bundles;
   std::vector<size_t> index;
+  // With a host tier first, each value is written straight into its memory as a record (one
+  // copy-and-hash pass from the request buffer, or from the client's shared-memory staging)
+  // and handed to the chain pinned there; the chain's put then only refreshes it. A batch pins
+  // at most half the tier; the rest, and anything the tier refuses, goes as a bundle of its own.
+  auto* host = dynamic_cast<HostTier*>(&chain_->tier(0));
+  const uint64_t in_place_limit = host != nullptr ? host->capacity_bytes() / 2 : 0;
+  uint64_t in_place = 0;
   for (size_t i = 0; i < items.size(); ++i) {
     const std::span<const std::byte> segments[1] = {items[i].bundle};
+    const BundleKey key{ns, FromWire(items[i].hash)};
     // Each PUT is a new version: copies of older ones are never served again (tier_chain.h).
-    auto b = Bundle::Make({ns, FromWire(items[i].hash)}, segments, chain_->NextSequence());
+    const uint64_t sequence = chain_->NextSequence();
+    const uint64_t record = BundleHeaderBytes(1) + items[i].bundle.size();
+    if (host != nullptr && in_place + record <= in_place_limit) {
+      Result<BundlePtr> pinned = host->PutGathered(key, segments, sequence);
+      if (pinned.ok()) {
+        in_place += record;
+        bundles.push_back(std::move(pinned).value());
+        index.push_back(i);
+        continue;
+      }
+    }
+    auto b = Bundle::Make(key, segments, sequence);
     if (!b.ok()) {
       out[i] = ToItem(b.status());
       continue;
