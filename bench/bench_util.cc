@@ -3,8 +3,13 @@
 #include <fmt/format.h>
 #include <sys/wait.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <filesystem>
 #include <cstdio>
+
+#include "sparsekv/file_system.h"
 
 namespace sparsekv::bench {
 
@@ -94,6 +99,20 @@ Result<double> RunFioJob(const std::string& command, std::string_view rw) {
   const auto& job = j["jobs"][0];
   const char* side = rw == "write" ? "write" : "read";
   return job[side]["bw_bytes"].get<double>();
+}
+
+Result<std::unique_ptr<ScratchDir>> ScratchDir::Make(const std::string& parent,
+                                                     std::string_view name) {
+  if (parent.empty()) return std::unique_ptr<ScratchDir>(new ScratchDir(""));
+  const std::string path =
+      (std::filesystem::path(parent) / fmt::format("sparsekv-{}-{}", name, getpid())).string();
+  SPARSEKV_RETURN_IF_ERROR(FileSystem::Default()->CreateDirs(path));
+  return std::unique_ptr<ScratchDir>(new ScratchDir(path));
+}
+
+ScratchDir::~ScratchDir() {
+  std::error_code ec;
+  if (!path_.empty()) std::filesystem::remove_all(path_, ec);
 }
 
 }  // namespace sparsekv::bench

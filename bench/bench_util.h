@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
@@ -74,5 +75,20 @@ std::string FioJobCommand(std::string_view file, uint64_t size_bytes, uint64_t b
 // first job's `rw` side. Unavailable when fio is missing or fails; Internal for output it cannot
 // parse.
 Result<double> RunFioJob(const std::string& command, std::string_view rw);
+
+// A directory of this run's own under `parent` (`<parent>/sparsekv-<name>-<pid>`), created
+// now and removed with everything in it when the object goes; an empty `parent` gives an empty
+// path and nothing to remove. Declare it before what keeps files there, so that it goes last.
+class ScratchDir {
+ public:
+  static Result<std::unique_ptr<ScratchDir>> Make(const std::string& parent,
+                                                  std::string_view name);
+  ~ScratchDir();
+  const std::string& path() const { return path_; }
+
+ private:
+  explicit ScratchDir(std::string path) : path_(std::move(path)) {}
+  std::string path_;
+};
 
 }  // namespace sparsekv::bench

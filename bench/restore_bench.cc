@@ -171,19 +171,9 @@ Result<nlohmann::json> RunRestoreBench(const RestoreBenchOptions& o) {
 
   // Everything in `dir` lives under one directory of ours, removed at the end (after the tier,
   // declared below, has closed its files).
-  const std::string root =
-      o.dir.empty()
-          ? std::string()
-          : (std::filesystem::path(o.dir) / fmt::format("sparsekv-restore-bench-{}", getpid()))
-                .string();
-  if (!root.empty()) SPARSEKV_RETURN_IF_ERROR(FileSystem::Default()->CreateDirs(root));
-  struct Cleanup {
-    std::string root;
-    ~Cleanup() {
-      std::error_code ec;
-      if (!root.empty()) std::filesystem::remove_all(root, ec);
-    }
-  } cleanup{root};
+  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<ScratchDir> scratch,
+                            ScratchDir::Make(o.dir, "restore-bench"));
+  const std::string& root = scratch->path();
 
   // L1: pages for the prompt (its last, partial block included) and a little slack.
   CacheManagerOptions mo;
@@ -239,7 +229,7 @@ Result<nlohmann::json> RunRestoreBench(const RestoreBenchOptions& o) {
   oco.write_policy = WritePolicy::kWriteThrough;
   auto cache = std::make_unique<OffloadedCache>(*manager, *chain, oco);
   // Destroyed in reverse: the cache, the chain (closing the tier's files), the manager, then
-  // `cleanup` removes the directory.
+  // `scratch` removes the directory.
 
   // The bytes every round stores: pseudo-random, block after block, each block its pools' pages
   // in pool order. Also memcpy's source.

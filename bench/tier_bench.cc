@@ -234,19 +234,9 @@ Result<nlohmann::json> RunTierBench(const TierBenchOptions& o) {
   if (o.rounds < 1) return Status::InvalidArgument("--rounds must be at least 1");
   const uint64_t count = std::max<uint64_t>(1, o.data_bytes / o.bundle_bytes);
   const uint32_t batch = o.batch ? o.batch : 4 * o.queue_depth;
-  const std::string root =
-      o.dir.empty()
-          ? std::string()
-          : (std::filesystem::path(o.dir) / fmt::format("sparsekv-tier-bench-{}", getpid()))
-                .string();
-  if (!root.empty()) SPARSEKV_RETURN_IF_ERROR(FileSystem::Default()->CreateDirs(root));
-  struct Cleanup {
-    std::string root;
-    ~Cleanup() {
-      std::error_code ec;
-      if (!root.empty()) std::filesystem::remove_all(root, ec);
-    }
-  } cleanup{root};
+  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<ScratchDir> scratch,
+                            ScratchDir::Make(o.dir, "tier-bench"));
+  const std::string& root = scratch->path();
 
   SPARSEKV_ASSIGN_OR_RETURN(std::vector<BundlePtr> bundles, MakeBundles(count, o.bundle_bytes));
   const double bytes = static_cast<double>(count * o.bundle_bytes);

@@ -275,6 +275,12 @@ RefPage Reference(const Case& c, const std::vector<uint16_t>& rows) {
   }
 }
 
+Result<PageCodec> CodecOn(const Case& c, SimdPath path) {
+  CodecOptions o;
+  o.simd_path = path;
+  return PageCodec::Create(c.format, c.dims, c.entries, o);
+}
+
 class GoldenPages : public ::testing::TestWithParam<Case> {};
 
 // Our pages, on every SIMD path, are the reference's bytes wherever the format defines them.
@@ -285,9 +291,7 @@ TEST_P(GoldenPages, EveryPathWritesTheReferenceBytes) {
   for (SimdPath path : SupportedSimdPaths()) {
     SCOPED_TRACE(std::string(StorageFormatName(c.format)) + " on " +
                  std::string(SimdPathName(path)));
-    CodecOptions o;
-    o.simd_path = path;
-    auto codec = PageCodec::Create(c.format, c.dims, c.entries, o);
+    auto codec = CodecOn(c, path);
     ASSERT_TRUE(codec.ok()) << codec.status().ToString();
     ASSERT_EQ(codec->page_bytes(), ref.bytes.size());
     std::vector<uint8_t> page(codec->page_bytes(), 0xA5);
@@ -314,9 +318,7 @@ TEST_P(GoldenPages, EveryPathDecodesTheReferencePages) {
   for (SimdPath path : SupportedSimdPaths()) {
     SCOPED_TRACE(std::string(StorageFormatName(c.format)) + " on " +
                  std::string(SimdPathName(path)));
-    CodecOptions o;
-    o.simd_path = path;
-    auto codec = PageCodec::Create(c.format, c.dims, c.entries, o);
+    auto codec = CodecOn(c, path);
     ASSERT_TRUE(codec.ok()) << codec.status().ToString();
     std::vector<uint8_t> page = ref.bytes;
     std::vector<float> out(size_t{c.entries} * c.dims);

@@ -71,6 +71,22 @@ std::vector<TokenId> Prompt() {
   return t;
 }
 
+// Writes pseudo-random bytes into every page of the sequence, as an engine computing it would.
+void FillRandom(CacheManager& m, SequenceId seq, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  for (size_t p = 0; p < m.num_pools(); ++p) {
+    std::vector<PageId> table;
+    ASSERT_TRUE(m.GetBlockTable(seq, p, &table).ok());
+    for (PageId page : table) {
+      std::byte* d = m.pool(p).PageData(page);
+      for (uint64_t i = 0; i < m.geometry().pools[p].block_stride; i += 8) {
+        const uint64_t v = rng();
+        std::memcpy(d + i, &v, 8);
+      }
+    }
+  }
+}
+
 // (block, pool) -> the page's bytes.
 using Snapshot = std::map<std::pair<uint32_t, size_t>, std::vector<std::byte>>;
 
@@ -105,18 +121,7 @@ TEST(OffloadedCache, V32PrefixEvictedFromL1SurvivesRestartAndIsRestoredByteIdent
     EXPECT_EQ(hit->blocks, 0u);
     ASSERT_TRUE(s.manager->AllocateSlots(*seq, prompt.size()).ok());
     // The "engine" writes every kind of every block.
-    std::mt19937_64 rng(5);
-    for (size_t p = 0; p < s.manager->num_pools(); ++p) {
-      std::vector<PageId> table;
-      ASSERT_TRUE(s.manager->GetBlockTable(*seq, p, &table).ok());
-      for (PageId page : table) {
-        std::byte* d = s.manager->pool(p).PageData(page);
-        for (uint64_t i = 0; i < s.manager->geometry().pools[p].block_stride; i += 8) {
-          const uint64_t v = rng();
-          std::memcpy(d + i, &v, 8);
-        }
-      }
-    }
+    FillRandom(*s.manager, *seq, 5);
     before = Read(*s.manager, *seq, kBlocks);
     ASSERT_TRUE(s.cache->CommitComputed(*seq, prompt.size()).ok());
     ASSERT_TRUE(s.cache->Free(*seq).ok());
@@ -205,18 +210,7 @@ TEST(OffloadedCache, ABundleDamagedInHostMemoryEndsTheRestoreAndComesBackFromThe
   ASSERT_TRUE(s.cache->AppendTokens(*seq, prompt).ok());
   ASSERT_TRUE(s.cache->AcquirePrefix(*seq).ok());
   ASSERT_TRUE(s.manager->AllocateSlots(*seq, prompt.size()).ok());
-  std::mt19937_64 rng(9);
-  for (size_t p = 0; p < s.manager->num_pools(); ++p) {
-    std::vector<PageId> table;
-    ASSERT_TRUE(s.manager->GetBlockTable(*seq, p, &table).ok());
-    for (PageId page : table) {
-      std::byte* d = s.manager->pool(p).PageData(page);
-      for (uint64_t i = 0; i < s.manager->geometry().pools[p].block_stride; i += 8) {
-        const uint64_t v = rng();
-        std::memcpy(d + i, &v, 8);
-      }
-    }
-  }
+  FillRandom(*s.manager, *seq, 9);
   const Snapshot before = Read(*s.manager, *seq, kBlocks);
   ASSERT_TRUE(s.cache->CommitComputed(*seq, prompt.size()).ok());
   ASSERT_TRUE(s.cache->Free(*seq).ok());

@@ -75,7 +75,9 @@ TEST(RocksDbTier, RecordsOfAnotherBundleFormatAreRefusedAtOpen) {
     ASSERT_TRUE(tier->Put({MakeBundleOfBytes(1, 100)}).get()[0].ok());
   }
   ASSERT_TRUE(RocksDbTier::Open(o).ok()) << "its own format reopens";
-  auto rewrite = [&](const char* value) {
+  // Opens the database as RocksDB itself, checks the mark is `expect` (nullptr: none), then
+  // sets it to `value` (nullptr: deletes it).
+  auto rewrite = [&](const char* expect, const char* value) {
     rocksdb::DBOptions dbo;
     std::vector<rocksdb::ColumnFamilyDescriptor> families = {
         {rocksdb::kDefaultColumnFamilyName, {}}, {"meta", {}}};
@@ -83,35 +85,28 @@ TEST(RocksDbTier, RecordsOfAnotherBundleFormatAreRefusedAtOpen) {
     rocksdb::DB* raw = nullptr;
     ASSERT_TRUE(rocksdb::DB::Open(dbo, dir.path(), families, &handles, &raw).ok());
     std::string format;
-    ASSERT_TRUE(raw->Get(rocksdb::ReadOptions(), handles[0], "sparsekv:format", &format).ok());
-    EXPECT_EQ(format, "sparsekv-bundle-3");
-    if (value == nullptr) {
-      ASSERT_TRUE(raw->Delete(rocksdb::WriteOptions(), handles[0], "sparsekv:format").ok());
+    const rocksdb::Status got =
+        raw->Get(rocksdb::ReadOptions(), handles[0], "sparsekv:format", &format);
+    if (expect == nullptr) {
+      EXPECT_TRUE(got.IsNotFound());
     } else {
-      ASSERT_TRUE(raw->Put(rocksdb::WriteOptions(), handles[0], "sparsekv:format", value).ok());
+      EXPECT_TRUE(got.ok());
+      EXPECT_EQ(format, expect);
     }
+    const rocksdb::Status put =
+        value == nullptr ? raw->Delete(rocksdb::WriteOptions(), handles[0], "sparsekv:format")
+                         : raw->Put(rocksdb::WriteOptions(), handles[0], "sparsekv:format", value);
+    EXPECT_TRUE(put.ok());
     for (auto* h : handles) raw->DestroyColumnFamilyHandle(h);
     delete raw;
   };
-  rewrite(nullptr);  // as a release before the mark left it
+  rewrite("sparsekv-bundle-3", nullptr);  // as a release before the mark left it
   auto old = RocksDbTier::Open(o);
   ASSERT_FALSE(old.ok());
   EXPECT_EQ(old.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(old.status().message().find("bundle format 2"), std::string_view::npos)
       << old.status().ToString();
-  {
-    // Put the mark back to check the other branch: a mark naming another format.
-    rocksdb::DBOptions dbo;
-    std::vector<rocksdb::ColumnFamilyDescriptor> families = {
-        {rocksdb::kDefaultColumnFamilyName, {}}, {"meta", {}}};
-    std::vector<rocksdb::ColumnFamilyHandle*> handles;
-    rocksdb::DB* raw = nullptr;
-    ASSERT_TRUE(rocksdb::DB::Open(dbo, dir.path(), families, &handles, &raw).ok());
-    ASSERT_TRUE(
-        raw->Put(rocksdb::WriteOptions(), handles[0], "sparsekv:format", "sparsekv-bundle-9").ok());
-    for (auto* h : handles) raw->DestroyColumnFamilyHandle(h);
-    delete raw;
-  }
+  rewrite(nullptr, "sparsekv-bundle-9");  // a mark naming another format
   auto other = RocksDbTier::Open(o);
   ASSERT_FALSE(other.ok());
   EXPECT_NE(other.status().message().find("sparsekv-bundle-9"), std::string_view::npos)
