@@ -3,8 +3,7 @@
 //
 // This file is the definition the SIMD paths are held to: each path computes the same IEEE
 // single-precision operations in the same order, so its bytes and decoded values are identical
-// to these. Tile scales come from ComputeTileQuant below (simd_plan.h runs its linear rule on
-// four tiles at once, with the same operations).
+// to these. Tile scales come from ComputeTileQuant below, on every path.
 //
 // Everything here is in an anonymous namespace on purpose: each translation unit gets its own
 // copy of every function (member functions included), compiled with that unit's ISA flags. An
@@ -126,7 +125,6 @@ inline float Pow2(int k) {
 
 enum class ScaleRule : uint8_t {
   kLinear127,  // int8: scale = amax / 127 (fp32)
-  kLinear448,  // fp8: scale = amax / 448 (fp32)
   // fp8_ds_mla: scale = 2^ceil(log2(max(amax / 448, 1e-4))) stored as fp32, as FlashMLA's
   // quantize_k_cache (tests/quant.py) and vLLM's fp8_ds_mla writers store it: the 1e-4 floor
   // comes before the ceil-log2, so the least scale is 2^-13 (an all-zero tile's too).
@@ -156,21 +154,21 @@ struct TileQuant {
 
 // `amax_bits`: the bits of the tile's largest |x| over its finite values (0 for all zeros).
 //
-// Linear rules store scale = amax / N rounded to nearest. Where that is an fp32 denormal (amax
-// below about 1.5e-36 for int8, 5.3e-36 for fp8) its rounding error is no longer negligible, so
-// there it is moved up one ulp if it left scale * N < amax: no |x| / scale then exceeds N and
-// nothing is clipped. (In the normal range |x| / scale <= N * (1 + 2^-24), which still rounds
-// to at most N.) Power-of-two rules store the smallest 2^k with 448 * 2^k >= amax, computed
+// The linear (int8) rule stores scale = amax / N (N = 127) rounded to nearest. Where that is an
+// fp32 denormal (amax below about 1.5e-36) its rounding error is no longer negligible, so there
+// it is moved up one ulp if it left scale * N < amax: no |x| / scale then exceeds N and nothing
+// is clipped. (In the normal range |x| / scale <= N * (1 + 2^-24), which still rounds to at
+// most N.) Power-of-two rules store the smallest 2^k with 448 * 2^k >= amax, computed
 // exactly from the bits (ceil(log2(amax / 448)) without a rounding step), but never less than
 // their floor (Pow2RuleMinExponent): that is max(ceil(log2(x)), ceil(log2(floor))), which is
 // ceil(log2(max(x, floor))), the public writers' formula.
-// An all-zero tile stores scale 0 under the linear rules and the floor under the power-of-two
+// An all-zero tile stores scale 0 under the linear rule and the floor under the power-of-two
 // ones (2^-13, or 2^-22 for idx_fp8), as the public writers do.
 inline TileQuant ComputeTileQuant(ScaleRule rule, uint32_t amax_bits) {
   TileQuant q;
-  if (rule == ScaleRule::kLinear127 || rule == ScaleRule::kLinear448) {
+  if (rule == ScaleRule::kLinear127) {
     if (amax_bits == 0) return q;  // scale 0, inv 0: every value quantizes to 0
-    const float n = rule == ScaleRule::kLinear127 ? 127.0f : 448.0f;
+    const float n = 127.0f;
     const float amax = BitsToFloat(amax_bits);
     float s = amax / n;
     if (s < 0x1p-126f && s * n < amax) s = BitsToFloat(FloatBits(s) + 1);
