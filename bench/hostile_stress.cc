@@ -1213,27 +1213,15 @@ Result<wire::HelloReply> ShmHello(int fd, const HostileStressOptions& o, double 
     if (::poll(&p, 1, MsUntil(deadline)) <= 0 && NowSeconds() >= deadline) {
       return Status::Unavailable("no HELLO reply in time");
     }
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)];
-    iovec iov{hb.data(), hb.size()};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    const ssize_t k = ::recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    std::vector<int> raw;
+    const ssize_t k = wire::RecvWithFds(fd, hb.data(), hb.size(), MSG_DONTWAIT, &raw);
+    for (int r : raw) fds.emplace_back(r);
     if (k == 0) return Status::Unavailable("the daemon closed the connection");
     if (k < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
       return Status::Unavailable(fmt::format("recvmsg: {}", std::strerror(errno)));
     }
     got = static_cast<size_t>(k);
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-      const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      std::vector<int> raw(n);
-      std::memcpy(raw.data(), CMSG_DATA(c), n * sizeof(int));
-      for (int r : raw) fds.emplace_back(r);
-    }
   }
   if (RecvUntil(fd, std::span<std::byte>(hb).subspan(got), deadline) != Io::kOk) {
     return Status::Unavailable("the HELLO reply's header did not arrive");

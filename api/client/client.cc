@@ -228,33 +228,23 @@ class Client::Impl {
     int staging_fd = -1, arena_fd = -1;
     size_t got = 0;
     {
-      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
-      iovec iov{hb.data(), hb.size()};
-      msghdr msg{};
-      msg.msg_iov = &iov;
-      msg.msg_iovlen = 1;
-      msg.msg_control = control;
-      msg.msg_controllen = sizeof(control);
+      std::vector<int> got_fds;
       ssize_t k;
       do {
-        k = ::recvmsg(fd_, &msg, MSG_CMSG_CLOEXEC);
+        k = w::RecvWithFds(fd_, hb.data(), hb.size(), 0, &got_fds);
       } while (k < 0 && errno == EINTR);
-      if (k <= 0) return k == 0 ? Status::Unavailable("sparsekvd closed the connection during HELLO") : Errno("HELLO");
+      if (k <= 0) {
+        for (int f : got_fds) ::close(f);
+        return k == 0 ? Status::Unavailable("sparsekvd closed the connection during HELLO") : Errno("HELLO");
+      }
       got = static_cast<size_t>(k);
-      for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-          const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-          std::vector<int> got_fds(n);
-          std::memcpy(got_fds.data(), CMSG_DATA(c), n * sizeof(int));
-          for (size_t i = 0; i < n; ++i) {
-            if (i == 0 && staging_fd < 0) {
-              staging_fd = got_fds[i];
-            } else if (i == 1 && arena_fd < 0) {
-              arena_fd = got_fds[i];
-            } else {
-              ::close(got_fds[i]);  // more than the protocol passes: not ours to keep
-            }
-          }
+      for (size_t i = 0; i < got_fds.size(); ++i) {
+        if (i == 0) {
+          staging_fd = got_fds[i];
+        } else if (i == 1) {
+          arena_fd = got_fds[i];
+        } else {
+          ::close(got_fds[i]);  // more than the protocol passes: not ours to keep
         }
       }
     }

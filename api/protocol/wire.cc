@@ -1,6 +1,7 @@
 #include "protocol/wire.h"
 
 #include <fmt/format.h>
+#include <sys/socket.h>
 #include <xxhash.h>
 
 #include <cstring>
@@ -526,6 +527,26 @@ Result<EventBatch> DecodeEventBatch(std::span<const std::byte> p) {
   }
   SPARSEKV_RETURN_IF_ERROR(r.Finish("EVENT"));
   return m;
+}
+
+ssize_t RecvWithFds(int fd, void* buf, size_t n, int flags, std::vector<int>* fds) {
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)];
+  iovec iov{buf, n};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  const ssize_t k = ::recvmsg(fd, &msg, flags | MSG_CMSG_CLOEXEC);
+  if (k < 0) return k;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    const size_t at = fds->size();
+    fds->resize(at + count);
+    std::memcpy(fds->data() + at, CMSG_DATA(c), count * sizeof(int));
+  }
+  return k;
 }
 
 }  // namespace sparsekv::wire

@@ -10,6 +10,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <sys/types.h>
 #include <span>
 #include <string>
 #include <string_view>
@@ -255,5 +256,11 @@ Result<ShmPutRequest> DecodeShmPutRequest(std::span<const std::byte> p);
 Result<ShmGetReply> DecodeShmGetReply(std::span<const std::byte> p);
 Result<ErrorReply> DecodeErrorReply(std::span<const std::byte> p);
 Result<EventBatch> DecodeEventBatch(std::span<const std::byte> p);
+
+// recvmsg of up to `n` bytes into `buf` that also takes the descriptors passed with them
+// (SCM_RIGHTS: the HELLO reply's staging area and arena, in that order), close-on-exec, into
+// `fds` (appended; up to 8 per call, the kernel closes any beyond). Returns what recvmsg does:
+// the bytes received, 0 at end of stream, -1 with errno set.
+ssize_t RecvWithFds(int fd, void* buf, size_t n, int flags, std::vector<int>* fds);
 
 }  // namespace sparsekv::wire

@@ -35,6 +35,7 @@
 #include "sparsekv/client.h"
 #include "tests/support/daemon_values.h"
 #include "tests/support/metrics_scrape.h"
+#include "tests/support/process_reaper.h"
 #include "sparsekv/host_tier.h"
 
 namespace sparsekv::server {
@@ -112,22 +113,11 @@ struct RawShmSession {
               static_cast<ssize_t>(frame.size()));
     // The descriptors ride with the reply's first bytes: receive the header with them.
     std::array<std::byte, wire::kHeaderBytes> hb;
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
-    iovec iov{hb.data(), hb.size()};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    const ssize_t k = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+    std::vector<int> fds;
+    const ssize_t k = wire::RecvWithFds(sock, hb.data(), hb.size(), 0, &fds);
     ASSERT_GT(k, 0);
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-      const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      std::vector<int> fds(n);
-      std::memcpy(fds.data(), CMSG_DATA(c), n * sizeof(int));
-      if (n > 0) staging_fd = fds[0];
-      if (n > 1) arena_fd = fds[1];
-    }
+    if (fds.size() > 0) staging_fd = fds[0];
+    if (fds.size() > 1) arena_fd = fds[1];
     ASSERT_TRUE(ReadAll(sock, hb.data() + k, hb.size() - static_cast<size_t>(k)));
     auto h = wire::DecodeHeader(hb, wire::kMaxPayloadBytes);
     ASSERT_TRUE(h.ok()) << h.status().ToString();
@@ -615,18 +605,7 @@ int Stop(const Daemon& d) {
   return *st;
 }
 
-// Kills whatever the test left running, however it ends.
-struct Reaper {
-  std::vector<pid_t> pids;
-  ~Reaper() {
-    for (pid_t p : pids) {
-      if (kill(p, 0) == 0) {
-        kill(p, SIGKILL);
-        waitpid(p, nullptr, 0);
-      }
-    }
-  }
-};
+using Reaper = sparsekv::testing::ProcessReaper;
 
 // The second daemon is refused and says why; the first answers over its socket throughout,
 // and after it stops (SIGTERM) its socket is gone and a new daemon starts there.

@@ -718,20 +718,8 @@ TEST_F(DaemonArenaTest, TheArenaIsPassedReadOnly) {
   auto hello = RawHello("raw", true);
   ASSERT_EQ(send(fd, hello.data(), hello.size(), 0), static_cast<ssize_t>(hello.size()));
   std::array<std::byte, 4096> buf;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
-  iovec iov{buf.data(), buf.size()};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  ASSERT_GT(recvmsg(fd, &msg, MSG_CMSG_CLOEXEC), 0);
   std::vector<int> fds;
-  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-    const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    fds.resize(n);
-    std::memcpy(fds.data(), CMSG_DATA(c), n * sizeof(int));
-  }
+  ASSERT_GT(wire::RecvWithFds(fd, buf.data(), buf.size(), 0, &fds), 0);
   ASSERT_EQ(fds.size(), 2u);  // staging area, then arena
   const size_t bytes = 3 * 256 * 1024;
   void* w = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1], 0);

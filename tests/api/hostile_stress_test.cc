@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "sparsekv/client.h"
+#include "tests/support/process_reaper.h"
 
 namespace sparsekv::bench {
 namespace {
@@ -76,18 +77,7 @@ std::string LogTail(const std::filesystem::path& p) {
   return out;
 }
 
-// Kills the daemon however the test ends.
-struct Reaper {
-  std::vector<pid_t> pids;
-  ~Reaper() {
-    for (pid_t p : pids) {
-      if (kill(p, 0) == 0) {
-        kill(p, SIGKILL);
-        waitpid(p, nullptr, 0);
-      }
-    }
-  }
-};
+using Reaper = sparsekv::testing::ProcessReaper;
 
 pid_t Spawn(const std::filesystem::path& config, const std::filesystem::path& log) {
   const pid_t pid = fork();
