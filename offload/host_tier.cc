@@ -93,14 +93,7 @@ class HostTierImpl final : public HostTier {
                                                  kMaxBundleSegments));
     }
     const uint64_t record_bytes = BundleRecordBytes(sizes);
-    if (record_bytes > options_.max_record_bytes) {
-      MutexLock lock(mu_);
-      ++stats_.put_failures;
-      return Status::InvalidArgument(
-          fmt::format("host tier: bundle {} of {} bytes exceeds the largest record the tier takes "
-                      "({} bytes)",
-                      key.ToString(), record_bytes, options_.max_record_bytes));
-    }
+    if (record_bytes > options_.max_record_bytes) return TooLarge(key, record_bytes);
     const uint64_t units = UnitsOf(record_bytes);
     std::vector<BundlePtr> evicted;
     EntryId id = 0;
@@ -145,22 +138,11 @@ class HostTierImpl final : public HostTier {
       return sum.status().WithContext("host tier");
     }
     e.checksum = *sum;
-    auto it = index_.find(key);
-    if (it != index_.end()) {
-      if (entries_[it->second].sequence > e.sequence) {
-        ++stats_.superseded;  // a newer copy landed while this one was written
-        ReleaseReaderLocked(id);
-        return Status::FailedPrecondition(
-            fmt::format("host tier: a newer version of {} is held", key.ToString()));
-      }
-      ForgetLocked(it);
+    if (!PublishLocked(id)) {
+      ReleaseReaderLocked(id);
+      return Status::FailedPrecondition(
+          fmt::format("host tier: a newer version of {} is held", key.ToString()));
     }
-    e.indexed = true;
-    e.lru = lru_.insert(lru_.end(), id);
-    index_.emplace(key, id);
-    stats_.bytes += e.record_bytes;
-    stats_.bytes_written += e.record_bytes;
-    ++stats_.puts;
     RecordBuffer view(dst, units * kUnit, [this, id](std::byte*) { ReleaseReader(id); });
     return Bundle::AdoptVerifiedRecord(std::move(view), record_bytes);
   }
@@ -307,6 +289,18 @@ class HostTierImpl final : public HostTier {
     }
   }
 
+  // A put refused for a record above max_record_bytes, counted.
+  Status TooLarge(const BundleKey& key, uint64_t record_bytes) SPARSEKV_EXCLUDES(mu_) {
+    {
+      MutexLock lock(mu_);
+      ++stats_.put_failures;
+    }
+    return Status::InvalidArgument(
+        fmt::format("host tier: bundle {} of {} bytes exceeds the largest record the tier takes "
+                    "({} bytes)",
+                    key.ToString(), record_bytes, options_.max_record_bytes));
+  }
+
   // Gives evicted records to the eviction listener, then marks them handed over (a chain
   // registers them as moving down in the listener).
   void HandOver(std::vector<BundlePtr> evicted) SPARSEKV_EXCLUDES(mu_) {
@@ -329,14 +323,8 @@ class HostTierImpl final : public HostTier {
 
   Status PutOne(const BundlePtr& b, std::vector<BundlePtr>* evicted) SPARSEKV_EXCLUDES(mu_) {
     if (!b) return Status::InvalidArgument("host tier: null bundle");
-    if (b->record_bytes() > options_.max_record_bytes) {
-      MutexLock lock(mu_);
-      ++stats_.put_failures;
-      return Status::InvalidArgument(
-          fmt::format("host tier: bundle {} of {} bytes exceeds the largest record the tier takes "
-                      "({} bytes)",
-                      b->key().ToString(), b->record_bytes(), options_.max_record_bytes));
-    }
+    if (b->record_bytes() > options_.max_record_bytes)
+      return TooLarge(b->key(), b->record_bytes());
     const uint64_t units = UnitsOf(b->record_bytes());
     EntryId id;
     std::byte* dst;
@@ -379,25 +367,30 @@ class HostTierImpl final : public HostTier {
     std::memcpy(dst, b->record().data(), b->record_bytes());
     std::memset(dst + b->record_bytes(), 0, units * kUnit - b->record_bytes());
     MutexLock lock(mu_);
+    entries_[id].readers = 0;
+    if (!PublishLocked(id)) ReleaseEntryLocked(id);  // a newer copy landed while it was copied
+    return Status::OK();
+  }
+
+  // Makes entry `id`, just written, its key's copy in place of an older one. False (counted as
+  // superseded, nothing changed) when a newer copy landed while it was written.
+  bool PublishLocked(EntryId id) SPARSEKV_REQUIRES(mu_) {
     Entry& e = entries_[id];
-    e.readers = 0;
-    auto it = index_.find(b->key());
+    auto it = index_.find(e.key);
     if (it != index_.end()) {
       if (entries_[it->second].sequence > e.sequence) {
-        // A newer copy landed while this one was copied in.
         ++stats_.superseded;
-        ReleaseEntryLocked(id);
-        return Status::OK();
+        return false;
       }
       ForgetLocked(it);
     }
     e.indexed = true;
     e.lru = lru_.insert(lru_.end(), id);
-    index_.emplace(b->key(), id);
+    index_.emplace(e.key, id);
     stats_.bytes += e.record_bytes;
     stats_.bytes_written += e.record_bytes;
     ++stats_.puts;
-    return Status::OK();
+    return true;
   }
 
   Result<BundlePtr> GetOne(const BundleKey& key, bool in_place = false, bool check = true)
