@@ -82,6 +82,30 @@ Status WriteAll(int fd, const std::byte* p, size_t n) {
   return Status::OK();
 }
 
+// Sends the iovecs' bytes, all of them (sendmsg may take fewer than asked).
+Status WriteAllV(int fd, iovec* iov, size_t count) {
+  while (count > 0) {
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = std::min<size_t>(count, IOV_MAX);
+    ssize_t k = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      return Errno("sending to sparsekvd");
+    }
+    while (count > 0 && static_cast<size_t>(k) >= iov->iov_len) {
+      k -= static_cast<ssize_t>(iov->iov_len);
+      ++iov;
+      --count;
+    }
+    if (count > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + k;
+      iov->iov_len -= static_cast<size_t>(k);
+    }
+  }
+  return Status::OK();
+}
+
 Status ReadAll(int fd, std::byte* p, size_t n) {
   while (n > 0) {
     const ssize_t k = ::recv(fd, p, n, 0);
@@ -638,18 +662,26 @@ class Client::Impl {
 
   // Registers the request, then sends it. Returns the request id, or why it was not sent (the
   // registration is then undone).
-  Result<uint64_t> SendFrame(w::Opcode op, std::span<const std::byte> payload, Pending pending) {
+  using Pieces = std::span<const std::span<const std::byte>>;
+  // The payload is the concatenation of `pieces`, sent from where they lie.
+  Result<uint64_t> SendFrame(w::Opcode op, std::span<const std::span<const std::byte>> pieces, Pending pending) {
     const uint64_t id = next_id_.fetch_add(1, std::memory_order_relaxed);
     {
       std::lock_guard<std::mutex> l(mu_);
       if (!broken_.ok()) return broken_;
       pending_.emplace(id, std::move(pending));
     }
-    const auto frame = w::EncodeFrame(op, 0, id, payload);
+    auto header = w::EncodeFrameHeader(op, 0, id, pieces);
+    std::vector<iovec> iov;
+    iov.reserve(pieces.size() + 1);
+    iov.push_back({header.data(), header.size()});
+    for (const auto& piece : pieces) {
+      if (!piece.empty()) iov.push_back({const_cast<std::byte*>(piece.data()), piece.size()});
+    }
     Status st;
     {
       std::lock_guard<std::mutex> l(write_mu_);
-      st = WriteAll(fd_, frame.data(), frame.size());
+      st = WriteAllV(fd_, iov.data(), iov.size());
     }
     if (!st.ok()) {
       std::unique_lock<std::mutex> l(mu_);
@@ -659,11 +691,18 @@ class Client::Impl {
     return id;
   }
 
+  Result<uint64_t> SendFrame(w::Opcode op, std::span<const std::byte> payload, Pending pending) {
+    return SendFrame(op, Pieces(&payload, 1), std::move(pending));
+  }
+
   std::future<Result<Frame>> Send(w::Opcode op, std::span<const std::byte> payload) {
+    return Send(op, Pieces(&payload, 1));
+  }
+  std::future<Result<Frame>> Send(w::Opcode op, Pieces pieces) {
     EnsureReaderThread();
     std::promise<Result<Frame>> p;
     auto fut = p.get_future();
-    auto id = SendFrame(op, payload, std::move(p));
+    auto id = SendFrame(op, pieces, std::move(p));
     if (!id.ok()) {
       std::promise<Result<Frame>> failed;
       fut = failed.get_future();
@@ -690,9 +729,10 @@ class Client::Impl {
   }
 
   // A synchronous request: the calling thread reads its own reply when nobody else is reading.
-  Result<Frame> Call(w::Opcode op, std::span<const std::byte> payload) {
+  Result<Frame> Call(w::Opcode op, std::span<const std::byte> payload) { return Call(op, Pieces(&payload, 1)); }
+  Result<Frame> Call(w::Opcode op, Pieces pieces) {
     Waiter waiter;
-    SPARSEKV_ASSIGN_OR_RETURN(const uint64_t id, SendFrame(op, payload, &waiter));
+    SPARSEKV_ASSIGN_OR_RETURN(const uint64_t id, SendFrame(op, pieces, &waiter));
     std::unique_lock<std::mutex> l(mu_);
     if (!WaitReading(l, Clock::now() + timeout_, [&] { return waiter.result.has_value(); })) {
       if (waiter.result) return std::move(*waiter.result);  // broken: the reason is there
@@ -884,7 +924,9 @@ class Client::Impl {
         size += item;
         ++i;
       }
-      SPARSEKV_ASSIGN_OR_RETURN(auto part, ParseStatusList(Call(w::Opcode::kPut, w::Encode(req)), req.items.size()));
+      std::vector<std::byte> framing;
+      const auto pieces = w::EncodePieces(req, framing);
+      SPARSEKV_ASSIGN_OR_RETURN(auto part, ParseStatusList(Call(w::Opcode::kPut, pieces), req.items.size()));
       out.insert(out.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
     }
     return out;
@@ -951,8 +993,11 @@ class Client::Impl {
   // ---- callback forms ----
 
   void SendWithCallback(w::Opcode op, std::span<const std::byte> payload, FrameCallback cb) {
+    SendWithCallback(op, Pieces(&payload, 1), std::move(cb));
+  }
+  void SendWithCallback(w::Opcode op, Pieces pieces, FrameCallback cb) {
     auto shared_cb = std::make_shared<FrameCallback>(std::move(cb));
-    auto id = SendFrame(op, payload, FrameCallback([shared_cb](Result<Frame> f) { (*shared_cb)(std::move(f)); }));
+    auto id = SendFrame(op, pieces, FrameCallback([shared_cb](Result<Frame> f) { (*shared_cb)(std::move(f)); }));
     if (!id.ok()) (*shared_cb)(id.status());
   }
 
@@ -1012,7 +1057,8 @@ class Client::Impl {
     }
     w::PutRequest req;
     for (const BundleRef& b : bundles) req.items.push_back({b.hash, b.bytes});
-    SendWithCallback(w::Opcode::kPut, w::Encode(req),
+    std::vector<std::byte> framing;
+    SendWithCallback(w::Opcode::kPut, w::EncodePieces(req, framing),
                      [n, done = std::move(done)](Result<Frame> f) { done(ParseStatusList(std::move(f), n)); });
   }
 
@@ -1084,7 +1130,7 @@ Result<std::vector<Status>> Client::Delete(std::span<const WireBlockHash> hashes
 }
 
 Result<std::string> Client::Stats() {
-  auto f = impl_->Call(w::Opcode::kStats, {});
+  auto f = impl_->Call(w::Opcode::kStats, std::span<const std::byte>{});
   if (!f.ok()) return f.status();
   w::PayloadReader r(f->payload);
   SPARSEKV_ASSIGN_OR_RETURN(std::string json, r.String("STATS reply", w::kMaxPayloadBytes));
@@ -1107,7 +1153,7 @@ Status Client::Subscribe(EventCallback callback) {
     impl_->on_event_ = std::move(callback);
   }
   impl_->EnsureReaderThread();  // events arrive between calls too
-  auto f = impl_->Call(w::Opcode::kSubscribe, {});
+  auto f = impl_->Call(w::Opcode::kSubscribe, std::span<const std::byte>{});
   return f.ok() ? Status::OK() : f.status();
 }
 
@@ -1119,7 +1165,8 @@ std::future<Result<LookupResult>> Client::LookupAsync(std::vector<WireBlockHash>
 std::future<Result<std::vector<Status>>> Client::PutAsync(std::vector<BundleRef> bundles) {
   w::PutRequest req;
   for (const BundleRef& b : bundles) req.items.push_back({b.hash, b.bytes});
-  auto fut = impl_->Send(w::Opcode::kPut, w::Encode(req));
+  std::vector<std::byte> framing;
+  auto fut = impl_->Send(w::Opcode::kPut, w::EncodePieces(req, framing));
   const size_t n = bundles.size();
   return std::async(std::launch::deferred,
                     [f = std::move(fut), n]() mutable { return Impl::ParseStatusList(f.get(), n); });

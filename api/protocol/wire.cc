@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <sys/socket.h>
+#define XXH_STATIC_LINKING_ONLY  // a streaming XXH3_state_t on the stack
 #include <xxhash.h>
 
 #include <cstring>
@@ -165,6 +166,14 @@ uint32_t PayloadChecksum(std::span<const std::byte> payload) {
   return static_cast<uint32_t>(XXH3_64bits(payload.data(), payload.size()));
 }
 
+uint32_t PayloadChecksum(std::span<const std::span<const std::byte>> pieces) {
+  if (pieces.size() == 1) return PayloadChecksum(pieces[0]);
+  XXH3_state_t state;
+  XXH3_64bits_reset(&state);
+  for (const auto& piece : pieces) XXH3_64bits_update(&state, piece.data(), piece.size());
+  return static_cast<uint32_t>(XXH3_64bits_digest(&state));
+}
+
 Status VerifyPayload(const FrameHeader& header, std::span<const std::byte> payload) {
   if (payload.size() != header.payload_bytes) {
     return Bad(fmt::format("payload is {} bytes; header says {}", payload.size(), header.payload_bytes));
@@ -188,6 +197,19 @@ std::vector<std::byte> EncodeFrame(Opcode op, uint16_t flags, uint64_t request_i
   std::memcpy(out.data(), header.data(), kHeaderBytes);
   if (!payload.empty()) std::memcpy(out.data() + kHeaderBytes, payload.data(), payload.size());
   return out;
+}
+
+std::array<std::byte, kHeaderBytes> EncodeFrameHeader(Opcode op, uint16_t flags, uint64_t request_id,
+                                                      std::span<const std::span<const std::byte>> pieces) {
+  uint64_t bytes = 0;
+  for (const auto& piece : pieces) bytes += piece.size();
+  FrameHeader h;
+  h.opcode = op;
+  h.flags = flags | kFlagPayloadChecksum;
+  h.request_id = request_id;
+  h.payload_bytes = static_cast<uint32_t>(bytes);
+  h.payload_checksum = PayloadChecksum(pieces);
+  return EncodeHeader(h);
 }
 
 // ---- primitives ----
@@ -363,6 +385,29 @@ std::vector<std::byte> Encode(const PutRequest& m) {
     o.Blob(it.bundle);
   });
   return w.Take();
+}
+
+std::vector<std::span<const std::byte>> EncodePieces(const PutRequest& m, std::vector<std::byte>& framing) {
+  // Encode's layout: u32 count, then per item its 16 hash bytes, u32 length and the bytes.
+  framing.assign(4 + 20 * m.items.size(), std::byte{0});
+  auto put32 = [&](size_t at, uint32_t v) {
+    for (int i = 0; i < 4; ++i) framing[at + i] = static_cast<std::byte>(v >> (8 * i));
+  };
+  put32(0, static_cast<uint32_t>(m.items.size()));
+  std::vector<std::span<const std::byte>> pieces;
+  pieces.reserve(2 * m.items.size() + 1);
+  size_t start = 0;  // framing bytes not yet in a piece
+  for (size_t i = 0; i < m.items.size(); ++i) {
+    const size_t at = 4 + 20 * i;
+    std::memcpy(framing.data() + at, m.items[i].hash.data(), 16);
+    put32(at + 16, static_cast<uint32_t>(m.items[i].bundle.size()));
+    if (m.items[i].bundle.empty()) continue;  // the next item's framing follows on
+    pieces.emplace_back(framing.data() + start, at + 20 - start);
+    pieces.push_back(m.items[i].bundle);
+    start = at + 20;
+  }
+  if (start < framing.size()) pieces.emplace_back(framing.data() + start, framing.size() - start);
+  return pieces;
 }
 
 Result<PutRequest> DecodePutRequest(std::span<const std::byte> p, uint32_t max_bundle_bytes) {

@@ -70,12 +70,18 @@ std::array<std::byte, kHeaderBytes> EncodeHeader(const FrameHeader& header);
 // non-zero reserved field, payload larger than `max_payload_bytes`.
 Result<FrameHeader> DecodeHeader(std::span<const std::byte> bytes, uint32_t max_payload_bytes);
 uint32_t PayloadChecksum(std::span<const std::byte> payload);
+// The checksum of the pieces' concatenation, without concatenating them.
+uint32_t PayloadChecksum(std::span<const std::span<const std::byte>> pieces);
 // Checks the payload against the header's checksum when the header carries one.
 Status VerifyPayload(const FrameHeader& header, std::span<const std::byte> payload);
 
 // A whole frame: header then payload, with the payload checksum set.
 std::vector<std::byte> EncodeFrame(Opcode op, uint16_t flags, uint64_t request_id,
                                    std::span<const std::byte> payload);
+// The header of a frame whose payload is the pieces' concatenation, checksum set: a sender
+// writes it and then the pieces where they lie (one gathered send, no copy).
+std::array<std::byte, kHeaderBytes> EncodeFrameHeader(Opcode op, uint16_t flags, uint64_t request_id,
+                                                      std::span<const std::span<const std::byte>> pieces);
 
 // ---- payload primitives ----
 
@@ -236,6 +242,9 @@ std::vector<std::byte> Encode(const HashList& m);
 std::vector<std::byte> Encode(const LookupReply& m);
 std::vector<std::byte> Encode(const PinRequest& m);
 std::vector<std::byte> Encode(const PutRequest& m);
+// Encode(m) as pieces to send gathered: the list's framing goes into `framing` (which must
+// outlive the pieces), each bundle's bytes are named where they lie.
+std::vector<std::span<const std::byte>> EncodePieces(const PutRequest& m, std::vector<std::byte>& framing);
 std::vector<std::byte> Encode(const StatusListReply& m);
 std::vector<std::byte> Encode(const GetReply& m);
 std::vector<std::byte> Encode(const ShmPutRequest& m);

@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace sparsekv::wire {
@@ -58,6 +59,44 @@ TEST(Wire, FramePayloadChecksum) {
   frame[kHeaderBytes + 10] ^= std::byte{4};
   EXPECT_EQ(VerifyPayload(*h, body).code(), StatusCode::kCorruption);
   EXPECT_FALSE(VerifyPayload(*h, body.first(10)).ok());
+}
+
+// A PUT sent gathered (the client's path) must be byte for byte the frame EncodeFrame makes of
+// Encode(request): the daemon cannot tell them apart.
+TEST(Wire, APutSentAsPiecesIsTheEncodedFrame) {
+  std::vector<std::vector<std::byte>> values;
+  for (size_t n : {size_t{0}, size_t{1}, size_t{4095}, size_t{70000}, size_t{0}, size_t{33}}) {
+    std::vector<std::byte> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = std::byte(static_cast<uint8_t>(i * 7 + n));
+    values.push_back(std::move(v));
+  }
+  // Every shape: no item, one, empty bundles first, last and in the middle.
+  for (size_t first = 0; first <= values.size(); ++first) {
+    for (size_t count = 0; first + count <= values.size(); ++count) {
+      PutRequest req;
+      for (size_t i = first; i < first + count; ++i) req.items.push_back({H(static_cast<uint8_t>(i)), values[i]});
+      const std::vector<std::byte> payload = Encode(req);
+      std::vector<std::byte> framing;
+      const auto pieces = EncodePieces(req, framing);
+      std::vector<std::byte> joined;
+      for (const auto& piece : pieces) joined.insert(joined.end(), piece.begin(), piece.end());
+      ASSERT_EQ(joined, payload) << "items [" << first << ", +" << count << ")";
+      EXPECT_EQ(PayloadChecksum(pieces), PayloadChecksum(payload));
+      const std::vector<std::byte> frame = EncodeFrame(Opcode::kPut, 0, 77, payload);
+      const auto header = EncodeFrameHeader(Opcode::kPut, 0, 77, pieces);
+      EXPECT_TRUE(std::equal(header.begin(), header.end(), frame.begin()));
+      auto back = DecodePutRequest(joined, kMaxPayloadBytes);
+      ASSERT_TRUE(back.ok()) << back.status().ToString();
+      ASSERT_EQ(back->items.size(), count);
+    }
+  }
+  // The checksum of pieces is that of their concatenation however they are cut.
+  std::vector<std::byte> all(values[3]);
+  const std::span<const std::byte> whole(all);
+  const std::span<const std::byte> cut[3] = {whole.first(1), whole.subspan(1, 4096), whole.subspan(4097)};
+  EXPECT_EQ(PayloadChecksum(cut), PayloadChecksum(whole));
+  all[5000] ^= std::byte{1};
+  EXPECT_NE(PayloadChecksum(cut), PayloadChecksum(values[3]));
 }
 
 TEST(Wire, MessagesRoundTrip) {
