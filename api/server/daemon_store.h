@@ -29,6 +29,14 @@ class DaemonStore {
   // Longest run of leading hashes present in some tier, and the tier of each hash.
   virtual wire::LookupReply Lookup(uint32_t ns, std::span<const wire::WireHash> hashes) = 0;
   virtual std::vector<wire::ItemStatus> Put(uint32_t ns, std::span<const wire::PutItem> items) = 0;
+  // As Put, for a network thread: false, having done nothing, when the store cannot take the
+  // items without waiting for tier I/O. Otherwise the items' bytes are copied by the time it
+  // returns (the caller may free them), and `done` gets Put's answer exactly once: on this
+  // thread when nothing below has to be waited for, else later on a tier's thread.
+  using PutDone = std::function<void(std::vector<wire::ItemStatus>)>;
+  virtual bool TryPutWithoutBlocking(uint32_t ns, std::span<const wire::PutItem> items, PutDone done) {
+    return false;
+  }
   // Calls `sink(i, status, bytes, keep)` once per hash, in order. `bytes` stays valid while a
   // copy of `keep` is held (a reply can then be sent from them without copying); with a null
   // `keep`, only during the call.

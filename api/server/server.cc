@@ -575,6 +575,19 @@ class Server::Impl {
   std::mutex park_mu_;
   std::vector<std::pair<std::weak_ptr<Session>, std::atomic<bool>*>> parked_;  // waiting for budget
   std::atomic<uint64_t> staging_total_{0};  // bytes of every session's staging area
+  // Store calls started on a network thread that answer later, from a tier's thread: the
+  // shutdown waits for them after the workers (their answers use the sessions and metrics).
+  std::mutex async_mu_;
+  std::condition_variable async_cv_;
+  uint64_t async_calls_ = 0;  // guarded by async_mu_
+  void BeginAsyncCall() {
+    std::lock_guard<std::mutex> l(async_mu_);
+    ++async_calls_;
+  }
+  void EndAsyncCall() {
+    std::lock_guard<std::mutex> l(async_mu_);
+    if (--async_calls_ == 0) async_cv_.notify_all();
+  }
   std::mutex work_mu_;
   std::unordered_map<uint64_t, std::deque<std::function<void()>>> work_queues_;  // per session, in order
   std::deque<uint64_t> work_turns_;  // sessions with work waiting, in turn order
@@ -1130,6 +1143,7 @@ class Session : public std::enable_shared_from_this<Session> {
         return;
       }
     }
+    if ((h.opcode == wire::Opcode::kPut || h.opcode == wire::Opcode::kShmPut) && TryPutHere(h, payload.span())) return;
     // A GET served by a worker builds its reply there: the bytes it may take are reserved from
     // the budget now, and the reply defers what does not fit them (at least one item is always
     // answered, so the client progresses).
@@ -1510,32 +1524,96 @@ class Session : public std::enable_shared_from_this<Session> {
         /*may_lend=*/true);
   }
 
-  Result<Reply> HandleShmPut(std::span<const std::byte> p) {
-    if (staging_ == nullptr) return Status::FailedPrecondition("SHM_PUT on a session without shared memory");
-    SPARSEKV_ASSIGN_OR_RETURN(wire::ShmPutRequest req, wire::DecodeShmPutRequest(p));
-    const uint64_t put_area = staging_bytes_ / 2;
+  // A PUT's or SHM_PUT's items for the store, and the answers of those refused before it.
+  struct PutBatch {
     std::vector<wire::PutItem> items;
-    std::vector<size_t> index;  // request slot of each item
-    std::vector<wire::ItemStatus> out(req.slots.size());
+    std::vector<size_t> index;  // request item of each of `items`
+    std::vector<wire::ItemStatus> out;
+    uint64_t bytes = 0;
+
+    void Answer(std::vector<wire::ItemStatus> stored) {
+      for (size_t k = 0; k < stored.size(); ++k) out[index[k]] = std::move(stored[k]);
+    }
+  };
+
+  // Checks each SHM_PUT slot against the staging area's PUT half.
+  PutBatch ShmPutItems(const wire::ShmPutRequest& req) const {
+    const uint64_t put_area = staging_bytes_ / 2;
+    PutBatch b;
+    b.out.resize(req.slots.size());
     for (size_t i = 0; i < req.slots.size(); ++i) {
       const wire::ShmSlot& s = req.slots[i];
       if (s.offset > put_area || s.bytes > put_area - s.offset) {
-        out[i] = {StatusCode::kOutOfRange,
-                  fmt::format("slot [{}, +{}) is outside the {}-byte PUT area", s.offset, s.bytes, put_area)};
+        b.out[i] = {StatusCode::kOutOfRange,
+                    fmt::format("slot [{}, +{}) is outside the {}-byte PUT area", s.offset, s.bytes, put_area)};
         continue;
       }
       if (s.bytes > srv_.options_.max_frame_bytes - 64) {  // a GET reply could never carry it
-        out[i] = {StatusCode::kInvalidArgument,
-                  fmt::format("a bundle of {} bytes is larger than a reply may carry (max_frame_bytes {})", s.bytes,
-                              srv_.options_.max_frame_bytes)};
+        b.out[i] = {StatusCode::kInvalidArgument,
+                    fmt::format("a bundle of {} bytes is larger than a reply may carry (max_frame_bytes {})",
+                                s.bytes, srv_.options_.max_frame_bytes)};
         continue;
       }
-      items.push_back({s.hash, std::span<const std::byte>(staging_ + s.offset, s.bytes)});
-      index.push_back(i);
+      b.items.push_back({s.hash, std::span<const std::byte>(staging_ + s.offset, s.bytes)});
+      b.index.push_back(i);
+      b.bytes += s.bytes;
     }
-    std::vector<wire::ItemStatus> stored = srv_.store_->Put(ns_, items);
-    for (size_t k = 0; k < stored.size(); ++k) out[index[k]] = std::move(stored[k]);
-    return wire::Encode(wire::StatusListReply{std::move(out)});
+    return b;
+  }
+
+  Result<Reply> HandleShmPut(std::span<const std::byte> p) {
+    if (staging_ == nullptr) return Status::FailedPrecondition("SHM_PUT on a session without shared memory");
+    SPARSEKV_ASSIGN_OR_RETURN(wire::ShmPutRequest req, wire::DecodeShmPutRequest(p));
+    PutBatch b = ShmPutItems(req);
+    b.Answer(srv_.store_->Put(ns_, b.items));
+    return wire::Encode(wire::StatusListReply{std::move(b.out)});
+  }
+
+  // A PUT (or SHM_PUT) of at most kPutHereBytes is stored from the network thread when the
+  // store can take it without waiting for tier I/O: copying it into host memory costs less
+  // than the two thread hops to a worker and back, which on two cores were most of a 64 KiB
+  // PUT's time. Larger ones go to a worker, so that no connection holds this thread long.
+  // False: nothing was done, the caller dispatches the request to a worker.
+  bool TryPutHere(const wire::FrameHeader& h, std::span<const std::byte> p) {
+    static constexpr uint64_t kPutHereBytes = 1u << 20;  // as a GET's slice on a worker
+    PutBatch b;
+    if (h.opcode == wire::Opcode::kPut) {
+      if (p.size() > kPutHereBytes) return false;
+      auto req = wire::DecodePutRequest(p, srv_.options_.max_frame_bytes);
+      if (!req.ok()) return false;  // the worker answers with the error
+      b.items = std::move(req->items);
+      b.out.resize(b.items.size());
+      for (size_t i = 0; i < b.items.size(); ++i) b.index.push_back(i);
+    } else {
+      if (staging_ == nullptr) return false;
+      auto req = wire::DecodeShmPutRequest(p);
+      if (!req.ok()) return false;
+      b = ShmPutItems(*req);
+      if (b.bytes > kPutHereBytes) return false;
+    }
+    auto self = shared_from_this();
+    auto batch = std::make_shared<PutBatch>(std::move(b));
+    const auto t0 = Clock::now();
+    ++inflight_requests_;
+    srv_.BeginAsyncCall();
+    const bool taken = srv_.store_->TryPutWithoutBlocking(
+        ns_, batch->items, [self, h, t0, batch](std::vector<wire::ItemStatus> stored) {
+          batch->items.clear();  // their bytes are the request's, gone by now
+          batch->Answer(std::move(stored));
+          OutFrame frame = Reply(wire::Encode(wire::StatusListReply{std::move(batch->out)}))
+                               .ToFrame(h.opcode, h.request_id);
+          self->srv_.metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
+          asio::post(self->strand_, [self, frame = std::move(frame)]() mutable {
+            --self->inflight_requests_;
+            self->QueueWrite(std::move(frame));
+          });
+          self->srv_.EndAsyncCall();
+        });
+    if (!taken) {
+      --inflight_requests_;
+      srv_.EndAsyncCall();
+    }
+    return taken;
   }
 
   Result<Reply> HandleShmGet(std::span<const std::byte> p) {
@@ -2211,6 +2289,10 @@ void Server::Impl::FinishIfDrained() {
       if (drain_deadline_) drain_deadline_->cancel();
     }
     workers_.join();  // every store call has returned
+    {
+      std::unique_lock<std::mutex> l(async_mu_);
+      async_cv_.wait(l, [this] { return async_calls_ == 0; });  // and answered
+    }
     Status st = store_->Flush();
     if (!st.ok()) spdlog::error("flushing the store: {}", st.ToString());
     work_.reset();

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <future>
 #include <nlohmann/json.hpp>
 
 #include "sparsekv/host_tier.h"
@@ -75,9 +76,28 @@ wire::LookupReply TieredStore::Lookup(uint32_t ns, std::span<const wire::WireHas
 }
 
 std::vector<wire::ItemStatus> TieredStore::Put(uint32_t ns, std::span<const wire::PutItem> items) {
-  std::vector<wire::ItemStatus> out(items.size());
-  std::vector<BundlePtr> bundles;
-  std::vector<size_t> index;
+  std::promise<std::vector<wire::ItemStatus>> answered;
+  std::future<std::vector<wire::ItemStatus>> out = answered.get_future();
+  StartPut(ns, items, [&answered](std::vector<wire::ItemStatus> st) { answered.set_value(std::move(st)); });
+  return out.get();
+}
+
+bool TieredStore::TryPutWithoutBlocking(uint32_t ns, std::span<const wire::PutItem> items, PutDone done) {
+  if (dynamic_cast<HostTier*>(&chain_->tier(0)) == nullptr) return false;
+  StartPut(ns, items, std::move(done));
+  return true;
+}
+
+void TieredStore::StartPut(uint32_t ns, std::span<const wire::PutItem> items, PutDone done) {
+  struct Pending {
+    std::vector<wire::ItemStatus> out;
+    std::vector<BundlePtr> bundles;
+    std::vector<size_t> index;  // item of each bundle
+    std::vector<wire::WireHash> hashes;
+    std::vector<uint64_t> sizes;
+  };
+  auto p = std::make_shared<Pending>();
+  p->out.resize(items.size());
   // With a host tier first, each value is written straight into its memory as a record (one
   // copy-and-hash pass from the request buffer, or from the client's shared-memory staging)
   // and handed to the chain pinned there; the chain's put then only refreshes it. A batch pins
@@ -91,58 +111,74 @@ std::vector<wire::ItemStatus> TieredStore::Put(uint32_t ns, std::span<const wire
     // Each PUT is a new version: copies of older ones are never served again (tier_chain.h).
     const uint64_t sequence = chain_->NextSequence();
     const uint64_t record = BundleHeaderBytes(1) + items[i].bundle.size();
+    BundlePtr bundle;
     if (host != nullptr && in_place + record <= in_place_limit) {
       Result<BundlePtr> pinned = host->PutGathered(key, segments, sequence);
       if (pinned.ok()) {
         in_place += record;
-        bundles.push_back(std::move(pinned).value());
-        index.push_back(i);
+        bundle = std::move(pinned).value();
+      }
+    }
+    if (!bundle) {
+      auto b = Bundle::Make(key, segments, sequence);
+      if (!b.ok()) {
+        p->out[i] = ToItem(b.status());
         continue;
       }
+      bundle = std::move(b).value();
     }
-    auto b = Bundle::Make(key, segments, sequence);
-    if (!b.ok()) {
-      out[i] = ToItem(b.status());
-      continue;
-    }
-    bundles.push_back(std::move(b).value());
-    index.push_back(i);
+    p->bundles.push_back(std::move(bundle));
+    p->index.push_back(i);
+    p->hashes.push_back(items[i].hash);
+    p->sizes.push_back(items[i].bundle.size());
   }
-  std::vector<Status> st = bundles.empty() ? std::vector<Status>{} : chain_->Demote(bundles).get();
-  wire::EventRecord stored{1, WireTier(0), {}};
-  uint64_t ok = 0, bytes = 0;
-  for (size_t k = 0; k < st.size(); ++k) {
-    out[index[k]] = ToItem(st[k]);
-    if (st[k].ok()) {
-      ++ok;
-      bytes += items[index[k]].bundle.size();
-      stored.hashes.push_back(items[index[k]].hash);
-    }
+  if (p->bundles.empty()) {
+    CountPuts(ns, 0, items.size(), 0);
+    done(std::move(p->out));
+    return;
   }
-  {
-    MutexLock l(mu_);
-    if (pinning_ > 0) {
-      for (const BundlePtr& b : bundles) changed_while_pinning_.insert(b->key());
-    }
-    // A pinned key holds its newest version: GETs answer from the pin first.
-    for (size_t k = 0; k < st.size() && !pinned_.empty(); ++k) {
-      auto it = pinned_.find(bundles[k]->key());
-      if (it == pinned_.end()) continue;
-      pinned_bytes_ -= it->second.bundle->record_bytes();
+  std::vector<BundlePtr> bundles = p->bundles;
+  chain_->DemoteAsync(std::move(bundles), [this, ns, p, done = std::move(done)](std::vector<Status> st) {
+    wire::EventRecord stored{1, WireTier(0), {}};
+    uint64_t ok = 0, bytes = 0;
+    for (size_t k = 0; k < st.size(); ++k) {
+      p->out[p->index[k]] = ToItem(st[k]);
       if (st[k].ok()) {
-        it->second.bundle = bundles[k];
-        pinned_bytes_ += bundles[k]->record_bytes();
-      } else {
-        pinned_.erase(it);  // the new version may or may not have landed: the pin is no longer sure
+        ++ok;
+        bytes += p->sizes[k];
+        stored.hashes.push_back(p->hashes[k]);
       }
     }
-    NamespaceCounters& c = counters_[ns];
-    c.puts += ok;
-    c.put_failures += items.size() - ok;
-    c.put_bytes += bytes;
-  }
-  if (!stored.hashes.empty()) Emit(ns, stored);
-  return out;
+    {
+      MutexLock l(mu_);
+      if (pinning_ > 0) {
+        for (const BundlePtr& b : p->bundles) changed_while_pinning_.insert(b->key());
+      }
+      // A pinned key holds its newest version: GETs answer from the pin first.
+      for (size_t k = 0; k < st.size() && !pinned_.empty(); ++k) {
+        auto it = pinned_.find(p->bundles[k]->key());
+        if (it == pinned_.end()) continue;
+        pinned_bytes_ -= it->second.bundle->record_bytes();
+        if (st[k].ok()) {
+          it->second.bundle = p->bundles[k];
+          pinned_bytes_ += p->bundles[k]->record_bytes();
+        } else {
+          pinned_.erase(it);  // the new version may or may not have landed: the pin is no longer sure
+        }
+      }
+    }
+    CountPuts(ns, ok, p->out.size() - ok, bytes);
+    if (!stored.hashes.empty()) Emit(ns, stored);
+    done(std::move(p->out));
+  });
+}
+
+void TieredStore::CountPuts(uint32_t ns, uint64_t ok, uint64_t failed, uint64_t bytes) {
+  MutexLock l(mu_);
+  NamespaceCounters& c = counters_[ns];
+  c.puts += ok;
+  c.put_failures += failed;
+  c.put_bytes += bytes;
 }
 
 void TieredStore::Get(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) {

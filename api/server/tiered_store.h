@@ -34,6 +34,10 @@ class TieredStore : public DaemonStore {
 
   wire::LookupReply Lookup(uint32_t ns, std::span<const wire::WireHash> hashes) override;
   std::vector<wire::ItemStatus> Put(uint32_t ns, std::span<const wire::PutItem> items) override;
+  // With a host tier first: the values are copied into it at once, and the chain's write needs
+  // no waiting (only a write-through copy below, or erasing an older version below, finishes
+  // later on the chain's threads).
+  bool TryPutWithoutBlocking(uint32_t ns, std::span<const wire::PutItem> items, PutDone done) override;
   void Get(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) override;
   bool TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink,
                              bool check) override;
@@ -57,6 +61,9 @@ class TieredStore : public DaemonStore {
   // The blocks of `keys` from the chain, each the newest version when the call returns.
   std::vector<Result<BundlePtr>> FetchForPin(const std::vector<BundleKey>& keys) SPARSEKV_EXCLUDES(mu_);
   void Emit(uint32_t ns, const wire::EventRecord& e);
+  // Put's work: the bytes are copied before it returns; `done` is called once the chain answers.
+  void StartPut(uint32_t ns, std::span<const wire::PutItem> items, PutDone done);
+  void CountPuts(uint32_t ns, uint64_t ok, uint64_t failed, uint64_t bytes);
   void CountGets(uint32_t ns, uint64_t asked, uint64_t hits, uint64_t bytes, uint64_t corrupt);
 
   struct Pinned {
