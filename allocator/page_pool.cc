@@ -156,6 +156,24 @@ Result<PageId> PagePool::Allocate() {
   return p;
 }
 
+PageId PagePool::EvictOldest() {
+  MutexLock l(mu_);
+  const PageId p = lru_head_;
+  if (p == kInvalidPage) return kInvalidPage;
+  LruUnlinkLocked(p);
+  ++evictions_;
+  if (evict_listener_) evict_listener_(p);
+  refs_[p].store(1, std::memory_order_relaxed);
+  state_[p].store(static_cast<uint8_t>(PageState::kInUse), std::memory_order_relaxed);
+  NotePeakLocked();
+  return p;
+}
+
+uint64_t PagePool::FreeCount() const {
+  MutexLock l(mu_);
+  return free_count_;
+}
+
 Status PagePool::AllocateBatch(std::span<PageId> out) {
   MutexLock l(mu_);
   if (free_count_ + cached_count_ < out.size()) {

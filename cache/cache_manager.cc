@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <map>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 
@@ -99,6 +102,15 @@ class CacheManager::Impl {
   Result<PinInfo> PinPrefix(const PrefixQuery& query, uint32_t priority) SPARSEKV_EXCLUDES(mu_);
   Status Unpin(PinId pin) SPARSEKV_EXCLUDES(mu_);
   Status Reset() SPARSEKV_EXCLUDES(mu_);
+  uint32_t EvictAhead(uint32_t free_target, uint32_t max_blocks, const HeldBlockTaker& take) SPARSEKV_EXCLUDES(mu_);
+  void SetLowFreePagesNotify(uint32_t low_free_pages, std::function<void()> notify) SPARSEKV_EXCLUDES(mu_);
+  void ReleaseHeldBlock(const HeldBlock& block);
+  // When a pool short of `need` has pages held by blocks evicted ahead: waits (mu_ released)
+  // until some come back, or briefly, and returns true (the caller starts over). False when
+  // waiting cannot help.
+  bool WaitForHeldLocked(std::span<const uint32_t> need) SPARSEKV_REQUIRES(mu_);
+  // The low-free-pages notification to call after an allocation, or null.
+  std::shared_ptr<const std::function<void()>> LowNotifyLocked() const SPARSEKV_REQUIRES(mu_);
   void SetBlockEvictHook(BlockEvictHook hook) SPARSEKV_EXCLUDES(mu_);
   SubscriptionId Subscribe(KvEventListener listener) SPARSEKV_EXCLUDES(mu_);
   void Unsubscribe(SubscriptionId id) SPARSEKV_EXCLUDES(mu_, delivery_mu_);
@@ -147,7 +159,9 @@ class CacheManager::Impl {
   // The pools tell us, under their own locks, which cached page an allocation reuses; the
   // bookkeeping and the drops in other pools happen after the pool call returns.
   void OnPoolEvict(size_t q, PageId page) SPARSEKV_NO_THREAD_SAFETY_ANALYSIS;
-  void ProcessEvictionsLocked() SPARSEKV_REQUIRES(mu_);
+  // With `take`, the evicted blocks go to it whole, with a reference on each of their pages,
+  // instead of to the eviction hook with their other pages dropped (EvictAhead).
+  void ProcessEvictionsLocked(const HeldBlockTaker* take = nullptr) SPARSEKV_REQUIRES(mu_);
   void Internal(const Status& st) SPARSEKV_REQUIRES(mu_);
 
   // ---- events ----
@@ -194,6 +208,12 @@ class CacheManager::Impl {
   std::vector<std::pair<uint32_t, PageId>> evicted_ SPARSEKV_GUARDED_BY(mu_);
   // Called under mu_, so that installing or removing it waits for a call in progress.
   BlockEvictHook evict_hook_ SPARSEKV_GUARDED_BY(mu_);
+  uint32_t low_free_pages_ SPARSEKV_GUARDED_BY(mu_) = 0;
+  // Pages of each pool that blocks evicted ahead still hold (EvictAhead to ReleaseHeldBlock):
+  // an allocation short of pages waits for them rather than fail.
+  std::unique_ptr<std::atomic<uint64_t>[]> held_pages_;
+  std::condition_variable_any held_back_;
+  std::shared_ptr<const std::function<void()>> low_notify_ SPARSEKV_GUARDED_BY(mu_);
   std::unordered_map<SequenceId, SequenceEntry> seqs_ SPARSEKV_GUARDED_BY(mu_);
   SequenceId next_seq_ SPARSEKV_GUARDED_BY(mu_) = 1;
   std::map<PinId, Pin> pins_ SPARSEKV_GUARDED_BY(mu_);
@@ -281,6 +301,7 @@ Status CacheManager::Impl::Init() {
     }
   }
   recent_.assign(std::max<uint32_t>(1, options_.stats_window_requests), {0, 0});
+  held_pages_ = std::make_unique<std::atomic<uint64_t>[]>(pools_.size());
   for (size_t q = 0; q < pools_.size(); ++q) {
     pools_[q]->SetEvictListener([this, q](PageId page) { OnPoolEvict(q, page); });
   }
@@ -418,7 +439,7 @@ void CacheManager::Impl::OnPoolEvict(size_t q, PageId page) {
   evicted_.emplace_back(static_cast<uint32_t>(q), page);
 }
 
-void CacheManager::Impl::ProcessEvictionsLocked() {
+void CacheManager::Impl::ProcessEvictionsLocked(const HeldBlockTaker* take) {
   for (size_t i = 0; i < evicted_.size(); ++i) {
     const auto [q, page] = evicted_[i];
     const RecordId r = owners_[q][page];
@@ -428,7 +449,29 @@ void CacheManager::Impl::ProcessEvictionsLocked() {
       continue;
     }
     const PoolRole role = roles_[q];
-    if (evict_hook_) {
+    if (take != nullptr) {
+      // The taker holds every page of the block; the evicted one is already in use (ours). The
+      // others are cached (revived: out of the LRU) or held by a sequence that computed the
+      // block again (one more reference). Either way no page is dropped below.
+      HeldBlock held;
+      held.digest = record_digest_[r];
+      held.pages.assign(P(), kInvalidPage);
+      for (size_t p = 0; p < P(); ++p) {
+        const PageId other = RecPage(r, p);
+        if (other == kInvalidPage) continue;
+        if (p != q) {
+          Status st = pools_[p]->State(other) == PageState::kCached ? pools_[p]->Revive(other)
+                                                                    : pools_[p]->Retain(other);
+          if (!st.ok()) {
+            Internal(st);
+            continue;
+          }
+        }
+        held.pages[p] = other;
+        held_pages_[p].fetch_add(1, std::memory_order_relaxed);
+      }
+      (*take)(std::move(held));
+    } else if (evict_hook_) {
       // Before any page of the block is dropped or handed out: the evicted page is in
       // alloc_scratch_, not yet returned to the caller, and the others are cached or held.
       EvictingBlock e;
@@ -449,8 +492,8 @@ void CacheManager::Impl::ProcessEvictionsLocked() {
       if (other == kInvalidPage) continue;
       // Usually cached. A sequence that recomputed the block and lent the record its window or
       // snapshot page (see CommitComputed) may still hold that page: it then just stops being
-      // the cache's, and is freed by its holder.
-      if (pools_[p]->State(other) == PageState::kCached) {
+      // the cache's, and is freed by its holder. A taker holds them all.
+      if (take == nullptr && pools_[p]->State(other) == PageState::kCached) {
         Status st = pools_[p]->Drop(other);
         if (!st.ok()) Internal(st);
       }
@@ -858,6 +901,90 @@ void CacheManager::Impl::DeliverEvents() {
   tls_delivering.pop_back();
 }
 
+uint32_t CacheManager::Impl::EvictAhead(uint32_t free_target, uint32_t max_blocks, const HeldBlockTaker& take) {
+  uint32_t n = 0;
+  bool events = false;
+  {
+    MutexLock l(mu_);
+    while (n < max_blocks) {
+      // The full-history pool furthest below the target: evicting its oldest page takes the
+      // block's pages in every pool.
+      size_t q = P();
+      uint64_t least = free_target;
+      for (size_t p = 0; p < P(); ++p) {
+        if (roles_[p] != PoolRole::kFullHistory) continue;
+        // Pages still held by blocks evicted ahead are as good as free: counting them keeps a
+        // second call, before they come back, from evicting more.
+        const uint64_t free = pools_[p]->FreeCount() + held_pages_[p].load(std::memory_order_acquire);
+        if (free < least) {
+          least = free;
+          q = p;
+        }
+      }
+      if (q == P()) break;
+      const PageId page = pools_[q]->EvictOldest();  // OnPoolEvict queues it
+      if (page == kInvalidPage) break;               // nothing cached there
+      ProcessEvictionsLocked(&take);
+      ++n;
+    }
+    FlushRemovedLocked();
+    events = !pending_events_.empty();
+  }
+  if (events) DeliverEvents();
+  return n;
+}
+
+void CacheManager::Impl::ReleaseHeldBlock(const HeldBlock& block) {
+  for (size_t p = 0; p < block.pages.size() && p < P(); ++p) {
+    if (block.pages[p] == kInvalidPage) continue;
+    // The pools' own locks only. A page given back twice is refused and counted by its pool
+    // (PagePoolStats::misuse), where the tests look.
+    if (pools_[p]->Release(block.pages[p]).ok()) held_pages_[p].fetch_sub(1, std::memory_order_release);
+  }
+  // Without mu_ (a taker may call this): a waiter that misses the wake-up looks again within
+  // its short wait anyway.
+  held_back_.notify_all();
+}
+
+bool CacheManager::Impl::WaitForHeldLocked(std::span<const uint32_t> need) {
+  // Waiting helps when every pool would have enough with its held pages back (pins given up are
+  // left out: EnsureAvailableLocked counted them already). Only held pages coming back change
+  // the counts while mu_ is held, so a pool that has enough now got pages back since
+  // EnsureAvailableLocked looked: the caller starts over at once.
+  bool wait = false;
+  for (size_t q = 0; q < P(); ++q) {
+    if (need[q] == 0) continue;
+    // Held first: ReleaseHeldBlock frees a page before it stops counting it, so a page is
+    // always seen in one of the two.
+    const uint64_t held = held_pages_[q].load(std::memory_order_acquire);
+    const PagePoolStats ps = pools_[q]->Stats();
+    if (need[q] > ps.free + ps.cached + held) return false;
+    wait |= need[q] > ps.free + ps.cached;
+  }
+  if (wait) held_back_.wait_for(mu_, std::chrono::milliseconds(1));
+  return true;
+}
+
+void CacheManager::Impl::SetLowFreePagesNotify(uint32_t low_free_pages, std::function<void()> notify) {
+  std::shared_ptr<const std::function<void()>> old;
+  {
+    MutexLock l(mu_);
+    old.swap(low_notify_);
+    low_free_pages_ = low_free_pages;
+    if (notify) low_notify_ = std::make_shared<const std::function<void()>>(std::move(notify));
+  }
+  // A call made just before may still hold `old`: wait for it, so the owner may go.
+  while (old && old.use_count() > 1) std::this_thread::yield();
+}
+
+std::shared_ptr<const std::function<void()>> CacheManager::Impl::LowNotifyLocked() const {
+  if (!low_notify_) return nullptr;
+  for (size_t p = 0; p < P(); ++p) {
+    if (roles_[p] == PoolRole::kFullHistory && pools_[p]->FreeCount() < low_free_pages_) return low_notify_;
+  }
+  return nullptr;
+}
+
 void CacheManager::Impl::SetBlockEvictHook(BlockEvictHook hook) {
   BlockEvictHook old;
   {
@@ -985,7 +1112,8 @@ Result<PrefixMatch> CacheManager::Impl::AcquireCachedPrefix(SequenceId seq) {
 Result<SlotAllocation> CacheManager::Impl::AllocateSlots(SequenceId seq, uint64_t num_tokens) {
   SlotAllocation out;
   bool events = false;
-  {
+  std::shared_ptr<const std::function<void()>> low;
+  for (;;) {
     MutexLock l(mu_);
     ChangeCheck check(*this, seq);
     SequenceEntry* s = FindLocked(seq);
@@ -1020,6 +1148,7 @@ Result<SlotAllocation> CacheManager::Impl::AllocateSlots(SequenceId seq, uint64_
     std::vector<uint32_t> need(P(), new_blocks);
     for (const auto& c : cow) ++need[c.first];
     Status st = EnsureAvailableLocked(need);
+    if (!st.ok() && WaitForHeldLocked(need)) continue;  // pages came back: start over
     if (!st.ok()) {
       ++stats_.failed_allocations;
       return st.WithContext(fmt::format("sequence {}: allocating {} new blocks", seq, new_blocks));
@@ -1073,8 +1202,11 @@ Result<SlotAllocation> CacheManager::Impl::AllocateSlots(SequenceId seq, uint64_
     out.new_blocks = new_blocks;
     FlushRemovedLocked();
     events = !pending_events_.empty();
+    low = LowNotifyLocked();
+    break;
   }
   if (events) DeliverEvents();
+  if (low) (*low)();
   return out;
 }
 
@@ -1498,6 +1630,13 @@ Status CacheManager::Reset() {
 }
 void CacheManager::SetBlockEvictHook(BlockEvictHook hook) {
   impl_->SetBlockEvictHook(std::move(hook));
+}
+void CacheManager::SetLowFreePagesNotify(uint32_t low_free_pages, std::function<void()> notify) {
+  impl_->SetLowFreePagesNotify(low_free_pages, std::move(notify));
+}
+void CacheManager::ReleaseHeldBlock(const HeldBlock& block) { impl_->ReleaseHeldBlock(block); }
+uint32_t CacheManager::EvictAhead(uint32_t free_target, uint32_t max_blocks, const HeldBlockTaker& take) {
+  return impl_->EvictAhead(free_target, max_blocks, take);
 }
 SubscriptionId CacheManager::Subscribe(KvEventListener listener) {
   return impl_->Subscribe(std::move(listener));

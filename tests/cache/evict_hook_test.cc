@@ -165,6 +165,84 @@ TEST(EvictHook, CalledForEachEvictedCachedBlockWithItsBytesIntact) {
   EXPECT_EQ(c->Stats().internal_errors, 0u) << c->Stats().first_internal_error;
 }
 
+// CacheManager::EvictAhead: the oldest cached blocks leave the cache and the index as in an
+// eviction (events, statistics), whole, with their pages held for the taker and their bytes
+// intact; the eviction hook is not called for them; a pool with enough pages free or held is
+// left alone; an allocation short of pages waits for held ones rather than fail.
+TEST(EvictAhead, HandsTheOldestBlocksOverWholeAndAnAllocationWaitsForThem) {
+  auto c = MakeOneKindWithBytes(8);
+  std::atomic<uint64_t> bad{0};
+  HookLog hook(*c, /*check_bytes=*/false);
+  EventLog log(*c);
+  // Six full blocks and a partial one: freed tail first, so block 5 is the oldest cached one.
+  const auto a = Prompt(26, 1);
+  const auto da = Digests(*c, a);
+  ASSERT_EQ(RunWritingPages(*c, a, &bad), 0);
+  log.Take();
+  ASSERT_EQ(c->pool(0).FreeCount(), 2u);
+
+  std::vector<HeldBlock> held;
+  auto take = [&](HeldBlock b) { held.push_back(std::move(b)); };
+  EXPECT_EQ(c->EvictAhead(/*free_target=*/2, 10, take), 0u) << "two pages are free already";
+  // Free 2 + held must reach 4: blocks 5 and 4 go, oldest first, and no more.
+  EXPECT_EQ(c->EvictAhead(/*free_target=*/4, 10, take), 2u);
+  EXPECT_EQ(c->EvictAhead(/*free_target=*/4, 10, take), 0u) << "held pages count as free";
+  ASSERT_EQ(held.size(), 2u);
+  EXPECT_EQ(held[0].digest, da[5]);
+  EXPECT_EQ(held[1].digest, da[4]);
+  for (const HeldBlock& h : held) {
+    ASSERT_EQ(h.pages.size(), 1u);
+    EXPECT_EQ(c->pool(0).State(h.pages[0]), PageState::kInUse);
+    EXPECT_TRUE(HoldsPattern(c->pool(0).PageData(h.pages[0]), c->geometry().pools[0].block_stride,
+                             PatternSeed(h.digest.hash, 0)));
+  }
+  EXPECT_TRUE(hook.Take().empty()) << "EvictAhead's blocks go to the taker, not the hook";
+  EXPECT_EQ(Removed(log.Take()), (std::vector<BlockHash>{da[5].hash, da[4].hash}));
+  EXPECT_EQ(c->Stats().evicted_blocks, 2u);
+  PrefixQuery q;
+  q.tokens = a;
+  EXPECT_EQ(c->LookupPrefix(q)->blocks, 4u);
+
+  // Eight pages: 2 free + 4 cached are not enough while 2 are held. The allocation waits.
+  std::atomic<int> got{-2};
+  std::thread t([&] { got = RunWritingPages(*c, Prompt(29, 2), &bad); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(got.load(), -2) << "the allocation did not wait for the held pages";
+  // Still the blocks' bytes: nothing was handed out over them.
+  for (const HeldBlock& h : held) {
+    EXPECT_TRUE(HoldsPattern(c->pool(0).PageData(h.pages[0]), c->geometry().pools[0].block_stride,
+                             PatternSeed(h.digest.hash, 0)));
+  }
+  for (const HeldBlock& h : held) c->ReleaseHeldBlock(h);
+  t.join();
+  EXPECT_EQ(got.load(), 0) << "the allocation failed instead of waiting";
+  EXPECT_EQ(bad.load(), 0u);
+  EXPECT_EQ(c->pool(0).Stats().misuse, 0u);
+  // Giving a block back twice is refused and counted, nothing else.
+  c->ReleaseHeldBlock(held[0]);
+  EXPECT_EQ(c->pool(0).Stats().misuse, 1u);
+  EXPECT_EQ(c->Stats().internal_errors, 0u) << c->Stats().first_internal_error;
+}
+
+// An allocation that cannot be met even once every held page is back fails as before.
+TEST(EvictAhead, AnAllocationThatHeldPagesCannotHelpFailsAtOnce) {
+  auto c = MakeOneKindWithBytes(4);
+  std::atomic<uint64_t> bad{0};
+  ASSERT_EQ(RunWritingPages(*c, Prompt(8, 1), &bad), 0);  // 2 cached, 2 free
+  std::vector<HeldBlock> held;
+  EXPECT_EQ(c->EvictAhead(4, 1, [&](HeldBlock b) { held.push_back(std::move(b)); }), 1u);
+  auto seq = c->CreateSequence();
+  ASSERT_TRUE(seq.ok());
+  ASSERT_TRUE(c->AppendTokens(*seq, Prompt(40, 3)).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto slots = c->AllocateSlots(*seq, 40);  // 10 pages of a 4-page pool
+  EXPECT_EQ(slots.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
+  ASSERT_TRUE(c->Free(*seq).ok());
+  for (const HeldBlock& h : held) c->ReleaseHeldBlock(h);
+  EXPECT_EQ(c->pool(0).Stats().used, 0u);
+}
+
 TEST(EvictHook, NeverCalledForUncachedBlocksNorReset) {
   auto c = MakeOneKindWithBytes(4);
   HookLog hook(*c, /*check_bytes=*/false);

@@ -236,6 +236,17 @@ struct EvictingBlock {
 //   - It must not throw, and must not keep `pages` or page pointers after it returns.
 using BlockEvictHook = std::function<void(const EvictingBlock&)>;
 
+// A cached block evicted ahead of need (CacheManager::EvictAhead): out of the cache and the
+// prefix index, its pages held with one reference each for the taker, who reads them at
+// leisure, off the manager's lock, and then gives them back with ReleaseHeldBlock.
+struct HeldBlock {
+  BlockDigest digest;
+  std::vector<PageId> pages;  // indexed like pool(i); kInvalidPage where the block held none
+};
+// Called under the manager's lock, with BlockEvictHook's contract (no manager calls; its own
+// short locks allowed). It owns the references from then on.
+using HeldBlockTaker = std::function<void(HeldBlock)>;
+
 class CacheManager {
  public:
   // Errors: an invalid spec, a block_tokens that is not a multiple of some ratio, capacity 0,
@@ -305,6 +316,21 @@ class CacheManager {
   // Precondition: not called from within a hook (it takes the manager's lock). With no hook
   // set, eviction costs what it did before (one test of an empty function per evicted page).
   void SetBlockEvictHook(BlockEvictHook hook);
+  // Evicts cached blocks ahead of need, least recently used first, while some full-history pool
+  // has fewer than `free_target` free pages; at most `max_blocks`. Each goes whole (every pool's
+  // page) to `take` instead of the eviction hook, and no page is written over: an offload layer
+  // copies them out off the lock, where an eviction inside AllocateSlots would have to copy
+  // before the page is reused. Events and statistics are those of an eviction. Returns how
+  // many blocks went; 0 when every such pool has `free_target` free pages or nothing cached.
+  uint32_t EvictAhead(uint32_t free_target, uint32_t max_blocks, const HeldBlockTaker& take);
+  // After an AllocateSlots that leaves some full-history pool with fewer than `low_free_pages`
+  // free pages, `notify` is called on the allocating thread, outside the lock: it should only
+  // schedule an EvictAhead elsewhere. Replaces any previous one; an empty function removes it.
+  // As SetBlockEvictHook, once this returns the previous one is not running.
+  void SetLowFreePagesNotify(uint32_t low_free_pages, std::function<void()> notify);
+  // Gives back the pages of a block EvictAhead handed over (each becomes free once nobody else
+  // holds it). Takes no manager lock: callable from anywhere, a HeldBlockTaker included.
+  void ReleaseHeldBlock(const HeldBlock& block);
 
   // ---- events and statistics ----
   SubscriptionId Subscribe(KvEventListener listener);

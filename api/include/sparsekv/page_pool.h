@@ -107,6 +107,12 @@ class PagePool {
   Status ReleaseBatch(std::span<const PageId> pages, bool keep_cached) SPARSEKV_EXCLUDES(mu_);
   // A cached page back in use with refcount 1; an in-use page gets one more reference.
   Status Revive(PageId page) SPARSEKV_EXCLUDES(mu_);
+  // The least recently released cached page taken into use with refcount 1, telling the
+  // EvictListener as Allocate's eviction does, even while free pages remain (evicting ahead of
+  // need). kInvalidPage when no page is cached.
+  PageId EvictOldest() SPARSEKV_EXCLUDES(mu_);
+  // Pages in the free list now.
+  uint64_t FreeCount() const SPARSEKV_EXCLUDES(mu_);
   // A cached page made free without telling the EvictListener (the caller already knows).
   Status Drop(PageId page) SPARSEKV_EXCLUDES(mu_);
   // Every cached page made free. Returns how many.
