@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <future>
@@ -55,6 +56,21 @@ struct OffloadedCache::Staged {
   }  // a buffer that did not fit is freed after the lock is released
 };
 
+// Write-back: a block evicted ahead of need whose pages are still held (CacheManager::
+// EvictAhead), until it is stored and no lookup reads them; the last holder gives them back.
+struct OffloadedCache::Held {
+  CacheManager* manager = nullptr;
+  HeldBlock block;
+
+  Held(CacheManager* m, HeldBlock b) : manager(m), block(std::move(b)) {}
+  Held(const Held&) = delete;
+  Held& operator=(const Held&) = delete;
+  ~Held() { manager->ReleaseHeldBlock(block); }
+  bool complete() const {
+    return std::none_of(block.pages.begin(), block.pages.end(), [](PageId p) { return p == kInvalidPage; });
+  }
+};
+
 struct OffloadedCache::Shared {
   Mutex mu;
   std::condition_variable_any idle;
@@ -69,7 +85,9 @@ struct OffloadedCache::Shared {
   struct Pending {
     std::shared_ptr<Staged> staged;
     BundlePtr bundle;
+    std::shared_ptr<Held> held;  // evicted ahead: its pages, until the bundle is made
   };
+  bool evict_ahead_due SPARSEKV_GUARDED_BY(mu) = false;
   std::unordered_map<BundleKey, Pending, BundleKeyHasher> pending SPARSEKV_GUARDED_BY(mu);
   OffloadedCacheStats stats SPARSEKV_GUARDED_BY(mu);  // pending_demote_bytes: see the header
 };
@@ -94,12 +112,25 @@ OffloadedCache::OffloadedCache(CacheManager& manager, TierChain& chain,
     // the host tier's copies off the manager's lock; one drain per wake-up batches the puts.
     demoter_ = std::make_unique<offload::WorkerPool>("skv-demote", 1);
     manager_.SetBlockEvictHook([this](const EvictingBlock& b) { OnEvict(b); });
+    // At most a quarter of the smallest full-history pool: the pages kept free are cache
+    // capacity given up.
+    const uint64_t cap = manager_.options().capacity_blocks / 4;  // the full-history pools' size
+    evict_ahead_target_ = static_cast<uint32_t>(std::min<uint64_t>(options_.evict_ahead_blocks, cap));
+    if (auto* host = dynamic_cast<HostTier*>(&chain_.tier(0)))
+      gather_into_host_ = host->capacity_bytes() >= 16 * kEvictAheadBatch * block_record_bytes_;
+    // Woken once half the reserve is gone, it refills it all: one wake-up (a futex call, tens
+    // of microseconds on a VM) per several allocations, not one per allocation.
+    if (evict_ahead_target_ > 0)
+      manager_.SetLowFreePagesNotify(std::max<uint32_t>(1, evict_ahead_target_ / 2), [this] { ScheduleEvictAhead(); });
   }
 }
 
 OffloadedCache::~OffloadedCache() {
   // Once the hook is gone no eviction queues anything; then what is queued drains.
-  if (demoter_) manager_.SetBlockEvictHook(nullptr);
+  if (demoter_) {
+    manager_.SetLowFreePagesNotify(0, nullptr);
+    manager_.SetBlockEvictHook(nullptr);
+  }
   WaitIdle();
   demoter_.reset();
   restorers_.reset();
@@ -159,7 +190,11 @@ Status OffloadedCache::Free(SequenceId seq) {
     MutexLock lock(mu_);
     sequences_.erase(seq);
   }
-  return manager_.Free(seq);
+  Status st = manager_.Free(seq);
+  // Its blocks are cached now: when the pools are short of free pages, the oldest can go ahead
+  // of the next allocation (EvictAhead does nothing otherwise).
+  if (st.ok() && evict_ahead_target_ > 0) ScheduleEvictAhead();
+  return st;
 }
 
 BundlePtr OffloadedCache::GatherBlock(SequenceId seq, uint32_t block, const BlockDigest& digest,
@@ -216,6 +251,7 @@ void OffloadedCache::OnEvict(const EvictingBlock& block) {
     ++shared_->in_flight;
   }
   staged->spare = spare_;
+  if (evict_ahead_target_ > 0) ScheduleEvictAhead();  // the pool ran out: get ahead again
   {
     MutexLock lock(spare_->mu);
     if (!spare_->buffers.empty()) {
@@ -243,6 +279,87 @@ void OffloadedCache::OnEvict(const EvictingBlock& block) {
     shared_->drain_scheduled = true;
   }
   if (schedule) demoter_->Submit([this](size_t) { DrainEvicted(); });
+}
+
+void OffloadedCache::ScheduleEvictAhead() {
+  {
+    MutexLock lock(shared_->mu);
+    if (shared_->evict_ahead_due) return;
+    shared_->evict_ahead_due = true;
+    ++shared_->in_flight;  // WaitIdle waits for the run
+  }
+  demoter_->Submit([this](size_t) { EvictAhead(); });
+}
+
+void OffloadedCache::EvictAhead() {
+  for (;;) {
+    uint32_t batch = 0;
+    {
+      MutexLock lock(shared_->mu);
+      const uint64_t waiting = shared_->stats.pending_demote_bytes;
+      const uint64_t room = options_.max_pending_demote_bytes > waiting ? options_.max_pending_demote_bytes - waiting : 0;
+      batch = static_cast<uint32_t>(std::min<uint64_t>(kEvictAheadBatch, room / block_record_bytes_));
+    }
+    if (batch == 0) break;  // the backlog is full: evictions in AllocateSlots drop, as before
+    std::vector<std::shared_ptr<Held>> taken;
+    // Under the manager's lock: registered as pending before the block leaves the index is
+    // visible, so a lookup finds it all along.
+    const auto t0 = std::chrono::steady_clock::now();
+    manager_.EvictAhead(evict_ahead_target_, batch, [&](HeldBlock b) {
+      auto held = std::make_shared<Held>(&manager_, std::move(b));
+      MutexLock lock(shared_->mu);
+      if (!held->complete()) {
+        ++shared_->stats.evicted_incomplete;
+      } else {
+        shared_->stats.pending_demote_bytes += block_record_bytes_;
+        ++shared_->in_flight;
+        ++shared_->stats.evicted_demoted;
+        ++shared_->stats.evicted_ahead;
+        shared_->pending[KeyOf(held->block.digest)] = Shared::Pending{nullptr, nullptr, held};
+      }
+      taken.push_back(std::move(held));  // an incomplete one's pages go back below, off the lock
+    });
+    {
+      MutexLock lock(shared_->mu);
+      shared_->stats.evict_ahead_seconds +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    if (taken.empty()) break;
+    // Off every lock, on the restore threads too: straight into the host tier when it is large
+    // (one copy-and-hash pass, no allocation), else a bundle of its own that the chain's put
+    // copies. Records pinned there until the chain answers left a small host tier no room for
+    // the blocks that cascade from it, so a batch pins at most a sixteenth of the tier.
+    std::vector<BundlePtr> made(taken.size());
+    RunSplit(static_cast<uint32_t>(taken.size()), [&](uint32_t from, uint32_t to) {
+      for (uint32_t i = from; i < to; ++i) {
+        if (taken[i]->complete())
+          made[i] = GatherPages(taken[i]->block.digest, taken[i]->block.pages, gather_into_host_);
+      }
+    });
+    std::vector<BundlePtr> bundles;
+    for (size_t i = 0; i < taken.size(); ++i) {
+      const std::shared_ptr<Held>& held = taken[i];
+      if (!held->complete()) continue;
+      BundlePtr b = std::move(made[i]);
+      MutexLock lock(shared_->mu);
+      auto it = shared_->pending.find(KeyOf(held->block.digest));
+      const bool current = it != shared_->pending.end() && it->second.held == held;
+      if (b == nullptr) {
+        if (current) shared_->pending.erase(it);
+        shared_->stats.pending_demote_bytes -= block_record_bytes_;
+        ++shared_->stats.demote_failures;
+        if (--shared_->in_flight == 0) shared_->idle.notify_all();
+        continue;
+      }
+      if (current) it->second = Shared::Pending{nullptr, b, nullptr};
+      bundles.push_back(std::move(b));
+    }
+    taken.clear();  // the pages go back to their pools unless a lookup still reads them
+    if (!bundles.empty()) Demote(std::move(bundles), /*evicted=*/true);
+  }
+  MutexLock lock(shared_->mu);
+  shared_->evict_ahead_due = false;
+  if (--shared_->in_flight == 0) shared_->idle.notify_all();
 }
 
 BundlePtr OffloadedCache::BundleOf(const Staged& staged) const {
@@ -324,6 +441,7 @@ void OffloadedCache::Demote(std::vector<BundlePtr> bundles, bool evicted) {
 std::vector<BundlePtr> OffloadedCache::PendingBundles(std::span<const BundleKey> keys) const {
   std::vector<BundlePtr> out(keys.size());
   std::vector<std::shared_ptr<Staged>> staged(keys.size());
+  std::vector<std::shared_ptr<Held>> held(keys.size());
   {
     MutexLock lock(shared_->mu);
     if (shared_->pending.empty()) return out;
@@ -332,11 +450,17 @@ std::vector<BundlePtr> OffloadedCache::PendingBundles(std::span<const BundleKey>
       if (it == shared_->pending.end()) continue;
       out[i] = it->second.bundle;
       staged[i] = it->second.staged;
+      held[i] = it->second.held;
     }
   }
   // Not yet made into a bundle by the demote thread: make one here, outside the locks.
   for (size_t i = 0; i < keys.size(); ++i) {
-    if (out[i] == nullptr && staged[i] != nullptr) out[i] = BundleOf(*staged[i]);
+    if (out[i] != nullptr) continue;
+    if (staged[i] != nullptr) {
+      out[i] = BundleOf(*staged[i]);
+    } else if (held[i] != nullptr) {
+      out[i] = GatherPages(held[i]->block.digest, held[i]->block.pages, /*into_host=*/false);
+    }
   }
   return out;
 }

@@ -72,7 +72,13 @@ struct StackOptions {
   WritePolicy chain_policy = WritePolicy::kWriteThrough;
   // Put the first tier behind a GatedTier, closed.
   bool gate_first_tier = false;
-  OffloadedCacheOptions cache;
+  // Evicting ahead is off: most tests here count the evictions AllocateSlots makes itself
+  // (the eviction hook's path); those of EvictAhead set evict_ahead_blocks.
+  OffloadedCacheOptions cache = [] {
+    OffloadedCacheOptions c;
+    c.evict_ahead_blocks = 0;
+    return c;
+  }();
 };
 
 struct Stack {
@@ -455,12 +461,56 @@ ModelSpec SmallSpec() {
   return s;
 }
 
+// With evict_ahead_blocks, an allocation that leaves fewer free pages makes the demote thread
+// evict the oldest cached blocks and copy them off the manager's lock: the next allocations
+// find free pages, the hook copies nothing, and the blocks come back byte-identical.
+TEST(OffloadedCacheWriteBack, EvictingAheadKeepsPagesFreeAndItsBlocksComeBackIdentical) {
+  StackOptions o;
+  o.l1_blocks = 16;
+  o.cache.evict_ahead_blocks = 4;
+  Stack s = Build(o);
+  const auto p = Prompt(10 * kBt + 1, 1);
+  const auto q = Prompt(4 * kBt + 1, 2);
+  ASSERT_TRUE(Request(s, p).allocated);  // 10 cached, 6 free: nothing to do
+  s.cache->WaitIdle();
+  EXPECT_EQ(s.cache->Stats().evicted_ahead, 0u);
+  ASSERT_TRUE(Request(s, q).allocated);  // 5 pages: 1 left free, so p's 3 oldest blocks go
+  s.cache->WaitIdle();
+  OffloadedCacheStats st = s.cache->Stats();
+  EXPECT_EQ(st.evicted_ahead, 3u);
+  EXPECT_EQ(st.evicted_demoted, st.evicted_ahead) << "the hook copied some";
+  EXPECT_EQ(s.manager->Stats().evicted_blocks, 3u);
+  EXPECT_EQ(st.demoted_blocks, 3u);
+  EXPECT_EQ(st.demote_failures, 0u);
+  EXPECT_EQ(st.pending_demote_bytes, 0u);
+  for (size_t pool = 0; pool < s.manager->num_pools(); ++pool) {
+    // 1 left by q's allocation, 3 evicted ahead, and q's partial page freed with it.
+    EXPECT_EQ(s.manager->pool(pool).FreeCount(), 5u) << "pool " << pool;
+    EXPECT_EQ(s.manager->pool(pool).Stats().misuse, 0u);
+  }
+  // p's tail blocks went (tails are released first), so its prefix is 7 in L1 then 3 below.
+  const OffloadedPrefix look = Lookup(s, p);
+  EXPECT_EQ(look.l1_blocks, 7u);
+  EXPECT_EQ(look.lower_blocks, 3u);
+  const RequestResult again = Request(s, p);
+  ASSERT_TRUE(again.allocated);
+  EXPECT_EQ(again.hit.blocks, 10u);
+  EXPECT_EQ(again.bad_pages, 0u);
+  s.cache->WaitIdle();
+  EXPECT_EQ(s.cache->Stats().evicted_demoted, s.cache->Stats().evicted_ahead);
+}
+
 // Four threads run requests over shared prefixes through a small L1, so blocks are evicted,
 // demoted, cascaded from the host tier to the SSD and restored all the time, while an observer
-// looks prefixes up. Every page a request is given must hold its block.
-TEST(OffloadedCacheWriteBack, ThreadsEvictingAndRestoringWhileDemotesRun) {
+// looks prefixes up. Every page a request is given must hold its block. The parameter is
+// evict_ahead_blocks: 0, every eviction in AllocateSlots (the hook copies); 4, most ahead of
+// need on the demote thread, the rest in AllocateSlots when four threads outrun it.
+class OffloadedCacheWriteBackThreads : public ::testing::TestWithParam<uint32_t> {};
+
+TEST_P(OffloadedCacheWriteBackThreads, EvictingAndRestoringWhileDemotesRun) {
   testing::TempDir dir("wbthreads");
   StackOptions o;
+  o.cache.evict_ahead_blocks = GetParam();
   o.spec = SmallSpec();
   o.block_tokens = 16;
   o.l1_blocks = 24;
@@ -528,8 +578,19 @@ TEST(OffloadedCacheWriteBack, ThreadsEvictingAndRestoringWhileDemotesRun) {
   EXPECT_GT(lower_hits.load(), 0u);
   EXPECT_GT(st.restored_blocks, 0u);
   EXPECT_GT(s.chain->Stats().cascaded, 0u);
-  EXPECT_EQ(s.manager->pool(0).Stats().used, 0u);
+  for (size_t p = 0; p < s.manager->num_pools(); ++p) {
+    EXPECT_EQ(s.manager->pool(p).Stats().used, 0u) << "pool " << p << ": a held page was not given back";
+    EXPECT_EQ(s.manager->pool(p).Stats().misuse, 0u) << "pool " << p;
+  }
+  if (GetParam() > 0) {
+    EXPECT_GT(st.evicted_ahead, 0u);
+  } else {
+    EXPECT_EQ(st.evicted_ahead, 0u);
+  }
 }
+
+INSTANTIATE_TEST_SUITE_P(EvictAhead, OffloadedCacheWriteBackThreads, ::testing::Values(0u, 4u),
+                         [](const auto& info) { return info.param == 0 ? std::string("Off") : std::string("On"); });
 
 }  // namespace
 }  // namespace sparsekv

@@ -66,6 +66,12 @@ struct OffloadedCacheOptions {
   // that would go past it is dropped (demote_backlog_drops), so a slow tier costs hits, not
   // memory. Default: 256 MiB.
   uint64_t max_pending_demote_bytes = 256ull << 20;
+  // Write-back: free pages kept in every full-history pool (at most a quarter of the smallest)
+  // by evicting blocks ahead of need on the demote thread (CacheManager::EvictAhead), which
+  // copies their pages off the manager's lock. An allocation that still has to evict (one
+  // larger than the reserve, or faster than the demote thread) copies under the lock, as
+  // with 0 (off). Default: 8.
+  uint32_t evict_ahead_blocks = 8;
   // Blocks after a restored prefix to prefetch; -1 takes the chain's prefetch_blocks. Default: -1.
   int prefetch_blocks = -1;
   // Threads copying a restore into the L1 pages (checking host-tier records as they land) and
@@ -88,6 +94,10 @@ struct OffloadedCacheStats {
   uint64_t demoted_blocks = 0;   // blocks handed to the chain
   uint64_t demote_failures = 0;  // ... that it could not keep (tier full, I/O error): dropped
   uint64_t evicted_demoted = 0;  // write-back: evicted blocks copied out for the chain
+  uint64_t evicted_ahead = 0;    // ... of which evicted ahead of need, copied off the lock
+  // Write-back: seconds the demote thread spent in CacheManager::EvictAhead (the manager's lock
+  // held for the bookkeeping of those evictions, and waiting for it).
+  double evict_ahead_seconds = 0;
   // Write-back: evictions of a block that lacked a kind (its window or snapshot pages were
   // evicted earlier, when the complete block was demoted): not demoted again.
   uint64_t evicted_incomplete = 0;
@@ -130,6 +140,7 @@ class OffloadedCache {
   struct Staged;
   struct SparePool;
   struct Shared;
+  struct Held;
   BundleKey KeyOf(const BlockDigest& d) const { return BundleKey{options_.namespace_id, d.hash}; }
   // Copies block `block` of `seq` (every pool, then the digest check) into a bundle; nullptr if
   // one of its pages is gone.
@@ -151,6 +162,11 @@ class OffloadedCache {
   // Write-back: makes bundles of what the hook queued and hands them to the chain (on the
   // demote thread).
   void DrainEvicted();
+  // Write-back: runs EvictAhead on the demote thread unless it is already due to.
+  void ScheduleEvictAhead();
+  // Write-back (demote thread): evicts blocks ahead of need until every full-history pool has
+  // evict_ahead_blocks free pages, storing each from its pages into the chain.
+  void EvictAhead();
   // Hands bundles to the chain; the caller has counted them in flight.
   void Demote(std::vector<BundlePtr> bundles, bool evicted);
   // Per key: the bundle on its way to the chain (write-back), or nullptr.
@@ -167,6 +183,9 @@ class OffloadedCache {
   std::shared_ptr<Shared> shared_;
   uint64_t block_record_bytes_ = 0;   // record bytes of one block's bundle
   uint64_t block_payload_bytes_ = 0;  // its segments' bytes: every pool's page and the check
+  uint32_t evict_ahead_target_ = 0;   // write-back: free pages EvictAhead keeps; 0: off
+  static constexpr uint32_t kEvictAheadBatch = 4;  // blocks held at a time
+  bool gather_into_host_ = false;     // EvictAhead gathers straight into a large host tier
   std::shared_ptr<SparePool> spare_;  // write-back: staging buffers kept for reuse
   std::unique_ptr<offload::WorkerPool> demoter_;  // write-back only
   std::unique_ptr<offload::WorkerPool> restorers_;  // restore_threads - 1 threads, or none
