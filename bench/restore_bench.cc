@@ -8,11 +8,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <limits>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "bench_util.h"
@@ -142,6 +145,131 @@ Result<double> PreadFile(const std::string& path, uint64_t bytes) {
   ::close(fd);
   if (!st.ok()) return st;
   return std::max(seconds, 1e-12);
+}
+
+double ThreadCpuSeconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+
+// Write-back eviction, as a decode or chunked prefill meets it: L1 of `capacity` blocks full of
+// one prompt's cached blocks; a second sequence then takes one block at a time, and writes its
+// pages and waits out `compute_s` (the engine computing the block: the accelerator's time,
+// this thread idle) before taking the next. Each block it takes evicts one of the first
+// prompt's into the host tier: copied by the eviction hook inside AllocateSlots (`ahead` 0), or
+// evicted ahead of need on the demote thread (`ahead` > 0). Returns the seconds spent in
+// AllocateSlots plus those in EvictAhead (both hold the manager's lock, or wait for it), per
+// evicted block.
+Result<nlohmann::json> MeasureWriteBackEviction(const ModelSpec& spec, uint32_t block_tokens, uint32_t capacity,
+                                                uint32_t ahead, double compute_s, const std::byte* pattern,
+                                                uint64_t pattern_blocks) {
+  CacheManagerOptions mo;
+  mo.block_tokens = block_tokens;
+  mo.capacity_blocks = capacity;
+  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<CacheManager> manager, CacheManager::Create(spec, mo));
+  const size_t pools = manager->num_pools();
+  std::vector<uint64_t> stride(pools), offset(pools), segments;
+  uint64_t block_bytes = 0;
+  for (size_t p = 0; p < pools; ++p) {
+    stride[p] = manager->geometry().pools[p].block_stride;
+    offset[p] = block_bytes;
+    block_bytes += stride[p];
+    const PagePool& pool = manager->pool(p);
+    for (PageId page = 0; page < pool.capacity(); ++page) std::memset(pool.PageData(page), 0, stride[p]);
+  }
+  segments = stride;
+  segments.push_back(sizeof(BlockDigest{}.check));
+  const uint64_t record = RoundUp4k(BundleRecordBytes(segments));
+  HostTierOptions h;
+  h.capacity_bytes = 3 * uint64_t{capacity} * record / 2;
+  h.max_record_bytes = record;
+  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> host, HostTier::Open(h));
+  std::vector<std::unique_ptr<Tier>> tiers;
+  tiers.push_back(std::move(host));
+  TierChainOptions co;
+  co.write_policy = WritePolicy::kWriteBack;
+  auto chain = std::make_unique<TierChain>(std::move(tiers), co);
+  OffloadedCacheOptions oco;
+  oco.write_policy = WritePolicy::kWriteBack;
+  oco.evict_ahead_blocks = ahead;
+  auto cache = std::make_unique<OffloadedCache>(*manager, *chain, oco);
+
+  std::vector<std::vector<PageId>> tables;
+  auto write_block = [&](uint32_t b) {
+    const std::byte* src = pattern + uint64_t{b % pattern_blocks} * block_bytes;
+    for (size_t p = 0; p < pools; ++p) {
+      if (b < tables[p].size() && tables[p][b] != kInvalidPage)
+        std::memcpy(manager->pool(p).PageData(tables[p][b]), src + offset[p], stride[p]);
+    }
+  };
+  const uint32_t blocks = capacity - 1;
+  const uint64_t tokens = uint64_t{blocks} * block_tokens;
+  // The first prompt: computed whole, committed, freed: `blocks` cached blocks, one page free.
+  std::vector<TokenId> first = RoundPrompt(blocks, block_tokens, 100);
+  first.resize(tokens);
+  SPARSEKV_ASSIGN_OR_RETURN(SequenceId a, cache->CreateSequence());
+  SPARSEKV_RETURN_IF_ERROR(cache->AppendTokens(a, first));
+  SPARSEKV_RETURN_IF_ERROR(manager->AllocateSlots(a, tokens).status());
+  SPARSEKV_RETURN_IF_ERROR(BlockTables(*manager, a, &tables));
+  for (uint32_t b = 0; b < blocks; ++b) write_block(b);
+  SPARSEKV_RETURN_IF_ERROR(cache->CommitComputed(a, tokens));
+  SPARSEKV_RETURN_IF_ERROR(cache->Free(a));
+  cache->WaitIdle();
+
+  // Prompts 101, 102 and 103 each evict the previous one's blocks, one block at a time; only
+  // 103 is counted. The first two touch the host tier's memory (1.5 L1s, so the third reuses
+  // it: a first touch costs more than the copy on this VM) and the staging buffers.
+  double allocate_s = 0, allocate_cpu_s = 0;
+  uint64_t evicted = 0;
+  OffloadedCacheStats before;
+  for (int round : {101, 102, 103}) {
+    std::vector<TokenId> prompt = RoundPrompt(blocks, block_tokens, round);
+    prompt.resize(tokens);
+    SPARSEKV_ASSIGN_OR_RETURN(SequenceId b, cache->CreateSequence());
+    SPARSEKV_RETURN_IF_ERROR(cache->AppendTokens(b, prompt));
+    SPARSEKV_RETURN_IF_ERROR(cache->AcquirePrefix(b).status());
+    before = cache->Stats();
+    const uint64_t evicted0 = manager->Stats().evicted_blocks;
+    allocate_s = 0;
+    allocate_cpu_s = 0;
+    for (uint32_t k = 0; k < blocks; ++k) {
+      const double t0 = NowSeconds();
+      const double c0 = ThreadCpuSeconds();
+      Status st = manager->AllocateSlots(b, uint64_t{k + 1} * block_tokens).status();
+      allocate_cpu_s += ThreadCpuSeconds() - c0;
+      allocate_s += NowSeconds() - t0;
+      SPARSEKV_RETURN_IF_ERROR(st);
+      SPARSEKV_RETURN_IF_ERROR(BlockTables(*manager, b, &tables));
+      write_block(k);
+      const double until = t0 + compute_s;
+      while (NowSeconds() < until) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    SPARSEKV_RETURN_IF_ERROR(cache->CommitComputed(b, tokens));
+    SPARSEKV_RETURN_IF_ERROR(cache->Free(b));
+    cache->WaitIdle();
+    evicted = manager->Stats().evicted_blocks - evicted0;
+  }
+  const OffloadedCacheStats st = cache->Stats();
+  if (evicted == 0) return Status::Internal("restore bench: the eviction phase evicted nothing");
+  if (st.demote_failures != 0 || st.demote_backlog_drops != 0) {
+    return Status::IOError(fmt::format("restore bench: eviction phase: {} demote failures, {} backlog drops",
+                                       st.demote_failures, st.demote_backlog_drops));
+  }
+  nlohmann::json j;
+  j["evict_ahead_blocks"] = ahead;
+  j["compute_seconds_per_block"] = compute_s;
+  j["evicted_blocks"] = evicted;
+  j["evicted_ahead"] = st.evicted_ahead - before.evicted_ahead;
+  j["allocate_seconds"] = allocate_s;
+  // The allocating thread's CPU time in AllocateSlots: without the time it was descheduled
+  // (the demote and restore threads copy on the other cores) or asleep waiting for the lock.
+  j["allocate_cpu_seconds"] = allocate_cpu_s;
+  const double ahead_s = st.evict_ahead_seconds - before.evict_ahead_seconds;
+  j["evict_ahead_seconds"] = ahead_s;
+  j["lock_seconds_per_evicted_block"] = (allocate_s + ahead_s) / static_cast<double>(evicted);
+  j["lock_cpu_seconds_per_evicted_block"] = (allocate_cpu_s + ahead_s) / static_cast<double>(evicted);
+  return j;
 }
 
 }  // namespace
@@ -408,6 +536,23 @@ Result<nlohmann::json> RunRestoreBench(const RestoreBenchOptions& o) {
     std::filesystem::remove(fio_file, ec);
   }
 
+  // Write-back eviction (host tier), with and without evicting ahead: the time under the
+  // manager's lock per evicted block against a memcpy of one block.
+  nlohmann::json eviction;
+  if (o.eviction_blocks > 0) {
+    const double memcpy_block_s = static_cast<double>(block_bytes) / memcpy_r.Median();
+    for (uint32_t ahead : {0u, OffloadedCacheOptions{}.evict_ahead_blocks}) {
+      SPARSEKV_ASSIGN_OR_RETURN(nlohmann::json e,
+                                MeasureWriteBackEviction(spec, o.block_tokens, o.eviction_blocks, ahead,
+                                                         o.eviction_compute_us * 1e-6, pattern->data(), n));
+      e["lock_time_vs_memcpy"] = e["lock_seconds_per_evicted_block"].get<double>() / memcpy_block_s;
+      e["lock_cpu_time_vs_memcpy"] = e["lock_cpu_seconds_per_evicted_block"].get<double>() / memcpy_block_s;
+      eviction[ahead == 0 ? "hook" : "evict_ahead"] = e;
+    }
+    eviction["memcpy_seconds_per_block"] = memcpy_block_s;
+    eviction["l1_blocks"] = o.eviction_blocks;
+  }
+
   nlohmann::json j;
   j["model"] = spec.name;
   j["kv_format"] = o.spec.has_value() && o.kv_format.empty() ? "spec" : o.kv_format;
@@ -465,6 +610,10 @@ Result<nlohmann::json> RunRestoreBench(const RestoreBenchOptions& o) {
     }
   }
   j["samples"] = samples;
+  if (!eviction.is_null()) {
+    j["write_back_eviction"] = eviction;
+    j["evict_lock_time_vs_memcpy"] = eviction["evict_ahead"]["lock_time_vs_memcpy"];
+  }
   j["note"] =
       "rates are blocks * block_bytes per second (pread and fio: bytes read); store = "
       "CommitComputed + WaitIdle (write-through: gather, checksum, tier put); restore = "

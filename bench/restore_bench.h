@@ -45,6 +45,13 @@ struct RestoreBenchOptions {
   // SSD only: also run fio (io_uring, O_DIRECT, 1 MiB reads, depth 1 and 16) over a file of the
   // restored size in `dir`, each round. Default: false.
   bool with_fio = false;
+  // L1 blocks of the write-back eviction phase (MeasureWriteBackEviction): time under the cache
+  // manager's lock per evicted block, with and without evicting ahead. 0: skipped. Default: 24.
+  uint32_t eviction_blocks = 24;
+  // ... and the time the engine takes to compute one block there, this thread idle (it writes
+  // the block's pages, then sleeps out the rest): the demote thread's time to get ahead. The
+  // default, 2 ms per block of 128 tokens, is a prefill of 64K tokens/s. Default: 2000.
+  double eviction_compute_us = 2000;
 };
 
 // Keys: restore_bytes_per_s, store_bytes_per_s, memcpy_bytes_per_s, pread_bytes_per_s (null for

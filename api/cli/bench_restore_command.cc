@@ -36,6 +36,13 @@ SPARSEKV_BENCH_COMMAND(restore) {
       ->capture_default_str();
   cmd->add_flag("--with-fio", args->options.with_fio,
                 "ssd: also run fio (io_uring, O_DIRECT, 1 MiB reads, depth 1 and 16) each round");
+  cmd->add_option("--eviction-blocks", args->options.eviction_blocks,
+                  "L1 blocks of the write-back eviction phase (time under the manager's lock per evicted "
+                  "block, with and without evicting ahead); 0 skips it")
+      ->capture_default_str();
+  cmd->add_option("--eviction-compute-us", args->options.eviction_compute_us,
+                  "Microseconds the engine computes each block in the eviction phase (this thread idle)")
+      ->capture_default_str();
   cmd->add_flag("--json", args->json, "Print JSON");
   cmd->callback([args, &exit_code] {
     if (!ParseDurabilityOption(args->durability, args->options.durability, exit_code)) return;
@@ -70,6 +77,17 @@ SPARSEKV_BENCH_COMMAND(restore) {
         j["faults_per_block"].get<double>());
     std::printf("memcpy   %7.2f GB/s   (one thread, prefaulted buffers)\n",
                 j["memcpy_bytes_per_s"].get<double>() / gb);
+    if (j.contains("write_back_eviction")) {
+      const auto& e = j["write_back_eviction"];
+      for (const char* mode : {"hook", "evict_ahead"}) {
+        std::printf("evict    %-11s %8.1f us under the manager's lock per evicted block (%.3fx a memcpy of it; "
+                    "%llu of %llu evicted ahead)\n",
+                    mode, e[mode]["lock_seconds_per_evicted_block"].get<double>() * 1e6,
+                    e[mode]["lock_time_vs_memcpy"].get<double>(),
+                    static_cast<unsigned long long>(e[mode]["evicted_ahead"].get<uint64_t>()),
+                    static_cast<unsigned long long>(e[mode]["evicted_blocks"].get<uint64_t>()));
+      }
+    }
     if (!j["pread_bytes_per_s"].is_null()) {
       std::printf("pread    %7.2f GB/s   (O_DIRECT, 1 MiB, depth 1; restore/pread %.2f)\n",
                   j["pread_bytes_per_s"].get<double>() / gb, j["restore_vs_pread"].get<double>());

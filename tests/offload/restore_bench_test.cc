@@ -53,6 +53,19 @@ TEST(BenchRestore, HostTier) {
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   ExpectShape(*r, "host");
   EXPECT_TRUE((*r)["pread_bytes_per_s"].is_null());
+  // The write-back eviction phase: 23 blocks evicted each way; the hook's way none ahead, the
+  // other most (how many depends on the machine's load, so only "some" is asserted).
+  const nlohmann::json& e = (*r)["write_back_eviction"];
+  ASSERT_TRUE(e.is_object()) << r->dump(2);
+  EXPECT_EQ(e["hook"]["evicted_blocks"], 23);
+  EXPECT_EQ(e["hook"]["evicted_ahead"], 0);
+  EXPECT_EQ(e["evict_ahead"]["evicted_blocks"], 23);
+  EXPECT_GT(e["evict_ahead"]["evicted_ahead"].get<uint64_t>(), 0u);
+  for (const char* m : {"hook", "evict_ahead"}) {
+    const double ratio = e[m]["lock_time_vs_memcpy"].get<double>();
+    EXPECT_TRUE(std::isfinite(ratio) && ratio > 0) << m << " " << ratio;
+  }
+  EXPECT_EQ((*r)["evict_lock_time_vs_memcpy"], e["evict_ahead"]["lock_time_vs_memcpy"]);
 }
 
 TEST(BenchRestore, SsdTierRemovesWhatItMade) {
@@ -61,6 +74,8 @@ TEST(BenchRestore, SsdTierRemovesWhatItMade) {
   o.tier = "ssd";
   o.dir = dir.path();
   o.ssd_read_arena_bytes = 64ull << 20;
+  o.eviction_blocks = 0;  // the host test covers it
+
   auto r = RunRestoreBench(o);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   ExpectShape(*r, "ssd");
