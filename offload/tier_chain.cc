@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <mutex>
 #include <optional>
 #include <unordered_map>
 
@@ -20,6 +21,36 @@ std::pair<std::function<void(T)>, std::future<T>> PromiseCallback() {
   auto promise = std::make_shared<std::promise<T>>();
   std::future<T> future = promise->get_future();
   return {[promise](T value) { promise->set_value(std::move(value)); }, std::move(future)};
+}
+
+// Starts an asynchronous tier call and waits for its answer. The tiers answer Contains and
+// EraseOlder on the caller's thread (or, for the SSD tier's erase, after an index write), so
+// this is on every PUT's path: a stack latch costs less than a promise and its shared state.
+template <typename T, typename Start>
+T Await(Start&& start) {
+  struct Latch {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::optional<T> value;
+  } latch;
+  start([&latch](T v) {
+    std::lock_guard<std::mutex> l(latch.mu);
+    latch.value = std::move(v);
+    latch.cv.notify_one();  // under the lock: the waiter cannot return, and free it, before
+  });
+  std::unique_lock<std::mutex> l(latch.mu);
+  latch.cv.wait(l, [&] { return latch.value.has_value(); });
+  return std::move(*latch.value);
+}
+
+std::vector<bool> ContainsNow(Tier& tier, std::vector<BundleKey> keys) {
+  return Await<std::vector<bool>>([&](Tier::ContainsCallback done) { tier.ContainsAsync(std::move(keys), std::move(done)); });
+}
+
+std::vector<Status> EraseOlderNow(Tier& tier, std::vector<BundleKey> keys, std::vector<uint64_t> below) {
+  return Await<std::vector<Status>>([&](Tier::StatusesCallback done) {
+    tier.EraseOlderAsync(std::move(keys), std::move(below), std::move(done));
+  });
 }
 
 }  // namespace
@@ -244,7 +275,7 @@ void TierChain::Invalidate(std::vector<BundlePtr> bundles, std::vector<std::vect
     std::vector<uint64_t> own;
     own.reserve(items.size());
     for (size_t i : items) own.push_back(bundles[i]->sequence());
-    const std::vector<Status> es = tiers_[0]->EraseOlder(keys, own).get();
+    const std::vector<Status> es = EraseOlderNow(*tiers_[0], keys, own);
     for (size_t j = 0; j < es.size(); ++j) {
       if (!es[j].ok() && st[items[j]].ok())
         st[items[j]] = es[j].WithContext("tier chain: erasing an older copy");
@@ -256,7 +287,7 @@ void TierChain::Invalidate(std::vector<BundlePtr> bundles, std::vector<std::vect
     for (const BundleKey& k : keys) needed |= shared_->moving.count(k) != 0;
   }
   for (size_t t = 0; t < tiers_.size() && !needed && !keys.empty(); ++t) {
-    const std::vector<bool> has = tiers_[t]->Contains(keys).get();
+    const std::vector<bool> has = ContainsNow(*tiers_[t], keys);
     for (size_t j = 0; j < keys.size(); ++j) needed |= has[j] && !stored[items[j]][t];
   }
   if (!needed) {
@@ -312,7 +343,7 @@ void TierChain::DrainInvalidations() {
         }
       }
       if (ask.empty()) continue;
-      const std::vector<bool> has = tiers_[t]->Contains(ask).get();
+      const std::vector<bool> has = ContainsNow(*tiers_[t], ask);
       std::vector<BundleKey> erase;
       std::vector<uint64_t> below;
       std::vector<std::pair<size_t, size_t>> erase_at;
@@ -323,7 +354,7 @@ void TierChain::DrainInvalidations() {
         erase_at.push_back(at[j]);
       }
       if (erase.empty()) continue;
-      const std::vector<Status> es = tiers_[t]->EraseOlder(erase, below).get();
+      const std::vector<Status> es = EraseOlderNow(*tiers_[t], erase, below);
       for (size_t j = 0; j < es.size(); ++j) {
         const auto [b, i] = erase_at[j];
         if (es[j].ok()) {
@@ -439,7 +470,7 @@ std::vector<int> TierChain::Locate(std::span<const BundleKey> keys) {
       }
     }
     if (ask.empty()) break;
-    const std::vector<bool> has = tiers_[t]->Contains(std::move(ask)).get();
+    const std::vector<bool> has = ContainsNow(*tiers_[t], std::move(ask));
     for (size_t j = 0; j < at.size(); ++j) {
       if (has[j]) out[at[j]] = static_cast<int>(t);
     }
@@ -568,7 +599,7 @@ void TierChain::GetFrom(size_t tier, std::vector<size_t> slots,
     }
     std::vector<int> lower(failed_keys.size(), -1);
     for (size_t t = tier + 1; t < tiers_.size() && !failed_keys.empty(); ++t) {
-      const std::vector<bool> has = tiers_[t]->Contains(failed_keys).get();
+      const std::vector<bool> has = ContainsNow(*tiers_[t], failed_keys);
       for (size_t j = 0; j < has.size(); ++j) {
         if (has[j] && lower[j] < 0) lower[j] = static_cast<int>(t);
       }
@@ -667,7 +698,7 @@ std::future<std::vector<Status>> TierChain::Erase(std::vector<BundleKey> keys) {
   std::vector<Status> out(keys.size());
   for (size_t t = 0; t < tiers_.size(); ++t) {
     if (t > 0) WaitNotMoving(keys);
-    const std::vector<Status> st = tiers_[t]->EraseOlder(keys, below).get();
+    const std::vector<Status> st = EraseOlderNow(*tiers_[t], keys, below);
     for (size_t i = 0; i < st.size(); ++i) {
       if (out[i].ok() && !st[i].ok()) out[i] = st[i];
     }
