@@ -147,6 +147,20 @@ Result<double> PreadFile(const std::string& path, uint64_t bytes) {
   return std::max(seconds, 1e-12);
 }
 
+// `tiers` stacked under `manager` with one write policy for both the chain and the cache
+// (evict_ahead_blocks `ahead`). The cache must go first: it is the second member.
+std::pair<std::unique_ptr<TierChain>, std::unique_ptr<OffloadedCache>> ChainUnder(
+    CacheManager& manager, std::vector<std::unique_ptr<Tier>> tiers, WritePolicy policy, uint32_t ahead) {
+  TierChainOptions co;
+  co.write_policy = policy;
+  auto chain = std::make_unique<TierChain>(std::move(tiers), co);
+  OffloadedCacheOptions oco;
+  oco.write_policy = policy;
+  oco.evict_ahead_blocks = ahead;
+  auto cache = std::make_unique<OffloadedCache>(manager, *chain, oco);
+  return {std::move(chain), std::move(cache)};
+}
+
 double ThreadCpuSeconds() {
   timespec t{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
@@ -187,13 +201,7 @@ Result<nlohmann::json> MeasureWriteBackEviction(const ModelSpec& spec, uint32_t 
   SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> host, HostTier::Open(h));
   std::vector<std::unique_ptr<Tier>> tiers;
   tiers.push_back(std::move(host));
-  TierChainOptions co;
-  co.write_policy = WritePolicy::kWriteBack;
-  auto chain = std::make_unique<TierChain>(std::move(tiers), co);
-  OffloadedCacheOptions oco;
-  oco.write_policy = WritePolicy::kWriteBack;
-  oco.evict_ahead_blocks = ahead;
-  auto cache = std::make_unique<OffloadedCache>(*manager, *chain, oco);
+  auto [chain, cache] = ChainUnder(*manager, std::move(tiers), WritePolicy::kWriteBack, ahead);
 
   std::vector<std::vector<PageId>> tables;
   auto write_block = [&](uint32_t b) {
@@ -350,12 +358,8 @@ Result<nlohmann::json> RunRestoreBench(const RestoreBenchOptions& o) {
     SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<SsdTier> t, SsdTier::Open(s));
     tiers.push_back(std::move(t));
   }
-  TierChainOptions co;
-  co.write_policy = WritePolicy::kWriteThrough;
-  auto chain = std::make_unique<TierChain>(std::move(tiers), co);
-  OffloadedCacheOptions oco;
-  oco.write_policy = WritePolicy::kWriteThrough;
-  auto cache = std::make_unique<OffloadedCache>(*manager, *chain, oco);
+  auto [chain, cache] = ChainUnder(*manager, std::move(tiers), WritePolicy::kWriteThrough, 0);
+  const OffloadedCacheOptions oco;  // its namespace names the bundles
   // Destroyed in reverse: the cache, the chain (closing the tier's files), the manager, then
   // `scratch` removes the directory.
 
