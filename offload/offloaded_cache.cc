@@ -273,7 +273,7 @@ void OffloadedCache::OnEvict(const EvictingBlock& block) {
   {
     MutexLock lock(shared_->mu);
     ++shared_->stats.evicted_demoted;
-    shared_->pending[KeyOf(block.digest)] = Shared::Pending{staged, nullptr};
+    shared_->pending[KeyOf(block.digest)] = Shared::Pending{staged, nullptr, nullptr};
     shared_->queue.push_back(std::move(staged));
     schedule = !shared_->drain_scheduled;
     shared_->drain_scheduled = true;
@@ -399,7 +399,7 @@ void OffloadedCache::DrainEvicted() {
         continue;
       }
       // The staged copy goes once no lookup holds it; the bundle serves from now on.
-      if (current) it->second = Shared::Pending{nullptr, made[i]};
+      if (current) it->second = Shared::Pending{nullptr, made[i], nullptr};
       bundles.push_back(made[i]);
     }
   }
