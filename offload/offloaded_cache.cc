@@ -609,57 +609,33 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
     rest.push_back(keys[i]);
     rest_at.push_back(i);
   }
-  if (!rest.empty()) {
-    std::vector<Result<BundlePtr>> promoted = chain_.Promote(rest).get();
-    for (size_t j = 0; j < rest.size(); ++j) got[rest_at[j]] = std::move(promoted[j]);
+  // What comes through the chain is asked for in chunks, all at once: the tiers read them in
+  // order while the blocks of the chunks already read are copied into L1 (an SSD restore used
+  // to copy only after its last read).
+  const size_t chunk = rest.empty() ? keys.size() : kRestoreChunkBlocks;
+  std::vector<std::future<std::vector<Result<BundlePtr>>>> reads;
+  for (size_t c = 0; c < rest.size(); c += chunk) {
+    reads.push_back(chain_.Promote(std::vector<BundleKey>(
+        rest.begin() + static_cast<std::ptrdiff_t>(c),
+        rest.begin() + static_cast<std::ptrdiff_t>(std::min(c + chunk, rest.size())))));
   }
-  for (size_t i = 0; i < got.size(); ++i) {
-    // Evicted from L1 and not yet in the chain (write-back): the gathered copy serves.
-    if (!got[i].ok() && pending[i] != nullptr) got[i] = pending[i];
-  }
-  uint32_t usable = 0;
-  uint64_t rejected = 0;
-  for (; usable < got.size(); ++usable) {
-    if (!got[usable].ok()) {
-      rejected += !got[usable].status().Is(StatusCode::kNotFound);
-      break;
+  size_t collected = 0;  // reads whose bundles are in `got`
+  auto collect_before = [&](size_t key_end) {
+    while (collected < reads.size() && rest_at[collected * chunk] < key_end) {
+      std::vector<Result<BundlePtr>> r = reads[collected].get();
+      for (size_t j = 0; j < r.size(); ++j) got[rest_at[collected * chunk + j]] = std::move(r[j]);
+      ++collected;
     }
-    const Status layout = CheckLayout(**got[usable], digests[usable]);
-    if (!layout.ok()) {
-      spdlog::warn("offloaded cache: not restoring: {}", layout.ToString());
-      ++rejected;
-      break;
-    }
-  }
-  got.erase(got.begin() + usable, got.end());  // pinned records past the prefix go back now
-  auto count = [&](uint64_t restored, uint64_t no_room) {
-    MutexLock lock(shared_->mu);
-    shared_->stats.restored_blocks += restored;
-    shared_->stats.restore_rejected += rejected;
-    shared_->stats.restore_no_room += no_room;
   };
-  if (usable == 0) {
-    count(0, 0);
-    return 0;
-  }
+
   const uint32_t bt = manager_.geometry().block_tokens;
-  Result<SlotAllocation> alloc = manager_.AllocateSlots(seq, uint64_t{first_block + usable} * bt);
-  if (!alloc.ok()) {
-    count(0, 1);
-    return 0;  // no room in L1: the L1 prefix stands alone, nothing changed
-  }
   const BlockGeometry& geo = manager_.geometry();
-  for (const PageCopy& c : alloc->copies) {
-    std::memcpy(manager_.pool(c.pool).PageData(c.dst), manager_.pool(c.pool).PageData(c.src),
-                geo.pools[c.pool].block_stride);
-  }
   std::vector<std::vector<PageId>> tables(geo.pools.size());
-  for (size_t p = 0; p < geo.pools.size(); ++p) {
-    if (!manager_.GetBlockTable(seq, p, &tables[p]).ok()) return 0;
-  }
+  std::vector<Status> checked(keys.size());
+  uint64_t rejected = 0, no_room = 0;
+  uint32_t restored = 0;  // leading blocks copied into L1 and checked
   // Each block's pages are written and (from the host tier) checked on one thread; blocks are
-  // split between the caller and the restorers. A block that fails its check ends the prefix.
-  std::vector<Status> checked(usable);
+  // split between the caller and the restorers.
   auto restore_range = [&](uint32_t from, uint32_t to) {
     std::vector<std::byte*> dst(geo.pools.size() + 1, nullptr);  // the digest is not copied
     for (uint32_t i = from; i < to; ++i) {
@@ -676,30 +652,76 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
       }
     }
   };
-  RunSplit(usable, restore_range);
-  uint32_t restored = 0;
-  for (; restored < usable; ++restored) {
-    if (checked[restored].ok()) continue;
-    // Damaged in host memory: the tier drops it, and the restored prefix ends before it. The
-    // pages allocated past it stay the sequence's, uncommitted, as any allocation.
-    host->CheckPinned(*got[restored], keys[restored]).IgnoreError();
-    spdlog::warn("offloaded cache: not restoring: {}", checked[restored].ToString());
-    ++rejected;
-    break;
+  for (size_t b0 = 0; b0 < keys.size();) {
+    const size_t b1 = std::min(b0 + chunk, keys.size());
+    collect_before(b1);
+    // The usable prefix of this chunk: found, and laid out as this cache's blocks.
+    size_t end = b0;
+    for (; end < b1; ++end) {
+      // Evicted from L1 and not yet in the chain (write-back): the gathered copy serves.
+      if (!got[end].ok() && pending[end] != nullptr) got[end] = pending[end];
+      if (!got[end].ok()) {
+        rejected += !got[end].status().Is(StatusCode::kNotFound);
+        break;
+      }
+      const Status layout = CheckLayout(**got[end], digests[end]);
+      if (!layout.ok()) {
+        spdlog::warn("offloaded cache: not restoring: {}", layout.ToString());
+        ++rejected;
+        break;
+      }
+    }
+    if (end == b0) break;
+    Result<SlotAllocation> alloc = manager_.AllocateSlots(seq, uint64_t{first_block + end} * bt);
+    if (!alloc.ok()) {
+      no_room = 1;  // no room in L1: what is restored so far stands
+      break;
+    }
+    for (const PageCopy& c : alloc->copies) {
+      std::memcpy(manager_.pool(c.pool).PageData(c.dst), manager_.pool(c.pool).PageData(c.src),
+                  geo.pools[c.pool].block_stride);
+    }
+    bool tables_ok = true;
+    for (size_t p = 0; p < geo.pools.size(); ++p) tables_ok &= manager_.GetBlockTable(seq, p, &tables[p]).ok();
+    if (!tables_ok) break;
+    RunSplit(static_cast<uint32_t>(end - b0), [&](uint32_t from, uint32_t to) {
+      restore_range(static_cast<uint32_t>(b0) + from, static_cast<uint32_t>(b0) + to);
+    });
+    size_t good = b0;
+    for (; good < end && checked[good].ok(); ++good) {
+    }
+    if (good < end) {
+      // Damaged in host memory: the tier drops it, and the restored prefix ends before it. The
+      // pages allocated past it stay the sequence's, uncommitted, as any allocation.
+      host->CheckPinned(*got[good], keys[good]).IgnoreError();
+      spdlog::warn("offloaded cache: not restoring: {}", checked[good].ToString());
+      ++rejected;
+    }
+    restored = static_cast<uint32_t>(good);
+    // This chunk's bundles go: host records unpinned, SSD read buffers back to their arena.
+    for (size_t i = b0; i < end; ++i) got[i] = Status::NotFound("restored");
+    if (good < end || end < b1) break;
+    b0 = b1;
   }
-  got.clear();  // unpins
+  got.clear();  // pinned records past the prefix go back; reads not waited for drop theirs
+  auto count = [&](uint64_t blocks) {
+    MutexLock lock(shared_->mu);
+    shared_->stats.restored_blocks += blocks;
+    shared_->stats.restore_rejected += rejected;
+    shared_->stats.restore_no_room += no_room;
+  };
   if (restored == 0) {
-    count(0, 0);
+    count(0);
     return 0;
   }
   // Committed like computed KV: the blocks become the sequence's and findable again.
   const Status s = manager_.CommitComputed(seq, uint64_t{first_block + restored} * bt);
   if (!s.ok()) {
     spdlog::warn("offloaded cache: committing restored blocks: {}", s.ToString());
-    count(0, 0);
+    count(0);
     return 0;
   }
-  count(restored, 0);
+  count(restored);
   return restored;
 }
 

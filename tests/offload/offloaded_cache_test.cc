@@ -27,14 +27,14 @@ struct Stack {
   std::unique_ptr<OffloadedCache> cache;
 };
 
-// `host_blocks`: the host tier's capacity in blocks.
-Stack Build(const std::string& ssd_dir, uint64_t host_blocks = 2) {
+// `host_blocks`: the host tier's capacity in blocks; `l1_blocks`: L1's.
+Stack Build(const std::string& ssd_dir, uint64_t host_blocks = 2, uint32_t l1_blocks = 8) {
   Stack s;
   auto spec = ModelPreset("deepseek-v3.2-exp", KvPrecision::kFp8);
   EXPECT_TRUE(spec.ok());
   CacheManagerOptions mo;
   mo.block_tokens = kBlockTokens;
-  mo.capacity_blocks = 8;
+  mo.capacity_blocks = l1_blocks;
   mo.huge_pages = false;
   auto m = CacheManager::Create(*spec, mo);
   EXPECT_TRUE(m.ok()) << m.status().ToString();
@@ -65,8 +65,8 @@ Stack Build(const std::string& ssd_dir, uint64_t host_blocks = 2) {
   return s;
 }
 
-std::vector<TokenId> Prompt() {
-  std::vector<TokenId> t(kBlocks * kBlockTokens + 1);
+std::vector<TokenId> Prompt(uint32_t blocks = kBlocks) {
+  std::vector<TokenId> t(blocks * kBlockTokens + 1);
   for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<TokenId>(1000 + i * 7);
   return t;
 }
@@ -161,6 +161,71 @@ TEST(OffloadedCache, V32PrefixEvictedFromL1SurvivesRestartAndIsRestoredByteIdent
   EXPECT_EQ(l1->blocks, kBlocks);
   EXPECT_EQ(s.cache->Stats().restored_blocks, kBlocks);
   ASSERT_TRUE(s.cache->Free(*seq).ok());
+}
+
+// A restore of many blocks asks the SSD for them in chunks (kRestoreChunkBlocks, all at once)
+// and copies each chunk into L1 while the next ones are read: every block comes back
+// byte-identical; a corrupt block in a later chunk ends the prefix just before it; an L1 with
+// room for part of the prefix takes the chunks that fit.
+TEST(OffloadedCache, ARestoreInChunksIsByteIdenticalEndsAtACorruptBlockAndTakesWhatFits) {
+  testing::TempDir dir("offcache");
+  constexpr uint32_t kMany = 20;  // three chunks of 8, 8 and 4
+  const std::vector<TokenId> prompt = Prompt(kMany);
+  Snapshot before;
+  std::vector<BlockDigest> digests;
+  {
+    Stack s = Build(dir.path(), 2, 24);
+    auto seq = s.cache->CreateSequence();
+    ASSERT_TRUE(s.cache->AppendTokens(*seq, prompt).ok());
+    ASSERT_TRUE(s.cache->AcquirePrefix(*seq).ok());
+    ASSERT_TRUE(s.manager->AllocateSlots(*seq, prompt.size()).ok());
+    FillRandom(*s.manager, *seq, 9);
+    before = Read(*s.manager, *seq, kMany);
+    ASSERT_TRUE(s.cache->CommitComputed(*seq, prompt.size()).ok());
+    ASSERT_TRUE(s.cache->Free(*seq).ok());
+    s.cache->WaitIdle();
+    ASSERT_EQ(s.cache->Stats().demoted_blocks, kMany);
+    s.manager->hasher().HashFullBlocks(s.manager->hasher().Root(""), prompt, "", &digests);
+  }
+  auto restore = [&](Stack& s, uint32_t expect_blocks) {
+    auto seq = s.cache->CreateSequence();
+    ASSERT_TRUE(s.cache->AppendTokens(*seq, prompt).ok());
+    auto hit = s.cache->AcquirePrefix(*seq);
+    ASSERT_TRUE(hit.ok()) << hit.status().ToString();
+    EXPECT_EQ(hit->lower_blocks, expect_blocks);
+    EXPECT_EQ(s.manager->GetSequenceInfo(*seq)->computed_tokens, uint64_t{expect_blocks} * kBlockTokens);
+    const Snapshot after = Read(*s.manager, *seq, expect_blocks);
+    for (const auto& [where, bytes] : after) {
+      EXPECT_TRUE(bytes == before.at(where)) << "block " << where.first << " pool " << where.second;
+    }
+    ASSERT_TRUE(s.cache->Free(*seq).ok());
+  };
+  {
+    Stack s = Build(dir.path(), 2, 24);  // the host tier starts empty: all 20 from the SSD
+    restore(s, kMany);
+    EXPECT_EQ(s.cache->Stats().restored_blocks, kMany);
+    EXPECT_EQ(s.cache->Stats().restore_no_room, 0u);
+  }
+  {
+    Stack s = Build(dir.path(), 2, 12);  // room for the first chunk, not the second
+    restore(s, 8);
+    EXPECT_EQ(s.cache->Stats().restore_no_room, 1u);
+  }
+  std::string victim_file;
+  uint64_t victim_offset = 0;
+  {
+    Stack s = Build(dir.path(), 2, 24);
+    auto loc = static_cast<SsdTier&>(s.chain->tier(1)).Locate(BundleKey{0, digests[13].hash});
+    ASSERT_TRUE(loc.ok());
+    victim_file = loc->file;
+    victim_offset = loc->offset + loc->record_bytes / 2;
+  }
+  FaultInjectionFileSystem fs(FileSystem::Default());
+  ASSERT_TRUE(fs.FlipBitInFile(victim_file, victim_offset, 1).ok());
+  Stack s = Build(dir.path(), 2, 24);
+  restore(s, 13);  // block 13, in the second chunk, is corrupt
+  EXPECT_EQ(s.cache->Stats().restore_rejected, 1u);
+  EXPECT_EQ(s.chain->tier(1).Stats().corrupt, 1u);
 }
 
 TEST(OffloadedCache, ACorruptBundleEndsTheRestoredPrefixAndIsNeverUsed) {
