@@ -197,6 +197,7 @@ TEST(EvictAhead, HandsTheOldestBlocksOverWholeAndAnAllocationWaitsForThem) {
                              PatternSeed(h.digest.hash, 0)));
   }
   EXPECT_TRUE(hook.Take().empty()) << "EvictAhead's blocks go to the taker, not the hook";
+  EXPECT_TRUE(c->CheckInvariants().ok()) << c->CheckInvariants().ToString() << " (pages held)";
   EXPECT_EQ(Removed(log.Take()), (std::vector<BlockHash>{da[5].hash, da[4].hash}));
   EXPECT_EQ(c->Stats().evicted_blocks, 2u);
   PrefixQuery q;
@@ -216,6 +217,7 @@ TEST(EvictAhead, HandsTheOldestBlocksOverWholeAndAnAllocationWaitsForThem) {
   for (const HeldBlock& h : held) c->ReleaseHeldBlock(h);
   t.join();
   EXPECT_EQ(got.load(), 0) << "the allocation failed instead of waiting";
+  EXPECT_TRUE(c->CheckInvariants().ok()) << c->CheckInvariants().ToString();
   EXPECT_EQ(bad.load(), 0u);
   EXPECT_EQ(c->pool(0).Stats().misuse, 0u);
   // Giving a block back twice is refused and counted, nothing else.

@@ -72,6 +72,8 @@ struct StackOptions {
   WritePolicy chain_policy = WritePolicy::kWriteThrough;
   // Put the first tier behind a GatedTier, closed.
   bool gate_first_tier = false;
+  // CacheManagerOptions::check_invariants: checked after every change (slow).
+  bool check_invariants = false;
   // Evicting ahead is off: most tests here count the evictions AllocateSlots makes itself
   // (the eviction hook's path); those of EvictAhead set evict_ahead_blocks.
   OffloadedCacheOptions cache = [] {
@@ -96,6 +98,7 @@ Stack Build(StackOptions o) {
   mo.capacity_blocks = o.l1_blocks;
   mo.window_capacity_blocks = o.l1_window_blocks;
   mo.huge_pages = false;
+  mo.check_invariants = o.check_invariants;
   auto m = CacheManager::Create(o.spec, mo);
   EXPECT_TRUE(m.ok()) << m.status().ToString();
   s.manager = std::move(m).value();
@@ -511,6 +514,7 @@ TEST_P(OffloadedCacheWriteBackThreads, EvictingAndRestoringWhileDemotesRun) {
   testing::TempDir dir("wbthreads");
   StackOptions o;
   o.cache.evict_ahead_blocks = GetParam();
+  o.check_invariants = true;  // held pages included
   o.spec = SmallSpec();
   o.block_tokens = 16;
   o.l1_blocks = 24;
@@ -567,6 +571,7 @@ TEST_P(OffloadedCacheWriteBackThreads, EvictingAndRestoringWhileDemotesRun) {
   const CacheStats ms = s.manager->Stats();
   EXPECT_EQ(bad.load(), 0u);
   EXPECT_EQ(ms.internal_errors, 0u) << ms.first_internal_error;
+  EXPECT_TRUE(s.manager->CheckInvariants().ok()) << s.manager->CheckInvariants().ToString();
   EXPECT_GT(ms.evicted_blocks, 0u);
   // Every evicted block was either demoted or dropped for the backlog, and counted once.
   EXPECT_EQ(st.evicted_demoted + st.demote_backlog_drops + st.evicted_incomplete,
