@@ -87,7 +87,8 @@ struct OffloadedCache::Shared {
     BundlePtr bundle;
     std::shared_ptr<Held> held;  // evicted ahead: its pages, until the bundle is made
   };
-  bool evict_ahead_due SPARSEKV_GUARDED_BY(mu) = false;
+  bool evict_ahead_due SPARSEKV_GUARDED_BY(mu) = false;    // an EvictAhead run is queued or running
+  bool evict_ahead_again SPARSEKV_GUARDED_BY(mu) = false;  // ... and was asked for meanwhile
   std::unordered_map<BundleKey, Pending, BundleKeyHasher> pending SPARSEKV_GUARDED_BY(mu);
   OffloadedCacheStats stats SPARSEKV_GUARDED_BY(mu);  // pending_demote_bytes: see the header
 };
@@ -284,7 +285,10 @@ void OffloadedCache::OnEvict(const EvictingBlock& block) {
 void OffloadedCache::ScheduleEvictAhead() {
   {
     MutexLock lock(shared_->mu);
-    if (shared_->evict_ahead_due) return;
+    if (shared_->evict_ahead_due) {
+      shared_->evict_ahead_again = true;  // the run in progress may have looked already
+      return;
+    }
     shared_->evict_ahead_due = true;
     ++shared_->in_flight;  // WaitIdle waits for the run
   }
@@ -357,9 +361,16 @@ void OffloadedCache::EvictAhead() {
     taken.clear();  // the pages go back to their pools unless a lookup still reads them
     if (!bundles.empty()) Demote(std::move(bundles), /*evicted=*/true);
   }
-  MutexLock lock(shared_->mu);
-  shared_->evict_ahead_due = false;
-  if (--shared_->in_flight == 0) shared_->idle.notify_all();
+  {
+    MutexLock lock(shared_->mu);
+    if (shared_->evict_ahead_again) {  // asked again while this run went: go round once more
+      shared_->evict_ahead_again = false;
+      demoter_->Submit([this](size_t) { EvictAhead(); });  // still due, still counted in flight
+      return;
+    }
+    shared_->evict_ahead_due = false;
+    if (--shared_->in_flight == 0) shared_->idle.notify_all();
+  }
 }
 
 BundlePtr OffloadedCache::BundleOf(const Staged& staged) const {

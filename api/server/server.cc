@@ -1591,23 +1591,29 @@ class Session : public std::enable_shared_from_this<Session> {
       b = ShmPutItems(*req);
       if (b.bytes > kPutHereBytes) return false;
     }
-    auto self = shared_from_this();
     auto batch = std::make_shared<PutBatch>(std::move(b));
     const auto t0 = Clock::now();
     ++inflight_requests_;
     srv_.BeginAsyncCall();
+    // The answer may come from a tier's thread, and copies of this callback may outlive the
+    // call there: it holds the session weakly and the server by pointer, so that nothing it
+    // leaves behind touches either once EndAsyncCall has let a shutdown go on.
+    Server::Impl* srv = &srv_;
     const bool taken = srv_.store_->TryPutWithoutBlocking(
-        ns_, batch->items, [self, h, t0, batch](std::vector<wire::ItemStatus> stored) {
+        ns_, batch->items,
+        [weak = weak_from_this(), srv, h, t0, batch](std::vector<wire::ItemStatus> stored) {
           batch->items.clear();  // their bytes are the request's, gone by now
           batch->Answer(std::move(stored));
           OutFrame frame = Reply(wire::Encode(wire::StatusListReply{std::move(batch->out)}))
                                .ToFrame(h.opcode, h.request_id);
-          self->srv_.metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
-          asio::post(self->strand_, [self, frame = std::move(frame)]() mutable {
-            --self->inflight_requests_;
-            self->QueueWrite(std::move(frame));
-          });
-          self->srv_.EndAsyncCall();
+          srv->metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
+          if (std::shared_ptr<Session> self = weak.lock()) {
+            asio::post(self->strand_, [self, frame = std::move(frame)]() mutable {
+              --self->inflight_requests_;
+              self->QueueWrite(std::move(frame));
+            });
+          }  // a session already gone needs no answer
+          srv->EndAsyncCall();
         });
     if (!taken) {
       --inflight_requests_;

@@ -76,9 +76,10 @@ wire::LookupReply TieredStore::Lookup(uint32_t ns, std::span<const wire::WireHas
 }
 
 std::vector<wire::ItemStatus> TieredStore::Put(uint32_t ns, std::span<const wire::PutItem> items) {
-  std::promise<std::vector<wire::ItemStatus>> answered;
-  std::future<std::vector<wire::ItemStatus>> out = answered.get_future();
-  StartPut(ns, items, [&answered](std::vector<wire::ItemStatus> st) { answered.set_value(std::move(st)); });
+  // Shared: set_value may still be returning on a tier's thread when get() has returned here.
+  auto answered = std::make_shared<std::promise<std::vector<wire::ItemStatus>>>();
+  std::future<std::vector<wire::ItemStatus>> out = answered->get_future();
+  StartPut(ns, items, [answered](std::vector<wire::ItemStatus> st) { answered->set_value(std::move(st)); });
   return out.get();
 }
 

@@ -34,9 +34,10 @@ class TieredStore : public DaemonStore {
 
   wire::LookupReply Lookup(uint32_t ns, std::span<const wire::WireHash> hashes) override;
   std::vector<wire::ItemStatus> Put(uint32_t ns, std::span<const wire::PutItem> items) override;
-  // With a host tier first: the values are copied into it at once, and the chain's write needs
-  // no waiting (only a write-through copy below, or erasing an older version below, finishes
-  // later on the chain's threads).
+  // With a host tier first: the values are copied into it at once, and nothing waits for I/O
+  // (a write-through copy below, or erasing an older version below, finishes later on the
+  // chain's threads). It may wait briefly for another thread handing an evicted older copy of a
+  // key down (HostTier::EraseOlderAsync), never for the tier below to store it.
   bool TryPutWithoutBlocking(uint32_t ns, std::span<const wire::PutItem> items, PutDone done) override;
   void Get(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) override;
   bool TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink,
