@@ -5,7 +5,8 @@
 // A namespace id is given by the server after HELLO; every method reads and writes only that
 // namespace's keys, so one namespace can neither read nor learn of another's blocks.
 // Thread safety: every method is thread-safe; methods block on tier I/O, so the server calls
-// them from its worker threads, never from its network threads.
+// them from its worker threads, except the two made for its network threads
+// (TryGetWithoutBlocking, TryPutWithoutBlocking).
 #pragma once
 
 #include <cstdint>
