@@ -295,6 +295,14 @@ Result<nlohmann::json> RunRestoreBench(const RestoreBenchOptions& o) {
   if (o.block_tokens == 0) return Status::InvalidArgument("--block-tokens must be positive");
   if (o.with_fio && o.tier != "ssd")
     return Status::InvalidArgument("--with-fio applies to --tier ssd only");
+  if (o.eviction_blocks != 0 && (o.eviction_blocks < 4 || o.eviction_blocks > kMaxBlocks)) {
+    return Status::InvalidArgument(fmt::format(
+        "--eviction-blocks {} is neither 0 (skip the phase) nor in [4, {}]", o.eviction_blocks, kMaxBlocks));
+  }
+  if (!(o.eviction_compute_us >= 0 && o.eviction_compute_us <= 1e6)) {
+    return Status::InvalidArgument(
+        fmt::format("--eviction-compute-us {} is not in [0, 1000000]", o.eviction_compute_us));
+  }
 
   ModelSpec spec;
   if (o.spec.has_value()) {

@@ -120,6 +120,17 @@ TEST(BenchRestore, BadOptionsAreInvalidArgument) {
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().ToString().find("unknown model preset"), std::string::npos)
       << r.status().ToString();
+  RestoreBenchOptions few = Small();
+  few.eviction_blocks = 2;
+  r = RunRestoreBench(few);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(r.status().Is(StatusCode::kInvalidArgument)) << r.status().ToString();
+  EXPECT_NE(r.status().ToString().find("--eviction-blocks 2"), std::string::npos) << r.status().ToString();
+  RestoreBenchOptions slow = Small();
+  slow.eviction_compute_us = -1;
+  r = RunRestoreBench(slow);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().ToString().find("--eviction-compute-us"), std::string::npos) << r.status().ToString();
 }
 
 }  // namespace
