@@ -919,21 +919,31 @@ class Session : public std::enable_shared_from_this<Session> {
                        Status::InvalidArgument(fmt::format("{} is sent by the server only", wire::OpcodeName(op))));
     }
     // A payload that does not decode is a malformed frame: error, then close. GET hash lists
-    // are decoded once here and handed to the fast path.
-    std::optional<wire::HashList> get_hashes;
+    // and PUT item lists are decoded once here and handed to the paths served on this thread.
+    Decoded decoded;
+    Status valid = Status::OK();
     if (op == wire::Opcode::kGet || op == wire::Opcode::kShmGet) {
       auto req = wire::DecodeHashList(payload_.span());
-      if (!req.ok()) return FailFrame(header_.request_id, req.status());
-      get_hashes = std::move(*req);
-    } else if (Status st = ValidateRequest(op, payload_.span()); !st.ok()) {
-      return FailFrame(header_.request_id, st);
+      valid = req.status();
+      if (req.ok()) decoded.get = std::move(*req);
+    } else if (op == wire::Opcode::kPut) {
+      auto req = wire::DecodePutRequest(payload_.span(), srv_.options_.max_frame_bytes);
+      valid = req.status();
+      if (req.ok()) decoded.put = std::move(*req);
+    } else if (op == wire::Opcode::kShmPut) {
+      auto req = wire::DecodeShmPutRequest(payload_.span());
+      valid = req.status();
+      if (req.ok()) decoded.shm_put = std::move(*req);
+    } else {
+      valid = ValidateRequest(op, payload_.span());
     }
+    if (!valid.ok()) return FailFrame(header_.request_id, valid);
     if (op == wire::Opcode::kSubscribe) {
       Subscribe();
     } else if (op == wire::Opcode::kPing) {
       QueueWrite(wire::EncodeFrame(op, wire::kFlagResponse, header_.request_id, payload_.span()));
     } else {
-      Dispatch(header_, std::move(payload_), get_hashes ? &get_hashes->hashes : nullptr);
+      Dispatch(header_, std::move(payload_), decoded);
     }
     payload_.Reset();
     return true;
@@ -945,9 +955,7 @@ class Session : public std::enable_shared_from_this<Session> {
       case wire::Opcode::kUnpin:
       case wire::Opcode::kDelete:
       case wire::Opcode::kShmRelease: return wire::DecodeHashList(p).status();
-      case wire::Opcode::kPut: return wire::DecodePutRequest(p, srv_.options_.max_frame_bytes).status();
       case wire::Opcode::kPin: return wire::DecodePinRequest(p).status();
-      case wire::Opcode::kShmPut: return wire::DecodeShmPutRequest(p).status();
       case wire::Opcode::kStats:
       case wire::Opcode::kSubscribe:
         return p.empty() ? Status::OK()
@@ -1121,8 +1129,15 @@ class Session : public std::enable_shared_from_this<Session> {
     QueueWrite(wire::EncodeFrame(wire::Opcode::kEvent, 0, 0, wire::Encode(wire::EventBatch{event_seq_++, {e}})));
   }
 
-  // `get_hashes`: a GET's or SHM_GET's decoded hash list (null for other requests).
-  void Dispatch(const wire::FrameHeader& h, Payload payload, const std::vector<wire::WireHash>* get_hashes) {
+  // A request's payload as HandleFrame decoded it (the lists hold spans into the payload).
+  struct Decoded {
+    std::optional<wire::HashList> get;          // GET, SHM_GET
+    std::optional<wire::PutRequest> put;        // PUT
+    std::optional<wire::ShmPutRequest> shm_put;  // SHM_PUT
+  };
+
+  void Dispatch(const wire::FrameHeader& h, Payload payload, const Decoded& decoded) {
+    const std::vector<wire::WireHash>* get_hashes = decoded.get ? &decoded.get->hashes : nullptr;
     // The client is done with what its previous SHM_GET lent it (api/PROTOCOL.md).
     if (h.opcode == wire::Opcode::kShmGet || h.opcode == wire::Opcode::kShmRelease) {
       lent_.clear();
@@ -1143,7 +1158,7 @@ class Session : public std::enable_shared_from_this<Session> {
         return;
       }
     }
-    if ((h.opcode == wire::Opcode::kPut || h.opcode == wire::Opcode::kShmPut) && TryPutHere(h, payload.span())) return;
+    if ((decoded.put || decoded.shm_put) && TryPutHere(h, payload.size(), decoded)) return;
     // A GET served by a worker builds its reply there: the bytes it may take are reserved from
     // the budget now, and the reply defers what does not fit them (at least one item is always
     // answered, so the client progresses).
@@ -1574,21 +1589,17 @@ class Session : public std::enable_shared_from_this<Session> {
   // than the two thread hops to a worker and back, which on two cores were most of a 64 KiB
   // PUT's time. Larger ones go to a worker, so that no connection holds this thread long.
   // False: nothing was done, the caller dispatches the request to a worker.
-  bool TryPutHere(const wire::FrameHeader& h, std::span<const std::byte> p) {
+  bool TryPutHere(const wire::FrameHeader& h, size_t payload_bytes, const Decoded& decoded) {
     static constexpr uint64_t kPutHereBytes = 1u << 20;  // as a GET's slice on a worker
     PutBatch b;
-    if (h.opcode == wire::Opcode::kPut) {
-      if (p.size() > kPutHereBytes) return false;
-      auto req = wire::DecodePutRequest(p, srv_.options_.max_frame_bytes);
-      if (!req.ok()) return false;  // the worker answers with the error
-      b.items = std::move(req->items);
+    if (decoded.put) {
+      if (payload_bytes > kPutHereBytes) return false;
+      b.items = decoded.put->items;
       b.out.resize(b.items.size());
       for (size_t i = 0; i < b.items.size(); ++i) b.index.push_back(i);
     } else {
-      if (staging_ == nullptr) return false;
-      auto req = wire::DecodeShmPutRequest(p);
-      if (!req.ok()) return false;
-      b = ShmPutItems(*req);
+      if (staging_ == nullptr) return false;  // the worker answers with the error
+      b = ShmPutItems(*decoded.shm_put);
       if (b.bytes > kPutHereBytes) return false;
     }
     auto batch = std::make_shared<PutBatch>(std::move(b));
