@@ -56,6 +56,15 @@ struct OffloadedCache::Staged {
   }  // a buffer that did not fit is freed after the lock is released
 };
 
+namespace {
+
+// A block with a page in every pool: one that can be demoted as a bundle.
+bool HasEveryPage(std::span<const PageId> pages) {
+  return std::none_of(pages.begin(), pages.end(), [](PageId p) { return p == kInvalidPage; });
+}
+
+}  // namespace
+
 // Write-back: a block evicted ahead of need whose pages are still held (CacheManager::
 // EvictAhead), until it is stored and no lookup reads them; the last holder gives them back.
 struct OffloadedCache::Held {
@@ -67,7 +76,7 @@ struct OffloadedCache::Held {
   Held& operator=(const Held&) = delete;
   ~Held() { manager->ReleaseHeldBlock(block); }
   bool complete() const {
-    return std::none_of(block.pages.begin(), block.pages.end(), [](PageId p) { return p == kInvalidPage; });
+    return HasEveryPage(block.pages);
   }
 };
 
@@ -233,8 +242,7 @@ BundlePtr OffloadedCache::GatherPages(const BlockDigest& digest, std::span<const
 void OffloadedCache::OnEvict(const EvictingBlock& block) {
   // Runs under the manager's lock (cache_manager.h): only the lock-free pool accessors, and our
   // own short locks, which are never held across a manager call.
-  const bool complete = std::none_of(block.pages.begin(), block.pages.end(),
-                                     [](PageId p) { return p == kInvalidPage; });
+  const bool complete = HasEveryPage(block.pages);
   auto staged = std::make_shared<Staged>();
   {
     MutexLock lock(shared_->mu);
