@@ -7,7 +7,6 @@
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -16,6 +15,7 @@
 #include <random>
 #include <thread>
 
+#include "allocator/xxhash_dispatch.h"
 #include "bench_util.h"
 #include "server/server.h"
 #include "server/tiered_store.h"

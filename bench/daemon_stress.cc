@@ -8,7 +8,6 @@
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -21,6 +20,7 @@
 #include <sstream>
 #include <thread>
 
+#include "allocator/xxhash_dispatch.h"
 #include "bench_util.h"
 #include "server/server.h"
 #include "server/tiered_store.h"

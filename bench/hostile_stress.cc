@@ -13,7 +13,6 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <array>
@@ -30,6 +29,7 @@
 #include <span>
 #include <thread>
 
+#include "allocator/xxhash_dispatch.h"
 #include "bench_util.h"
 #include "protocol/wire.h"
 #include "sparsekv/client.h"

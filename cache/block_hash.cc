@@ -1,21 +1,13 @@
 #include "sparsekv/block_hash.h"
 
-#define XXH_STATIC_LINKING_ONLY  // XXH3_state_t on the stack: no allocation per block
 #include <fmt/format.h>
 #include <openssl/evp.h>
-#include <xxhash.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 
-#if defined(__x86_64__)
-// Debian's libxxhash carries run-time dispatch to AVX2/AVX-512: 2.5x the SSE2 speed here.
-#include <xxh_x86dispatch.h>
-#define SPARSEKV_XXH3_128_UPDATE XXH3_128bits_update_dispatch
-#else
-#define SPARSEKV_XXH3_128_UPDATE XXH3_128bits_update
-#endif
+#include "allocator/xxhash_dispatch.h"
 
 namespace sparsekv {
 namespace {
@@ -42,11 +34,11 @@ BlockHash XxhChain(uint64_t seed, const BlockHash& parent, std::span<const Token
                    std::string_view extra) {
   XXH3_state_t state;
   XXH3_128bits_reset_withSeed(&state, seed);
-  SPARSEKV_XXH3_128_UPDATE(&state, &parent, sizeof(parent));
-  SPARSEKV_XXH3_128_UPDATE(&state, tokens.data(), tokens.size_bytes());
+  XXH3_128bits_update(&state, &parent, sizeof(parent));
+  XXH3_128bits_update(&state, tokens.data(), tokens.size_bytes());
   const uint64_t extra_len = extra.size();
-  if (!extra.empty()) SPARSEKV_XXH3_128_UPDATE(&state, extra.data(), extra.size());
-  SPARSEKV_XXH3_128_UPDATE(&state, &extra_len, sizeof(extra_len));
+  if (!extra.empty()) XXH3_128bits_update(&state, extra.data(), extra.size());
+  XXH3_128bits_update(&state, &extra_len, sizeof(extra_len));
   return FromXxh(XXH3_128bits_digest(&state));
 }
 

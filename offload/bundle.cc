@@ -1,14 +1,14 @@
 #include "sparsekv/bundle.h"
 
 #include <fmt/format.h>
-#define XXH_STATIC_LINKING_ONLY  // a streaming XXH3_state_t on the stack
 #include <sys/mman.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <cstring>
 #include <limits>
 #include <new>
+
+#include "allocator/xxhash_dispatch.h"
 
 namespace sparsekv {
 namespace {

@@ -1,9 +1,10 @@
 #include "cli/client_options.h"
 
 #include <fmt/format.h>
-#include <xxhash.h>
 
 #include <cstring>
+
+#include "allocator/xxhash_dispatch.h"
 
 namespace sparsekv::cli {
 

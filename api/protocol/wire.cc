@@ -2,10 +2,10 @@
 
 #include <fmt/format.h>
 #include <sys/socket.h>
-#define XXH_STATIC_LINKING_ONLY  // a streaming XXH3_state_t on the stack
-#include <xxhash.h>
 
 #include <cstring>
+
+#include "allocator/xxhash_dispatch.h"
 
 namespace sparsekv::wire {
 namespace {
