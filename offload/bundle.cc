@@ -7,8 +7,11 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <utility>
+#include <vector>
 
 #include "allocator/xxhash_dispatch.h"
+#include "sparsekv/thread_annotations.h"
 
 namespace sparsekv {
 namespace {
@@ -33,6 +36,63 @@ constexpr uint64_t kHugePage = 2 << 20;
 constexpr uint64_t kHugeFrom = 2 << 20;  // record buffers this large get their own mapping
 // Copies and hashes in chunks small enough to be hashed from L1/L2 right after their copy.
 constexpr uint64_t kCopyChunk = 64 << 10;
+
+// Large record buffers' mappings, kept after their last owner lets go for the next Allocate of
+// the same mapped size. A fresh mapping is faulted in as it is written: three 2 MiB faults for
+// a 6 MB block, the kernel zeroing every byte first, which costs as much as the copy that
+// follows (and far more when it must compact memory for a huge page). A pipeline that makes and
+// drops block-sized bundles (a write-back eviction, a store through a chain) reuses the same few.
+// Most recently freed first, as the warmest; the oldest are unmapped past the limit.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr uint64_t kInitialReuseBytes = 0;  // a use after release must still fault
+#else
+constexpr uint64_t kInitialReuseBytes = RecordBuffer::kDefaultReuseBytes;
+#endif
+struct MappingCache {
+  Mutex mu;
+  std::vector<std::pair<std::byte*, uint64_t>> free SPARSEKV_GUARDED_BY(mu);  // (base, mapped)
+  uint64_t bytes SPARSEKV_GUARDED_BY(mu) = 0;
+  uint64_t limit SPARSEKV_GUARDED_BY(mu) = kInitialReuseBytes;
+};
+
+MappingCache& Mappings() {
+  static auto* cache = new MappingCache();  // never destroyed: buffers may go back at exit
+  return *cache;
+}
+
+std::byte* TakeMapping(uint64_t mapped) {
+  MappingCache& c = Mappings();
+  MutexLock lock(c.mu);
+  for (size_t i = c.free.size(); i-- > 0;) {
+    if (c.free[i].second != mapped) continue;
+    std::byte* p = c.free[i].first;
+    c.free.erase(c.free.begin() + static_cast<std::ptrdiff_t>(i));
+    c.bytes -= mapped;
+    return p;
+  }
+  return nullptr;
+}
+
+void GiveBackMapping(std::byte* p, uint64_t mapped) {
+  std::vector<std::pair<std::byte*, uint64_t>> unmap;
+  {
+    MappingCache& c = Mappings();
+    MutexLock lock(c.mu);
+    if (mapped > c.limit) {
+      unmap.emplace_back(p, mapped);
+    } else {
+      size_t drop = 0;
+      while (c.bytes + mapped > c.limit) {
+        c.bytes -= c.free[drop].second;
+        unmap.push_back(c.free[drop++]);
+      }
+      c.free.erase(c.free.begin(), c.free.begin() + static_cast<std::ptrdiff_t>(drop));
+      c.free.emplace_back(p, mapped);
+      c.bytes += mapped;
+    }
+  }
+  for (const auto& [base, bytes] : unmap) ::munmap(base, bytes);  // off the lock
+}
 
 template <typename T>
 T Load(const std::byte* p) {
@@ -115,11 +175,17 @@ RecordBuffer RecordBuffer::Allocate(uint64_t bytes) {
   const uint64_t capacity =
       std::max<uint64_t>(kPageAlign, (bytes + kPageAlign - 1) / kPageAlign * kPageAlign);
   if (capacity >= kHugeFrom) {
-    // A block's record is megabytes, and every new one is faulted in as it is written: at 4 KiB
-    // a page that costs more than the copy (about 0.3 GB/s on a VM), with 2 MiB pages next to
-    // nothing. So large records take their own mapping, 2 MiB-aligned, with huge pages asked
-    // for; the kernel hands it out zeroed, padding included.
     const uint64_t mapped = (capacity + kHugePage - 1) / kHugePage * kHugePage;
+    auto release = [mapped](std::byte* d) { GiveBackMapping(d, mapped); };
+    if (std::byte* p = TakeMapping(mapped)) {
+      // The record's own bytes are about to be written; only the padding needs zeros.
+      std::memset(p + (bytes / kPageAlign) * kPageAlign, 0, capacity - (bytes / kPageAlign) * kPageAlign);
+      return RecordBuffer(p, capacity, std::move(release));
+    }
+    // A block's record is megabytes, and every new one is faulted in as it is written: at 4 KiB
+    // a page that costs more than the copy (about 0.3 GB/s on a VM), with 2 MiB pages far less.
+    // So large records take their own mapping, 2 MiB-aligned, with huge pages asked for; the
+    // kernel hands it out zeroed, padding included.
     void* raw = ::mmap(nullptr, mapped + kHugePage, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (raw != MAP_FAILED) {
@@ -130,7 +196,7 @@ RecordBuffer RecordBuffer::Allocate(uint64_t bytes) {
       if (kHugePage - lead > 0) ::munmap(base + lead + mapped, kHugePage - lead);
       std::byte* p = base + lead;
       ::madvise(p, mapped, MADV_HUGEPAGE);  // advice only: 4 KiB pages if refused
-      return RecordBuffer(p, capacity, [mapped](std::byte* d) { ::munmap(d, mapped); });
+      return RecordBuffer(p, capacity, std::move(release));
     }
   }
   auto* p = static_cast<std::byte*>(::operator new(capacity, std::align_val_t(kPageAlign)));
@@ -139,6 +205,24 @@ RecordBuffer RecordBuffer::Allocate(uint64_t bytes) {
               capacity - (bytes / kPageAlign) * kPageAlign);
   return RecordBuffer(p, capacity,
                       [](std::byte* d) { ::operator delete(d, std::align_val_t(kPageAlign)); });
+}
+
+uint64_t RecordBuffer::SetReuseLimit(uint64_t bytes) {
+  std::vector<std::pair<std::byte*, uint64_t>> unmap;
+  uint64_t previous = 0;
+  {
+    MappingCache& c = Mappings();
+    MutexLock lock(c.mu);
+    previous = std::exchange(c.limit, bytes);
+    size_t drop = 0;
+    while (c.bytes > c.limit) {
+      c.bytes -= c.free[drop].second;
+      unmap.push_back(c.free[drop++]);
+    }
+    c.free.erase(c.free.begin(), c.free.begin() + static_cast<std::ptrdiff_t>(drop));
+  }
+  for (const auto& [base, mapped] : unmap) ::munmap(base, mapped);
+  return previous;
 }
 
 Result<BundlePtr> Bundle::MakeWith(

@@ -89,7 +89,18 @@ class RecordBuffer {
   ~RecordBuffer() { Reset(); }
 
   // Heap memory for a record of `bytes` (capacity rounded up to 4 KiB, the padding zeroed).
+  // Buffers of 2 MiB and more get their own mapping with huge pages asked for; when the last
+  // owner lets go, the mapping is kept for the next Allocate of the same rounded size, up to a
+  // process-wide limit on the bytes kept (the oldest are unmapped first), so a steady stream of
+  // block-sized records neither maps nor faults. The contents of a reused buffer, past the
+  // padding, are whatever its last owner wrote.
   static RecordBuffer Allocate(uint64_t bytes);
+  // The limit at start (none kept in AddressSanitizer builds, so that a use after release still
+  // faults).
+  static constexpr uint64_t kDefaultReuseBytes = 256ull << 20;
+  // Sets the limit on the bytes of freed mappings kept for reuse (0: none kept; those above
+  // the new limit are unmapped now) and returns the previous one. Thread-safe.
+  static uint64_t SetReuseLimit(uint64_t bytes);
   void Reset();
   std::byte* data() const { return data_; }
   uint64_t capacity() const { return capacity_; }
