@@ -56,7 +56,12 @@ struct MappingCache {
 };
 
 MappingCache& Mappings() {
-  static auto* cache = new MappingCache();  // never destroyed: buffers may go back at exit
+  static auto* cache = [] {
+    auto* c = new MappingCache();  // never destroyed: buffers may go back at exit
+    MutexLock lock(c->mu);
+    c->free.reserve(kInitialReuseBytes / kHugePage + 1);  // every kept mapping is >= 2 MiB
+    return c;
+  }();
   return *cache;
 }
 
@@ -73,25 +78,24 @@ std::byte* TakeMapping(uint64_t mapped) {
   return nullptr;
 }
 
-void GiveBackMapping(std::byte* p, uint64_t mapped) {
-  std::vector<std::pair<std::byte*, uint64_t>> unmap;
-  {
-    MappingCache& c = Mappings();
-    MutexLock lock(c.mu);
-    if (mapped > c.limit) {
-      unmap.emplace_back(p, mapped);
-    } else {
-      size_t drop = 0;
-      while (c.bytes + mapped > c.limit) {
-        c.bytes -= c.free[drop].second;
-        unmap.push_back(c.free[drop++]);
-      }
-      c.free.erase(c.free.begin(), c.free.begin() + static_cast<std::ptrdiff_t>(drop));
-      c.free.emplace_back(p, mapped);
-      c.bytes += mapped;
-    }
+// Runs from ~RecordBuffer, so it allocates nothing (the list's room is reserved with the limit)
+// and cannot throw. The rare unmapping past the limit happens under the lock.
+void GiveBackMapping(std::byte* p, uint64_t mapped) noexcept {
+  MappingCache& c = Mappings();
+  MutexLock lock(c.mu);
+  if (mapped > c.limit || c.free.size() == c.free.capacity()) {
+    ::munmap(p, mapped);
+    return;
   }
-  for (const auto& [base, bytes] : unmap) ::munmap(base, bytes);  // off the lock
+  size_t drop = 0;
+  while (c.bytes + mapped > c.limit) {
+    c.bytes -= c.free[drop].second;
+    ::munmap(c.free[drop].first, c.free[drop].second);
+    ++drop;
+  }
+  c.free.erase(c.free.begin(), c.free.begin() + static_cast<std::ptrdiff_t>(drop));
+  c.free.emplace_back(p, mapped);
+  c.bytes += mapped;
 }
 
 template <typename T>
@@ -213,6 +217,7 @@ uint64_t RecordBuffer::SetReuseLimit(uint64_t bytes) {
   {
     MappingCache& c = Mappings();
     MutexLock lock(c.mu);
+    c.free.reserve(bytes / kHugePage + 1);  // may throw here, never when a buffer comes back
     previous = std::exchange(c.limit, bytes);
     size_t drop = 0;
     while (c.bytes > c.limit) {

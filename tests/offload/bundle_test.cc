@@ -189,6 +189,17 @@ TEST(RecordBuffer, BlockSizedBuffersAreReusedWithoutFaults) {
     std::memset(b.data(), 0x77, b.capacity());  // the whole buffer, padding included
   }
   EXPECT_LT(MinorFaults() - faults_after_warmup, 10) << "10 rounds of 6 MB buffers faulted";
+  // A smaller record of the same mapped size (three 2 MiB pages) reuses the mapping: its own
+  // capacity, and its own padding zeroed over what the last owner wrote.
+  {
+    constexpr uint64_t kSmaller = (5ull << 20) + 1000;
+    RecordBuffer b = RecordBuffer::Allocate(kSmaller);
+    EXPECT_EQ(b.data(), first);
+    EXPECT_EQ(b.capacity(), (kSmaller + 4095) / 4096 * 4096);
+    EXPECT_TRUE(std::all_of(b.data() + kSmaller / 4096 * 4096, b.data() + b.capacity(),
+                            [](std::byte x) { return x == std::byte{0}; }));
+    EXPECT_EQ(b.data()[0], std::byte{0x77}) << "the record's own bytes are left for the caller";
+  }
   // Two at once: the second is a different mapping, and both come back.
   {
     RecordBuffer a = RecordBuffer::Allocate(kBytes);

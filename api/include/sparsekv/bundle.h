@@ -92,8 +92,8 @@ class RecordBuffer {
   // Buffers of 2 MiB and more get their own mapping with huge pages asked for; when the last
   // owner lets go, the mapping is kept for the next Allocate of the same rounded size, up to a
   // process-wide limit on the bytes kept (the oldest are unmapped first), so a steady stream of
-  // block-sized records neither maps nor faults. The contents of a reused buffer, past the
-  // padding, are whatever its last owner wrote.
+  // block-sized records neither maps nor faults. A reused buffer's bytes before the padding are
+  // whatever its last owner wrote.
   static RecordBuffer Allocate(uint64_t bytes);
   // The limit at start (none kept in AddressSanitizer builds, so that a use after release still
   // faults).
