@@ -192,6 +192,14 @@ class HostTierImpl final : public HostTier {
     done(std::move(out));
   }
 
+  std::vector<BundleKey> Keys() const override {
+    MutexLock lock(mu_);
+    std::vector<BundleKey> keys;
+    keys.reserve(lru_.size());
+    for (EntryId id : lru_) keys.push_back(entries_[id].key);
+    return keys;
+  }
+
   Status CorruptForTesting(const BundleKey& key, uint64_t offset) override {
     MutexLock lock(mu_);
     auto it = index_.find(key);

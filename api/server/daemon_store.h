@@ -77,7 +77,8 @@ class DaemonStore {
 
   // Per-tier gauges and counters in Prometheus text.
   virtual void RenderMetrics(std::string& out) = 0;
-  // Makes every acknowledged bundle durable and the tier indexes current.
+  // At a graceful stop: makes every acknowledged bundle durable and the tier indexes current
+  // (under write-back, what only host memory holds is copied to the tier below first).
   virtual Status Flush() = 0;
 };
 

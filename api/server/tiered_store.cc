@@ -1,8 +1,10 @@
 #include "server/tiered_store.h"
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <future>
 #include <nlohmann/json.hpp>
@@ -555,9 +557,53 @@ void TieredStore::RenderMetrics(std::string& out) {
   out += fmt::format("sparsekv_pinned_bytes {}\n", pinned_bytes_);
 }
 
+// Under write-back a bundle goes below the host tier only when the host tier evicts it, so at a
+// graceful stop the host tier holds bundles no other tier has: they are copied to the tier
+// below (least recently used first, so that if that tier runs out of room it keeps the most
+// recent), in batches of at most kSpillBatchBytes pinned, each batch waited for.
 Status TieredStore::Flush() {
   chain_->WaitIdle();
-  return Status::OK();
+  Status st;
+  auto* host = dynamic_cast<HostTier*>(&chain_->tier(0));
+  if (chain_->options().write_policy == WritePolicy::kWriteBack && chain_->tier_count() > 1 && host != nullptr) {
+    constexpr uint64_t kSpillBatchBytes = 64ull << 20;
+    Tier& below = chain_->tier(1);
+    const auto t0 = std::chrono::steady_clock::now();
+    uint64_t spilled = 0, bytes = 0, failed = 0;
+    const std::vector<BundleKey> keys = host->Keys();
+    size_t next = 0;
+    while (next < keys.size()) {
+      std::vector<BundlePtr> batch;
+      uint64_t batch_bytes = 0;
+      for (; next < keys.size() && batch_bytes < kSpillBatchBytes; ++next) {
+        Result<BundlePtr> b = host->GetPinned(keys[next]);  // checked: a damaged one stays behind
+        if (!b.ok()) continue;
+        batch_bytes += (*b)->record_bytes();
+        batch.push_back(std::move(*b));
+      }
+      if (batch.empty()) continue;
+      std::promise<std::vector<Status>> done;
+      auto answered = done.get_future();
+      below.PutAsync(batch, [&done](std::vector<Status> s) { done.set_value(std::move(s)); });
+      const std::vector<Status> results = answered.get();
+      for (size_t i = 0; i < results.size(); ++i) {
+        // A newer version below already stands in for this copy.
+        if (results[i].ok() || results[i].Is(StatusCode::kFailedPrecondition)) {
+          ++spilled;
+          bytes += batch[i]->record_bytes();
+        } else {
+          ++failed;
+          if (st.ok())
+            st = results[i].WithContext(fmt::format("spilling the host tier to {}", below.name()));
+        }
+      }
+    }
+    spdlog::info("write-back: {} bundles ({} bytes) copied from the host tier to {} in {:.3f} s{}", spilled, bytes,
+                 below.name(), std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                 failed ? fmt::format(", {} failed", failed) : std::string());
+  }
+  chain_->WaitIdle();
+  return st;
 }
 
 }  // namespace sparsekv::server

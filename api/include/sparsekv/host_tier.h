@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "sparsekv/page_pool.h"
 #include "sparsekv/tier.h"
@@ -72,6 +73,9 @@ class HostTier : public Tier {
     uint64_t bytes = 0;
   };
   virtual Arena arena() const = 0;
+
+  // The keys of the bundles held now, least recently used first.
+  virtual std::vector<BundleKey> Keys() const = 0;
 
   // Test hook: flips one bit of the stored record of `key` at `offset`.
   virtual Status CorruptForTesting(const BundleKey& key, uint64_t offset) = 0;
