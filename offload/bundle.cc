@@ -78,6 +78,16 @@ std::byte* TakeMapping(uint64_t mapped) {
   return nullptr;
 }
 
+// Unmaps the oldest kept mappings until at most `keep` bytes are kept (rare: under the lock).
+void UnmapOldestLocked(MappingCache& c, uint64_t keep) SPARSEKV_REQUIRES(c.mu) {
+  size_t drop = 0;
+  for (; c.bytes > keep; ++drop) {
+    c.bytes -= c.free[drop].second;
+    ::munmap(c.free[drop].first, c.free[drop].second);
+  }
+  c.free.erase(c.free.begin(), c.free.begin() + static_cast<std::ptrdiff_t>(drop));
+}
+
 // Runs from ~RecordBuffer, so it allocates nothing (the list's room is reserved with the limit)
 // and cannot throw. The rare unmapping past the limit happens under the lock.
 void GiveBackMapping(std::byte* p, uint64_t mapped) noexcept {
@@ -87,13 +97,7 @@ void GiveBackMapping(std::byte* p, uint64_t mapped) noexcept {
     ::munmap(p, mapped);
     return;
   }
-  size_t drop = 0;
-  while (c.bytes + mapped > c.limit) {
-    c.bytes -= c.free[drop].second;
-    ::munmap(c.free[drop].first, c.free[drop].second);
-    ++drop;
-  }
-  c.free.erase(c.free.begin(), c.free.begin() + static_cast<std::ptrdiff_t>(drop));
+  UnmapOldestLocked(c, c.limit - mapped);
   c.free.emplace_back(p, mapped);
   c.bytes += mapped;
 }
@@ -212,22 +216,11 @@ RecordBuffer RecordBuffer::Allocate(uint64_t bytes) {
 }
 
 uint64_t RecordBuffer::SetReuseLimit(uint64_t bytes) {
-  std::vector<std::pair<std::byte*, uint64_t>> unmap;
-  uint64_t previous = 0;
-  {
-    MappingCache& c = Mappings();
-    MutexLock lock(c.mu);
-    c.free.reserve(bytes / kHugePage + 1);  // may throw here, never when a buffer comes back
-    previous = std::exchange(c.limit, bytes);
-    size_t drop = 0;
-    while (c.bytes > c.limit) {
-      c.bytes -= c.free[drop].second;
-      unmap.push_back(c.free[drop++]);
-    }
-    c.free.erase(c.free.begin(), c.free.begin() + static_cast<std::ptrdiff_t>(drop));
-  }
-  for (const auto& [base, mapped] : unmap) ::munmap(base, mapped);
-  return previous;
+  MappingCache& c = Mappings();
+  MutexLock lock(c.mu);
+  c.free.reserve(bytes / kHugePage + 1);  // may throw here, never when a buffer comes back
+  UnmapOldestLocked(c, bytes);
+  return std::exchange(c.limit, bytes);
 }
 
 Result<BundlePtr> Bundle::MakeWith(
