@@ -38,6 +38,9 @@ class DaemonStore {
   virtual bool TryPutWithoutBlocking(uint32_t ns, std::span<const wire::PutItem> items, PutDone done) {
     return false;
   }
+  // Whether TryPutWithoutBlocking may take items at all (the server reads such PUTs whole
+  // into its receive buffer, to be stored from there).
+  virtual bool PutsWithoutBlocking() const { return false; }
   // Calls `sink(i, status, bytes, keep)` once per hash, in order. `bytes` stays valid while a
   // copy of `keep` is held (a reply can then be sent from them without copying); with a null
   // `keep`, only during the call.

@@ -286,6 +286,70 @@ class Charge {
   uint64_t bytes_ = 0;
 };
 
+// A connection's receive buffer: kSmall bytes in place, or a mapping grown to hold a whole PUT
+// (Session::StartDirect), so that one receive brings a PUT and the next request's header.
+// Bytes in it are [from, to); Grow and Shrink move them to the front. Not thread-safe: the
+// connection's strand uses it, and never while a read into it is under way.
+class ReadBuffer {
+ public:
+  static constexpr size_t kSmall = 16u << 10;
+  // `grown_total` counts the bytes of every grown buffer (a /metrics gauge).
+  explicit ReadBuffer(std::atomic<uint64_t>* grown_total) : grown_total_(grown_total) {}
+  ReadBuffer(const ReadBuffer&) = delete;
+  ReadBuffer& operator=(const ReadBuffer&) = delete;
+  ~ReadBuffer() { Unmap(); }
+
+  std::byte* data() { return big_ != nullptr ? big_ : small_.data(); }
+  size_t capacity() const { return big_ != nullptr ? cap_ : kSmall; }
+  bool grown() const { return big_ != nullptr; }
+
+  // Room for `need` bytes from the front, the bytes held moved there. False (nothing changed)
+  // when no memory can be mapped.
+  bool Grow(size_t need, size_t& from, size_t& to) {
+    const size_t held = to - from;
+    if (need > capacity()) {
+      const size_t cap = (need + 4095) & ~size_t{4095};
+      void* m = ::mmap(nullptr, cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (m == MAP_FAILED) return false;
+      std::memcpy(m, data() + from, held);
+      Unmap();
+      big_ = static_cast<std::byte*>(m);
+      cap_ = cap;
+      grown_total_->fetch_add(cap, std::memory_order_relaxed);
+    } else {
+      std::memmove(data(), data() + from, held);
+    }
+    from = 0;
+    to = held;
+    return true;
+  }
+
+  // Back to kSmall bytes in place, when what it holds fits them.
+  void Shrink(size_t& from, size_t& to) {
+    const size_t held = to - from;
+    if (big_ == nullptr || held > kSmall) return;
+    std::memcpy(small_.data(), big_ + from, held);
+    Unmap();
+    from = 0;
+    to = held;
+  }
+
+ private:
+  void Unmap() {
+    if (big_ != nullptr) {
+      ::munmap(big_, cap_);
+      grown_total_->fetch_sub(cap_, std::memory_order_relaxed);
+    }
+    big_ = nullptr;
+    cap_ = 0;
+  }
+
+  std::atomic<uint64_t>* grown_total_;
+  std::array<std::byte, kSmall> small_{};
+  std::byte* big_ = nullptr;
+  size_t cap_ = 0;
+};
+
 // A request payload, filled as its bytes arrive. Small ones live on the heap; larger ones in an
 // anonymous mapping reserved at the size the header announces but committed page by page as
 // bytes are written into it, so a header that claims 64 MiB and sends 4 KiB costs the daemon
@@ -575,6 +639,7 @@ class Server::Impl {
   std::mutex park_mu_;
   std::vector<std::pair<std::weak_ptr<Session>, std::atomic<bool>*>> parked_;  // waiting for budget
   std::atomic<uint64_t> staging_total_{0};  // bytes of every session's staging area
+  std::atomic<uint64_t> grown_rbuf_total_{0};  // bytes of every session's grown receive buffer
   // Store calls started on a network thread that answer later, from a tier's thread: the
   // shutdown waits for them after the workers (their answers use the sessions and metrics).
   std::mutex async_mu_;
@@ -677,6 +742,9 @@ class Session : public std::enable_shared_from_this<Session> {
  private:
   enum class Resume { kNone, kHeader, kPayload };  // where a parked connection goes on
 
+  static constexpr size_t kReadChunk = 256u << 10;     // the most one read takes
+  static constexpr uint64_t kPutHereBytes = 1u << 20;  // as a GET's slice on a worker
+
   // Reads and handles frames. Requests are read through a buffer, so that one receive
   // usually brings a whole small request (often several); a payload's bytes past what is
   // buffered are read straight into it (StepPayload).
@@ -724,6 +792,12 @@ class Session : public std::enable_shared_from_this<Session> {
       last_active_ = frame_start_ = Clock::now();
       in_frame_ = true;
       got_ = 0;
+      if (DirectPut() && StartDirect()) {
+        PublishIdle();
+        if (!StepDirect()) return;
+        if (!HandleDirect()) return;
+        continue;
+      }
       if (!payload_.Reserve(header_.payload_bytes, Charge(&srv_.budget_, account_))) {
         FailFrame(header_.request_id, Status::ResourceExhausted(fmt::format(
                                           "no address space for a {}-byte payload", header_.payload_bytes)));
@@ -740,18 +814,131 @@ class Session : public std::enable_shared_from_this<Session> {
       rpos_ = 0;
     }
     PublishIdle();
+    // Into a grown buffer, a read takes only what the budget allows.
+    size_t room = std::min(rbuf_.capacity() - rend_, kReadChunk);
+    if (rbuf_.grown() && !srv_.budget_.Allows(account_->held.load(std::memory_order_relaxed), room)) {
+      room = ReadBuffer::kSmall - rend_;  // rend_ < kHeaderBytes here
+    }
     reading_ = true;
-    socket_.async_read_some(asio::buffer(rbuf_.data() + rend_, rbuf_.size() - rend_),
+    socket_.async_read_some(asio::buffer(rbuf_.data() + rend_, room),
                             asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec,
                                                                                      size_t n) {
                               self->reading_ = false;
+                              if (ec == asio::error::operation_aborted && self->trimming_ && !self->closing_) {
+                                // OnTick cancelled it to give the grown buffer back.
+                                self->trimming_ = false;
+                                self->rbuf_.Shrink(self->rpos_, self->rend_);
+                                self->ChargeReadBuffer();
+                                return self->ReadHeader();
+                              }
+                              self->trimming_ = false;
                               if (ec) {
                                 self->closing_ = true;
                                 return self->MaybeClose();
                               }
                               self->rend_ += n;
+                              self->ChargeReadBuffer();
                               self->ReadHeader();
                             }));
+  }
+
+  // A PUT that the network thread may store (TryPutHere) is read whole into the receive
+  // buffer, grown to hold it, and stored from there: no payload is allocated for it, its value
+  // is copied once (into host memory), and while the connection sends such PUTs one receive
+  // usually brings a whole one. The bytes a grown buffer holds are charged as they arrive, as
+  // a payload's are; a grown buffer goes once the connection has been quiet for a tick.
+  bool DirectPut() const {
+    return authed_ && header_.opcode == wire::Opcode::kPut && header_.payload_bytes > 0 &&
+           header_.payload_bytes <= kPutHereBytes && srv_.store_->PutsWithoutBlocking();
+  }
+
+  // Makes room in rbuf_ for header_'s payload (and, past ReadBuffer::kSmall, for the start of
+  // what follows). False (the frame goes the usual way) when no memory can be had for it.
+  bool StartDirect() {
+    const size_t n = header_.payload_bytes;
+    if (rbuf_.capacity() - rpos_ >= n) return true;
+    return rbuf_.Grow(n > ReadBuffer::kSmall ? n + ReadBuffer::kSmall : n, rpos_, rend_);
+  }
+
+  // Charges the budget with what a grown rbuf_ holds (a payload's bytes, mostly; the
+  // ReadBuffer::kSmall bytes in place are every connection's and not charged).
+  void ChargeReadBuffer() {
+    const uint64_t over = rbuf_.grown() ? rend_ - rpos_ : 0;
+    if (over == rbuf_charge_.bytes()) return;
+    if (over < rbuf_charge_.bytes()) rbuf_charge_.Release();
+    if (rbuf_charge_.bytes() == 0) rbuf_charge_ = Charge(&srv_.budget_, account_);
+    rbuf_charge_.Add(over - rbuf_charge_.bytes());
+  }
+
+  // Brings a direct PUT's payload into rbuf_. True when it is all there; false when a read is
+  // under way, or the frame went on the usual way: when the budget does not allow the next
+  // read, what came so far moves into a payload of its own and StepPayload parks it.
+  bool StepDirect() {
+    const size_t n = header_.payload_bytes;
+    got_ = std::min(rend_ - rpos_, n);
+    if (got_ == n) {
+      in_frame_ = false;
+      return true;
+    }
+    const size_t chunk = std::min(rbuf_.capacity() - rend_, kReadChunk);
+    if (!srv_.budget_.Allows(account_->held.load(std::memory_order_relaxed), chunk)) {
+      if (!payload_.Reserve(n, Charge(&srv_.budget_, account_))) {
+        FailFrame(header_.request_id,
+                  Status::ResourceExhausted(fmt::format("no address space for a {}-byte payload", n)));
+        return false;
+      }
+      payload_.charge().Add(got_);
+      std::memcpy(payload_.data(), rbuf_.data() + rpos_, got_);
+      rpos_ = rend_ = 0;
+      ChargeReadBuffer();
+      if (StepPayload() && HandleFrame()) asio::post(strand_, [self = shared_from_this()] { self->ReadHeader(); });
+      return false;
+    }
+    reading_ = true;
+    socket_.async_read_some(asio::buffer(rbuf_.data() + rend_, chunk),
+                            asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec,
+                                                                                     size_t k) {
+                              self->reading_ = false;
+                              if (ec) {
+                                self->closing_ = true;
+                                return self->MaybeClose();
+                              }
+                              self->rend_ += k;
+                              self->ChargeReadBuffer();
+                              if (self->StepDirect() && self->HandleDirect()) self->ReadHeader();
+                            }));
+    return false;
+  }
+
+  // Handles the direct PUT at rbuf_'s front. When the store cannot take it from this thread
+  // (or the frame is bad), its bytes are copied into a payload of their own and handled as any
+  // frame.
+  bool HandleDirect() {
+    const std::span<const std::byte> p(rbuf_.data() + rpos_, header_.payload_bytes);
+    rpos_ += p.size();  // the bytes stay where they are until this returns
+    bool stored = false;
+    if (!(header_.flags & wire::kFlagResponse) && wire::VerifyPayload(header_, p).ok()) {
+      auto req = wire::DecodePutRequest(p, srv_.options_.max_frame_bytes);
+      if (req.ok()) {
+        Decoded decoded;
+        decoded.put = std::move(*req);
+        stored = TryPutHere(header_, p.size(), decoded);  // copied by the time it returns
+      }
+    }
+    if (stored) {
+      srv_.metrics_.BytesIn(wire::kHeaderBytes + p.size());
+      ChargeReadBuffer();
+      return true;
+    }
+    if (!payload_.Reserve(p.size(), Charge(&srv_.budget_, account_))) {
+      ChargeReadBuffer();
+      return FailFrame(header_.request_id, Status::ResourceExhausted(fmt::format(
+                                               "no address space for a {}-byte payload", p.size())));
+    }
+    payload_.charge().Add(p.size());
+    std::memcpy(payload_.data(), p.data(), p.size());
+    ChargeReadBuffer();
+    return HandleFrame();
   }
 
   // Brings the payload of header_ in: first what the receive buffer holds, then reads from the
@@ -760,7 +947,6 @@ class Session : public std::enable_shared_from_this<Session> {
   // announced; concurrent reads may pass the budget by a chunk each). True when the payload is
   // complete; false when a read is under way, the connection is parked, or it is closing.
   bool StepPayload() {
-    static constexpr size_t kReadChunk = 256u << 10;
     const size_t n = header_.payload_bytes;
     const size_t buffered = std::min<size_t>(rend_ - rpos_, n - got_);
     if (buffered > 0) {
@@ -874,6 +1060,15 @@ class Session : public std::enable_shared_from_this<Session> {
       spdlog::warn("session {}: a {}-byte frame not complete after {} ms ({} bytes came), closing", id_,
                    header_.payload_bytes, o.frame_timeout_ms, got_);
       return CloseNow(Status::Aborted(fmt::format("a frame did not arrive within {} ms", o.frame_timeout_ms)));
+    }
+    // A receive buffer grown for PUTs goes back once the connection has been quiet for a tick:
+    // the read waiting for the next header is cancelled, and its handler shrinks the buffer
+    // (nothing may be read into it meanwhile) and reads again.
+    if (rbuf_.grown() && reading_ && !trimming_ && !in_frame_ && !writing_ && parked_ == Resume::kNone &&
+        now - last_active_ >= srv_.tick_) {
+      trimming_ = true;
+      boost::system::error_code ignored;
+      socket_.cancel(ignored);
     }
     if (!in_frame_ && parked_ == Resume::kNone && inflight_requests_ == 0 && !writing_ && writes_.empty() &&
         past(last_active_, o.idle_timeout_ms)) {
@@ -1590,7 +1785,6 @@ class Session : public std::enable_shared_from_this<Session> {
   // PUT's time. Larger ones go to a worker, so that no connection holds this thread long.
   // False: nothing was done, the caller dispatches the request to a worker.
   bool TryPutHere(const wire::FrameHeader& h, size_t payload_bytes, const Decoded& decoded) {
-    static constexpr uint64_t kPutHereBytes = 1u << 20;  // as a GET's slice on a worker
     PutBatch b;
     if (decoded.put) {
       if (payload_bytes > kPutHereBytes) return false;
@@ -1835,8 +2029,10 @@ class Session : public std::enable_shared_from_this<Session> {
   size_t got_ = 0;                  // payload bytes in so far
   Clock::time_point frame_start_{}, write_started_{};
 
-  std::array<std::byte, 16384> rbuf_{};  // received, not yet handled: [rpos_, rend_)
+  ReadBuffer rbuf_{&srv_.grown_rbuf_total_};  // received, not yet handled: [rpos_, rend_)
   size_t rpos_ = 0, rend_ = 0;
+  Charge rbuf_charge_;     // what a grown rbuf_ holds
+  bool trimming_ = false;  // the read under way was cancelled to give a grown rbuf_ back
   Clock::time_point last_active_{};
   wire::FrameHeader header_;
   Payload payload_;
@@ -2198,6 +2394,9 @@ std::string Server::Impl::ConnectionMetrics() {
   gauge("sparsekv_handshaking_connections", "Connections that have not finished HELLO.", handshaking);
   gauge("sparsekv_authenticated_connections", "Connections after HELLO.", authenticated);
   gauge("sparsekv_connections_limit", "max_connections.", options_.max_connections);
+  gauge("sparsekv_receive_buffer_bytes",
+        "Bytes of connections' receive buffers grown to take whole PUTs (given back after a quiet tick).",
+        grown_rbuf_total_.load(std::memory_order_relaxed));
   gauge("sparsekv_shared_staging_bytes", "Bytes of every session's shared-memory staging area.",
         staging_total_.load(std::memory_order_relaxed));
   return out;

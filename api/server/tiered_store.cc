@@ -85,8 +85,10 @@ std::vector<wire::ItemStatus> TieredStore::Put(uint32_t ns, std::span<const wire
   return out.get();
 }
 
+bool TieredStore::PutsWithoutBlocking() const { return dynamic_cast<HostTier*>(&chain_->tier(0)) != nullptr; }
+
 bool TieredStore::TryPutWithoutBlocking(uint32_t ns, std::span<const wire::PutItem> items, PutDone done) {
-  if (dynamic_cast<HostTier*>(&chain_->tier(0)) == nullptr) return false;
+  if (!PutsWithoutBlocking()) return false;
   StartPut(ns, items, std::move(done));
   return true;
 }

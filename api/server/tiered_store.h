@@ -39,6 +39,7 @@ class TieredStore : public DaemonStore {
   // chain's threads). It may wait briefly for another thread handing an evicted older copy of a
   // key down (HostTier::EraseOlderAsync), never for the tier below to store it.
   bool TryPutWithoutBlocking(uint32_t ns, std::span<const wire::PutItem> items, PutDone done) override;
+  bool PutsWithoutBlocking() const override;
   void Get(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) override;
   bool TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink,
                              bool check) override;

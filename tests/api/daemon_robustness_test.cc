@@ -17,6 +17,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstring>
@@ -25,6 +26,7 @@
 #include <future>
 #include <optional>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -947,6 +949,162 @@ TEST(ClientConnect, IsBoundedByItsTimeout) {
   for (int f : fill) close(f);
   close(ul);
   std::filesystem::remove_all(dir);
+}
+
+// A PUT of at most 1 MiB is read whole into the connection's receive buffer, grown for it, and
+// stored from there (Session::StartDirect). The stream must stay in step whatever the split
+// of the bytes: frames cut anywhere (inside a header, inside a value, a value's last bytes
+// arriving with the next frame's first), frames from 1 byte to the 1 MiB limit, pipelined.
+// Then the same keys are overwritten the same way, and every GET returns the newest value.
+TEST_F(ClientCostTest, PutsReadWholeStayInStepHoweverTheBytesAreSplit) {
+  const int fd = RawAuthed();
+  const std::vector<size_t> sizes = {1,          100,       16 << 10,  (16 << 10) - 24, (16 << 10) + 1,
+                                     64 << 10,   65536 + 7, 300000,    (1 << 20) - 4096, 5000,
+                                     (1 << 20) - 4096, 12};
+  std::mt19937 rng(17);
+  for (int round = 0; round < 2; ++round) {
+    std::vector<std::byte> stream;
+    std::vector<std::vector<std::byte>> values;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      values.push_back(Value(1000 * round + i, sizes[i]));
+      wire::PutRequest req;
+      req.items.push_back({H(500 + i), values.back()});
+      const auto frame = wire::EncodeFrame(wire::Opcode::kPut, 0, 100 + i, wire::Encode(req));
+      stream.insert(stream.end(), frame.begin(), frame.end());
+    }
+    // Pieces of 1 byte to 96 KiB, with pauses, so reads end at every kind of place.
+    size_t sent = 0;
+    while (sent < stream.size()) {
+      const size_t cuts[] = {1, 3, 31, 4096, 16 << 10, 65 << 10, 96 << 10};
+      const size_t n = std::min(stream.size() - sent, cuts[rng() % std::size(cuts)]);
+      ASSERT_EQ(send(fd, stream.data() + sent, n, MSG_NOSIGNAL), static_cast<ssize_t>(n));
+      sent += n;
+      if (rng() % 3 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    std::set<uint64_t> answered;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      auto r = ReadFrame(fd);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      ASSERT_EQ(r->first.opcode, wire::Opcode::kPut);
+      auto st = wire::DecodeStatusListReply(r->second);
+      ASSERT_TRUE(st.ok()) << st.status().ToString();
+      ASSERT_EQ(st->items.size(), 1u);
+      EXPECT_EQ(st->items[0].code, StatusCode::kOk) << st->items[0].message;
+      answered.insert(r->first.request_id);
+    }
+    EXPECT_EQ(answered.size(), sizes.size());
+    auto good = Connect("alpha");
+    ASSERT_NE(good, nullptr);
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const WireBlockHash h = H(500 + i);
+      auto got = good->Get(std::span<const WireBlockHash>(&h, 1));
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      ASSERT_TRUE((*got)[0].status.ok()) << "round " << round << " item " << i << ": " << (*got)[0].status.ToString();
+      EXPECT_TRUE((*got)[0].bytes.size() == values[i].size() &&
+                  std::memcmp((*got)[0].bytes.data(), values[i].data(), values[i].size()) == 0)
+          << "round " << round << " item " << i << " (" << sizes[i] << " bytes) came back different";
+    }
+  }
+  EXPECT_EQ(BufferedSettlesTo(0), 0);
+}
+
+// A PUT read whole that is bad is refused like any other bad frame, and stores nothing: the
+// key keeps its older value.
+TEST_F(ClientCostTest, ABadPutReadWholeStoresNothing) {
+  auto good = Connect("alpha");
+  ASSERT_NE(good, nullptr);
+  const auto old_value = Value(1, 64 << 10);
+  BundleRef ref{H(9), old_value};
+  ASSERT_TRUE((*good->Put(std::span<const BundleRef>(&ref, 1)))[0].ok());
+  const auto new_value = Value(2, 64 << 10);
+  wire::PutRequest req;
+  req.items.push_back({H(9), new_value});
+  const auto payload = wire::Encode(req);
+
+  // 1. A byte of the value changed after the checksum was taken.
+  auto corrupt = wire::EncodeFrame(wire::Opcode::kPut, 0, 3, payload);
+  corrupt[wire::kHeaderBytes + 40000] ^= std::byte{1};
+  // 2. A value length past the payload's end, under a checksum that matches.
+  auto cut = payload;
+  cut.resize(cut.size() - 100);
+  auto short_frame = wire::EncodeFrame(wire::Opcode::kPut, 0, 4, cut);
+  // 3. The response flag on a request.
+  auto flagged = wire::EncodeFrame(wire::Opcode::kPut, wire::kFlagResponse, 5, payload);
+  const std::pair<const std::vector<std::byte>*, StatusCode> cases[] = {
+      {&corrupt, StatusCode::kCorruption},
+      {&short_frame, StatusCode::kInvalidArgument},
+      {&flagged, StatusCode::kInvalidArgument}};
+  for (const auto& [frame, code] : cases) {
+    const int fd = RawAuthed();
+    ASSERT_EQ(send(fd, frame->data(), frame->size(), MSG_NOSIGNAL), static_cast<ssize_t>(frame->size()));
+    const Status st = ClosedWith(fd);
+    EXPECT_EQ(st.code(), code) << st.ToString();
+    close(fd);  // (alpha admits 3 connections)
+    raw_.erase(std::find(raw_.begin(), raw_.end(), fd));
+    const WireBlockHash h = H(9);
+    auto got = good->Get(std::span<const WireBlockHash>(&h, 1));
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    ASSERT_TRUE((*got)[0].status.ok()) << (*got)[0].status.ToString();
+    EXPECT_TRUE((*got)[0].bytes == old_value) << "a refused PUT changed the value (" << st.ToString() << ")";
+  }
+  EXPECT_EQ(BufferedSettlesTo(0), 0);
+}
+
+// A receive buffer grown for a PUT goes back once the connection is quiet (the read waiting
+// for the next header is cancelled and made again), keeping the bytes of a header that had
+// begun to arrive.
+// (Deadlines of a second: the tick, a quarter of the shortest, comes after the checks below.)
+class QuietTickTest : public ClientCostTest {
+  void Configure(TieredStoreOptions&, ServerOptions& opts) override {
+    opts.handshake_timeout_ms = opts.frame_timeout_ms = opts.write_timeout_ms = 1000;
+  }
+};
+
+TEST_F(QuietTickTest, AGrownReceiveBufferGoesBackAndKeepsWhatItHeld) {
+  const int fd = RawAuthed();
+  auto put = [&](uint64_t key, const std::vector<std::byte>& v, uint64_t id) {
+    wire::PutRequest req;
+    req.items.push_back({H(key), v});
+    return wire::EncodeFrame(wire::Opcode::kPut, 0, id, wire::Encode(req));
+  };
+  const auto big = Value(3, (1 << 20) - 4096);
+  const auto v = Value(4, 64 << 10);
+  const auto second = put(31, v, 2);
+  // A PUT of nearly 1 MiB and ten bytes of the next frame's header, then quiet.
+  auto first = put(30, big, 1);
+  first.insert(first.end(), second.begin(), second.begin() + 10);
+  ASSERT_EQ(send(fd, first.data(), first.size(), MSG_NOSIGNAL), static_cast<ssize_t>(first.size()));
+  auto r = ReadFrame(fd);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_GE(Metric("sparsekv_receive_buffer_bytes"), 1 << 20);
+  double grown = -1;
+  for (int i = 0; i < 150; ++i) {
+    grown = Metric("sparsekv_receive_buffer_bytes");
+    if (grown == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(grown, 0) << "the grown buffer was kept while the connection was quiet";
+  ASSERT_EQ(send(fd, second.data() + 10, second.size() - 10, MSG_NOSIGNAL), static_cast<ssize_t>(second.size() - 10));
+  r = ReadFrame(fd);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->first.request_id, 2u);
+  auto st = wire::DecodeStatusListReply(r->second);
+  ASSERT_TRUE(st.ok() && st->items.size() == 1 && st->items[0].code == StatusCode::kOk);
+  auto good = Connect("alpha");
+  ASSERT_NE(good, nullptr);
+  for (auto [key, want] : {std::pair{30, &big}, std::pair{31, &v}}) {
+    const WireBlockHash h = H(key);
+    auto got = good->Get(std::span<const WireBlockHash>(&h, 1));
+    ASSERT_TRUE(got.ok() && (*got)[0].status.ok());
+    EXPECT_TRUE((*got)[0].bytes == *want) << "key " << key;
+  }
+  close(fd);
+  raw_.erase(std::find(raw_.begin(), raw_.end(), fd));
+  for (int i = 0; i < 100 && Metric("sparsekv_receive_buffer_bytes") != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(Metric("sparsekv_receive_buffer_bytes"), 0);
+  EXPECT_EQ(BufferedSettlesTo(0), 0);
 }
 
 // The same daemon with room for 100 connections.
