@@ -1,0 +1,179 @@
+// Sparse-aware offload (issue 18): the cache the sparse kernel reads (V3.2's MLA latent, V4's
+// CSA entries) stays in a lower tier, and each decode step brings into L1 only the entries the
+// indexer selected that are not already there.
+//
+// - A sparse record is how one block of that cache is offloaded: its pages, layer after layer
+//   as the pool lays them out, then a table of one XXH3-64 per entry, seeded with the entry's
+//   (layer, slot), so that every entry read alone is checked, and one read from the wrong
+//   place fails too. The record is an ordinary bundle (two segments), checked whole when it
+//   is stored and moved between tiers like any other.
+// - SparseWorkingSet is one sequence's L1 share of one layer: a fixed number of entry slots in
+//   pages of the kernel's format, an index from logical entry to slot, and LRU replacement.
+//   Map() turns a token's selection (logical entries) into indices into view(), in the same
+//   order, and names the entries that must be fetched first. The kernel then reads the
+//   working set in place: the same entry bytes in the same order, so its output is
+//   bit-identical to reading the whole cache (the kernels are batch-invariant).
+// - HostEntryFetcher copies selected entries out of sparse records held in the host tier,
+//   without copying the records, and checks each against its table.
+//
+// Thread safety: a working set and a fetcher are used by one thread at a time; the host tier
+// they read is thread-safe.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "sparsekv/block_geometry.h"
+#include "sparsekv/bundle.h"
+#include "sparsekv/paged_cache_view.h"
+#include "sparsekv/status.h"
+#include "sparsekv/storage_format.h"
+
+namespace sparsekv {
+
+class HostTier;
+
+// Where one entry lies inside a page of `entries` entries: one byte range, or two for fp8_v4
+// (its data, then its scales).
+struct EntryRanges {
+  uint32_t count = 0;
+  std::array<uint64_t, 2> offset{};
+  std::array<uint32_t, 2> bytes{};
+};
+// Precondition: CheckFormatFits passed for (format, dims); slot < entries.
+EntryRanges EntryByteRanges(StorageFormat format, uint32_t dims, uint32_t entries, uint32_t slot);
+
+// The shape of a sparse record: `layers` pages of `entries` entries each, `page_stride` bytes
+// apart (segment 0), then `layers * entries` u64 checksums (segment 1).
+struct SparseRecordLayout {
+  StorageFormat format = StorageFormat::kFp8DsMla;
+  uint32_t dims = 0;
+  uint32_t entries = 0;      // per page (block_tokens / ratio)
+  uint32_t layers = 0;
+  uint64_t page_stride = 0;  // at least FormatPageBytes(format, dims, entries)
+
+  // The layout of pool `pool` of a block geometry (its pages as the pool keeps them).
+  static SparseRecordLayout ForPool(const PoolGeometry& pool);
+  Status Validate() const;
+  uint64_t pages_bytes() const { return uint64_t{layers} * page_stride; }
+  uint64_t table_bytes() const { return uint64_t{layers} * entries * 8; }
+};
+
+// The checksum of entry `slot` of layer `layer`, read from `page` (that layer's page).
+uint64_t SparseEntryChecksum(const SparseRecordLayout& layout, const std::byte* page, uint32_t layer,
+                             uint32_t slot);
+
+// Stores `pages` (segment 0 of `layout`) as a sparse record under `key` in the host tier, the
+// checksum table computed here. Errors: a layout that fails Validate, pages of another size,
+// and those of HostTier::PutGathered.
+Status StoreSparseRecord(HostTier& host, const BundleKey& key, const SparseRecordLayout& layout,
+                         std::span<const std::byte> pages, uint64_t sequence);
+
+struct SparseWorkingSetOptions {
+  StorageFormat format = StorageFormat::kFp8DsMla;
+  uint32_t dims = 0;
+  // Entry slots: at least the most distinct entries one Map call may name (top-k).
+  uint32_t capacity_entries = 0;
+  // Entries per page of the working set's arena. Default: 64.
+  uint32_t page_entries = 64;
+  // Logical entries a selection may name (the index from entry to slot holds 4 bytes for each
+  // up to the largest named). Default: 2^24.
+  uint64_t max_entries = 1ull << 24;
+};
+
+class SparseWorkingSet {
+ public:
+  struct Miss {
+    uint64_t entry = 0;  // logical entry of the sequence's cache
+    uint32_t slot = 0;   // where it goes: page slot / page_entries, offset slot % page_entries
+  };
+
+  // Errors: a format the kernels cannot read, a capacity or page of 0 entries.
+  static Result<std::unique_ptr<SparseWorkingSet>> Create(const SparseWorkingSetOptions& options);
+  ~SparseWorkingSet();
+  SparseWorkingSet(const SparseWorkingSet&) = delete;
+  SparseWorkingSet& operator=(const SparseWorkingSet&) = delete;
+
+  // Maps one token's selection (logical entries; -1 for none) onto slots: physical[i] is the
+  // index in view() of logical[i] (-1 stays -1), and `misses` (cleared first) lists the entries
+  // not held, in order of first appearance, with the slots given to them; they must be filled
+  // (Fetch) before a kernel reads them, or given up (Forget). Everything the selection names
+  // becomes the most recently used; room is made by dropping the least recently used entries
+  // no earlier token of this call named. Errors (nothing mapped, no slot changes hands): sizes
+  // that differ, an index below -1 or at max_entries or past, more distinct entries than the
+  // capacity.
+  Status Map(std::span<const int32_t> logical, std::span<int32_t> physical, std::vector<Miss>* misses);
+
+  // Gives up entries Map assigned but that could not be filled: their slots become free.
+  void Forget(std::span<const Miss> misses);
+
+  // Where slot `slot` lies: its page, and its entry index inside the page.
+  std::byte* SlotPage(uint32_t slot) { return arena_ + uint64_t{slot / page_entries_} * page_stride_; }
+  uint32_t SlotInPage(uint32_t slot) const { return slot % page_entries_; }
+
+  // The arena as the kernels read it; indices from Map address it.
+  PagedCacheView view() const;
+  uint32_t page_entries() const { return page_entries_; }
+  uint32_t capacity() const { return capacity_; }
+  uint64_t held() const { return held_; }
+  // Counts over every Map call: entries named that were held, and that were not.
+  uint64_t hits() const { return hits_; }
+  uint64_t misses() const { return misses_; }
+  // Bytes of L1 memory: the arena, the per-slot state and the entry index (which grows with
+  // the largest entry named).
+  uint64_t memory_bytes() const;
+
+ private:
+  SparseWorkingSet() = default;
+  void Unlink(uint32_t slot);
+  void PushFront(uint32_t slot);
+  void Release(uint32_t slot);
+
+  StorageFormat format_ = StorageFormat::kFp8DsMla;
+  uint32_t dims_ = 0;
+  uint32_t capacity_ = 0;
+  uint32_t page_entries_ = 0;
+  uint64_t max_entries_ = 0;
+  uint64_t page_stride_ = 0;
+  std::byte* arena_ = nullptr;
+  uint64_t arena_bytes_ = 0;
+  std::vector<int32_t> slot_of_;    // logical entry -> slot, or -1
+  std::vector<uint64_t> entry_of_;  // slot -> logical entry (kFree when free)
+  std::vector<uint32_t> prev_, next_;  // LRU list over slots; index capacity_ is the head
+  std::vector<uint64_t> stamp_;        // the Map call that last named the slot
+  std::vector<uint32_t> free_;
+  uint64_t call_ = 0;
+  uint64_t held_ = 0, hits_ = 0, misses_ = 0;
+};
+
+// Fetches entries of a sequence's sparse records from the host tier into a working set. The
+// sequence's blocks are `blocks`, in logical order (logical entry e lies in block
+// e / layout.entries, slot e % layout.entries).
+class HostEntryFetcher {
+ public:
+  HostEntryFetcher(HostTier& host, SparseRecordLayout layout, std::vector<BundleKey> blocks);
+
+  // Copies the entries of layer `layer` named by `misses` (from SparseWorkingSet::Map) into
+  // their slots, each checked against its record's table as it lands. A record is pinned, not
+  // copied, while its entries are read. Errors (the entries not brought are forgotten in `ws`,
+  // so the next Map names them again): NotFound (a record gone from the tier: a cache may
+  // evict), Corruption (an entry whose bytes do not match its checksum, named), InvalidArgument
+  // (a record of another layout, an entry past the blocks, a working set of another format).
+  Status Fetch(uint32_t layer, std::span<const SparseWorkingSet::Miss> misses, SparseWorkingSet& ws);
+
+  // Bytes copied into working sets so far.
+  uint64_t bytes_fetched() const { return bytes_fetched_; }
+
+ private:
+  HostTier& host_;
+  SparseRecordLayout layout_;
+  std::vector<BundleKey> blocks_;
+  std::vector<SparseWorkingSet::Miss> sorted_;
+  uint64_t bytes_fetched_ = 0;
+};
+
+}  // namespace sparsekv

@@ -1,0 +1,332 @@
+#include "sparsekv/sparse_offload.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include "allocator/xxhash_dispatch.h"
+#include "sparsekv/host_tier.h"
+
+namespace sparsekv {
+namespace {
+
+constexpr uint64_t kFree = std::numeric_limits<uint64_t>::max();
+
+bool KernelFormat(StorageFormat f) {
+  return f == StorageFormat::kFp8DsMla || f == StorageFormat::kC8Mla || f == StorageFormat::kBf16 ||
+         f == StorageFormat::kFp8V4;
+}
+
+void CopyEntry(StorageFormat format, uint32_t dims, const std::byte* src_page, uint32_t src_entries,
+               uint32_t src_slot, std::byte* dst_page, uint32_t dst_entries, uint32_t dst_slot) {
+  const EntryRanges from = EntryByteRanges(format, dims, src_entries, src_slot);
+  const EntryRanges to = EntryByteRanges(format, dims, dst_entries, dst_slot);
+  for (uint32_t i = 0; i < from.count; ++i) std::memcpy(dst_page + to.offset[i], src_page + from.offset[i], from.bytes[i]);
+}
+
+uint64_t ChecksumRanges(const std::byte* page, const EntryRanges& r, uint32_t layer, uint32_t slot) {
+  uint64_t h = (uint64_t{layer} << 32) | slot;
+  for (uint32_t i = 0; i < r.count; ++i) h = XXH3_64bits_withSeed(page + r.offset[i], r.bytes[i], h);
+  return h;
+}
+
+}  // namespace
+
+EntryRanges EntryByteRanges(StorageFormat format, uint32_t dims, uint32_t entries, uint32_t slot) {
+  EntryRanges r;
+  switch (format) {
+    case StorageFormat::kFp8V4:
+      r.count = 2;
+      r.offset = {layout::Fp8V4DataOffset(slot), layout::Fp8V4ScaleOffset(entries, slot)};
+      r.bytes = {layout::kV4DataBytes, layout::kV4ScaleBytes};
+      return r;
+    case StorageFormat::kIdxFp8:
+    case StorageFormat::kIdxC8:
+      r.count = 2;
+      r.offset = {layout::IdxValueOffset(dims, slot), layout::IdxScaleOffset(dims, entries, slot)};
+      r.bytes = {dims, layout::kIdxScaleBytes};
+      return r;
+    default: {
+      const uint64_t bytes = FormatEntryBytes(format, dims);
+      r.count = 1;
+      r.offset = {uint64_t{slot} * bytes, 0};
+      r.bytes = {static_cast<uint32_t>(bytes), 0};
+      return r;
+    }
+  }
+}
+
+SparseRecordLayout SparseRecordLayout::ForPool(const PoolGeometry& pool) {
+  SparseRecordLayout l;
+  l.format = pool.spec.format;
+  l.dims = pool.spec.dims;
+  l.entries = pool.entries_per_block;
+  l.layers = static_cast<uint32_t>(pool.layers.size());
+  l.page_stride = pool.layer_stride;
+  return l;
+}
+
+Status SparseRecordLayout::Validate() const {
+  if (!KernelFormat(format)) {
+    return Status::InvalidArgument(fmt::format("sparse record: {} is not a format the sparse kernel reads",
+                                               StorageFormatName(format)));
+  }
+  if (dims == 0 || entries == 0 || layers == 0) {
+    return Status::InvalidArgument("sparse record: dims, entries and layers must be at least 1");
+  }
+  if (page_stride < FormatPageBytes(format, dims, entries)) {
+    return Status::InvalidArgument(fmt::format("sparse record: a page stride of {} bytes is below a {}-byte page",
+                                               page_stride, FormatPageBytes(format, dims, entries)));
+  }
+  return Status::OK();
+}
+
+uint64_t SparseEntryChecksum(const SparseRecordLayout& layout, const std::byte* page, uint32_t layer, uint32_t slot) {
+  return ChecksumRanges(page, EntryByteRanges(layout.format, layout.dims, layout.entries, slot), layer, slot);
+}
+
+Status StoreSparseRecord(HostTier& host, const BundleKey& key, const SparseRecordLayout& layout,
+                         std::span<const std::byte> pages, uint64_t sequence) {
+  SPARSEKV_RETURN_IF_ERROR(layout.Validate());
+  if (pages.size() != layout.pages_bytes()) {
+    return Status::InvalidArgument(fmt::format("sparse record: {} bytes of pages; the layout holds {}", pages.size(),
+                                               layout.pages_bytes()));
+  }
+  std::vector<uint64_t> table(uint64_t{layout.layers} * layout.entries);
+  for (uint32_t l = 0; l < layout.layers; ++l) {
+    const std::byte* page = pages.data() + uint64_t{l} * layout.page_stride;
+    for (uint32_t s = 0; s < layout.entries; ++s) {
+      table[uint64_t{l} * layout.entries + s] = SparseEntryChecksum(layout, page, l, s);
+    }
+  }
+  const std::span<const std::byte> segments[2] = {pages, std::as_bytes(std::span<const uint64_t>(table))};
+  SPARSEKV_ASSIGN_OR_RETURN(BundlePtr stored, host.PutGathered(key, segments, sequence));
+  return Status::OK();
+}
+
+// ---------------------------------------------------------------------------------------------
+
+Result<std::unique_ptr<SparseWorkingSet>> SparseWorkingSet::Create(const SparseWorkingSetOptions& o) {
+  if (!KernelFormat(o.format)) {
+    return Status::InvalidArgument(fmt::format("sparse working set: {} is not a format the sparse kernel reads",
+                                               StorageFormatName(o.format)));
+  }
+  if (o.capacity_entries == 0 || o.page_entries == 0 || o.dims == 0) {
+    return Status::InvalidArgument("sparse working set: capacity, page entries and dims must be at least 1");
+  }
+  if (o.capacity_entries > static_cast<uint32_t>(std::numeric_limits<int32_t>::max())) {
+    return Status::InvalidArgument("sparse working set: a capacity past what an int32 index can name");
+  }
+  std::unique_ptr<SparseWorkingSet> ws(new SparseWorkingSet());
+  ws->format_ = o.format;
+  ws->dims_ = o.dims;
+  ws->capacity_ = o.capacity_entries;
+  ws->page_entries_ = o.page_entries;
+  ws->max_entries_ = o.max_entries;
+  ws->page_stride_ = (FormatPageBytes(o.format, o.dims, o.page_entries) + 63) & ~uint64_t{63};
+  const uint64_t pages = (uint64_t{o.capacity_entries} + o.page_entries - 1) / o.page_entries;
+  ws->arena_bytes_ = pages * ws->page_stride_;
+  ws->arena_ = static_cast<std::byte*>(std::aligned_alloc(64, ws->arena_bytes_));
+  if (ws->arena_ == nullptr) return Status::ResourceExhausted("sparse working set: no memory for its arena");
+  std::memset(ws->arena_, 0, ws->arena_bytes_);
+  ws->entry_of_.assign(o.capacity_entries, kFree);
+  ws->prev_.assign(o.capacity_entries + 1, 0);
+  ws->next_.assign(o.capacity_entries + 1, 0);
+  ws->prev_[o.capacity_entries] = ws->next_[o.capacity_entries] = o.capacity_entries;  // empty list
+  ws->stamp_.assign(o.capacity_entries, 0);
+  ws->free_.reserve(o.capacity_entries);
+  for (uint32_t s = o.capacity_entries; s-- > 0;) ws->free_.push_back(s);
+  return ws;
+}
+
+SparseWorkingSet::~SparseWorkingSet() { std::free(arena_); }
+
+void SparseWorkingSet::Unlink(uint32_t s) {
+  next_[prev_[s]] = next_[s];
+  prev_[next_[s]] = prev_[s];
+}
+
+void SparseWorkingSet::PushFront(uint32_t s) {
+  const uint32_t head = capacity_;
+  prev_[s] = head;
+  next_[s] = next_[head];
+  prev_[next_[head]] = s;
+  next_[head] = s;
+}
+
+void SparseWorkingSet::Release(uint32_t s) {
+  Unlink(s);
+  slot_of_[entry_of_[s]] = -1;
+  entry_of_[s] = kFree;
+  free_.push_back(s);
+  --held_;
+}
+
+Status SparseWorkingSet::Map(std::span<const int32_t> logical, std::span<int32_t> physical,
+                             std::vector<Miss>* misses) {
+  misses->clear();
+  if (logical.size() != physical.size()) {
+    return Status::InvalidArgument(fmt::format("sparse working set: {} indices in, room for {} out", logical.size(),
+                                               physical.size()));
+  }
+  int32_t top = -1;
+  for (int32_t e : logical) {
+    if (e < -1) return Status::InvalidArgument(fmt::format("sparse working set: index {} is below -1", e));
+    if (e >= 0 && static_cast<uint64_t>(e) >= max_entries_) {
+      return Status::InvalidArgument(
+          fmt::format("sparse working set: index {} is past the {} entries it may name", e, max_entries_));
+    }
+    top = std::max(top, e);
+  }
+  if (logical.size() > capacity_) {  // (a selection no longer than the capacity always fits)
+    std::vector<int32_t> distinct(logical.begin(), logical.end());
+    std::sort(distinct.begin(), distinct.end());
+    distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+    const size_t n = distinct.size() - (distinct.front() == -1 ? 1 : 0);
+    if (n > capacity_) {
+      return Status::ResourceExhausted(fmt::format(
+          "sparse working set: a selection of {} distinct entries; its capacity is {}", n, capacity_));
+    }
+  }
+  if (top >= 0 && static_cast<uint64_t>(top) >= slot_of_.size()) slot_of_.resize(uint64_t(top) + 1, -1);
+  ++call_;
+  uint64_t hits = 0;
+  for (size_t i = 0; i < logical.size(); ++i) {
+    const int32_t e = logical[i];
+    if (e < 0) {
+      physical[i] = -1;
+      continue;
+    }
+    int32_t s = slot_of_[static_cast<uint64_t>(e)];
+    if (s >= 0) {
+      if (stamp_[s] != call_) ++hits;
+      Unlink(static_cast<uint32_t>(s));
+    } else {
+      uint32_t slot;
+      if (!free_.empty()) {
+        slot = free_.back();
+        free_.pop_back();
+      } else {
+        slot = prev_[capacity_];  // the least recently used
+        // Never one this call named: it has at most capacity_ distinct entries (checked above),
+        // and each is at the front of the list.
+        Release(slot);
+        free_.pop_back();
+      }
+      s = static_cast<int32_t>(slot);
+      slot_of_[static_cast<uint64_t>(e)] = s;
+      entry_of_[slot] = static_cast<uint64_t>(e);
+      ++held_;
+      misses->push_back({static_cast<uint64_t>(e), slot});
+    }
+    stamp_[s] = call_;
+    PushFront(static_cast<uint32_t>(s));
+    physical[i] = s;
+  }
+  hits_ += hits;
+  misses_ += misses->size();
+  return Status::OK();
+}
+
+void SparseWorkingSet::Forget(std::span<const Miss> misses) {
+  for (const Miss& m : misses) {
+    if (m.slot < capacity_ && entry_of_[m.slot] == m.entry) Release(m.slot);
+  }
+}
+
+PagedCacheView SparseWorkingSet::view() const {
+  PagedCacheView v;
+  v.base = arena_;
+  v.block_stride = page_stride_;
+  v.num_blocks = static_cast<uint32_t>(arena_bytes_ / page_stride_);
+  v.block_entries = page_entries_;
+  v.dims = dims_;
+  v.format = format_;
+  return v;
+}
+
+uint64_t SparseWorkingSet::memory_bytes() const {
+  return arena_bytes_ + slot_of_.size() * sizeof(int32_t) +
+         uint64_t{capacity_} * (sizeof(uint64_t) * 2 + sizeof(uint32_t) * 3) + sizeof(uint32_t) * 2;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+HostEntryFetcher::HostEntryFetcher(HostTier& host, SparseRecordLayout layout, std::vector<BundleKey> blocks)
+    : host_(host), layout_(layout), blocks_(std::move(blocks)) {}
+
+Status HostEntryFetcher::Fetch(uint32_t layer, std::span<const SparseWorkingSet::Miss> misses, SparseWorkingSet& ws) {
+  if (misses.empty()) return Status::OK();
+  const PagedCacheView wv = ws.view();
+  Status st = layout_.Validate();
+  if (st.ok() && (wv.format != layout_.format || wv.dims != layout_.dims)) {
+    st = Status::InvalidArgument("host entry fetch: the working set holds another format than the records");
+  }
+  if (st.ok() && layer >= layout_.layers) {
+    st = Status::InvalidArgument(fmt::format("host entry fetch: layer {} of a record of {}", layer, layout_.layers));
+  }
+  if (!st.ok()) {
+    ws.Forget(misses);
+    return st;
+  }
+  // By block, so that each record is pinned once.
+  sorted_.assign(misses.begin(), misses.end());
+  std::sort(sorted_.begin(), sorted_.end(), [](const auto& a, const auto& b) { return a.entry < b.entry; });
+  const uint64_t pages_bytes = layout_.pages_bytes();
+  const uint64_t table_bytes = layout_.table_bytes();
+  size_t i = 0;
+  while (i < sorted_.size()) {
+    const uint64_t block = sorted_[i].entry / layout_.entries;
+    size_t end = i;
+    while (end < sorted_.size() && sorted_[end].entry / layout_.entries == block) ++end;
+    const std::span<const SparseWorkingSet::Miss> group(sorted_.data() + i, end - i);
+    if (block >= blocks_.size()) {
+      st = Status::InvalidArgument(fmt::format("host entry fetch: entry {} lies past the sequence's {} blocks",
+                                               sorted_[i].entry, blocks_.size()));
+    } else {
+      // The record's layout is checked (no span reaches past it), its checksum is not: each
+      // entry is checked on its own below.
+      Result<BundlePtr> rec = host_.GetPinned(blocks_[block], /*check=*/false);
+      if (!rec.ok()) {
+        st = rec.status().WithContext(fmt::format("host entry fetch: block {} ({})", block, blocks_[block].ToString()));
+      } else if ((*rec)->segment_count() != 2 || (*rec)->segment_bytes(0) != pages_bytes ||
+                 (*rec)->segment_bytes(1) != table_bytes) {
+        st = Status::InvalidArgument(fmt::format("host entry fetch: {} is not a sparse record of this layout",
+                                                 blocks_[block].ToString()));
+      } else {
+        const std::byte* page = (*rec)->segment(0).data() + uint64_t{layer} * layout_.page_stride;
+        const std::byte* table = (*rec)->segment(1).data() + uint64_t{layer} * layout_.entries * 8;
+        for (size_t k = 0; k < group.size() && st.ok(); ++k) {
+          const uint32_t slot = static_cast<uint32_t>(group[k].entry % layout_.entries);
+          std::byte* dst = ws.SlotPage(group[k].slot);
+          const uint32_t at = ws.SlotInPage(group[k].slot);
+          CopyEntry(layout_.format, layout_.dims, page, layout_.entries, slot, dst, wv.block_entries, at);
+          // Checked where it landed (hot in the cache), under the source's position.
+          const uint64_t got =
+              ChecksumRanges(dst, EntryByteRanges(layout_.format, layout_.dims, wv.block_entries, at), layer, slot);
+          uint64_t want;
+          std::memcpy(&want, table + uint64_t{slot} * 8, 8);
+          if (got != want) {
+            st = Status::Corruption(fmt::format("host entry fetch: entry {} (layer {}, slot {}) of {} does not match "
+                                                "its checksum",
+                                                group[k].entry, layer, slot, blocks_[block].ToString()));
+          } else {
+            bytes_fetched_ += FormatEntryBytes(layout_.format, layout_.dims);
+          }
+        }
+      }
+    }
+    if (!st.ok()) {
+      // Everything not yet confirmed goes: this block's entries and those of the blocks after it.
+      ws.Forget(std::span<const SparseWorkingSet::Miss>(sorted_.data() + i, sorted_.size() - i));
+      return st;
+    }
+    i = end;
+  }
+  return Status::OK();
+}
+
+}  // namespace sparsekv

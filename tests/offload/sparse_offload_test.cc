@@ -1,0 +1,381 @@
+// Sparse-aware offload (issue 18): the working set's mapping and replacement against a model,
+// decode steps read from a host-tier working set bit-identical to reading the whole cache
+// (V3.2's latent formats and V4's CSA cache with its resident window), and damaged or missing
+// records refused entry by entry.
+#include "sparsekv/sparse_offload.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <list>
+#include <numeric>
+#include <random>
+#include <unordered_map>
+#include <vector>
+
+#include "sparsekv/bf16.h"
+#include "sparsekv/codec.h"
+#include "sparsekv/host_tier.h"
+#include "sparsekv/lightning_indexer.h"
+#include "sparsekv/sparse_mla.h"
+#include "tests/attention/test_cache.h"
+
+namespace sparsekv {
+namespace {
+
+SparseWorkingSetOptions Options(StorageFormat format, uint32_t dims, uint32_t capacity) {
+  SparseWorkingSetOptions o;
+  o.format = format;
+  o.dims = dims;
+  o.capacity_entries = capacity;
+  return o;
+}
+
+SparseMlaSource Source(const PagedCacheView& view, const int32_t* indices, uint32_t top_k) {
+  SparseMlaSource s;
+  s.view = view;
+  s.indices = indices;
+  s.top_k = top_k;
+  return s;
+}
+
+BundleKey Key(uint64_t block) { return {7, BlockHash{block * 0x9e3779b97f4a7c15ull + 1, block}}; }
+
+// Writes a pattern naming `entry` into slot `slot` of the working set (what a fetch brings).
+void Stamp(SparseWorkingSet& ws, uint32_t slot, uint64_t entry) {
+  const PagedCacheView v = ws.view();
+  const EntryRanges r = EntryByteRanges(v.format, v.dims, v.block_entries, ws.SlotInPage(slot));
+  std::memcpy(ws.SlotPage(slot) + r.offset[0], &entry, sizeof(entry));
+}
+uint64_t Stamped(const SparseWorkingSet& ws, int32_t index) {
+  const PagedCacheView v = ws.view();
+  const uint32_t page = static_cast<uint32_t>(index) / v.block_entries;
+  const EntryRanges r = EntryByteRanges(v.format, v.dims, v.block_entries, static_cast<uint32_t>(index) % v.block_entries);
+  uint64_t e;
+  std::memcpy(&e, v.Page(page) + r.offset[0], sizeof(e));
+  return e;
+}
+
+// Against a plain LRU model: the same misses in the same order, the same hits, and every index
+// Map gives reads back the entry it was asked for, over 3,000 selections that drift.
+TEST(SparseWorkingSet, MapsLikeAnLruAndEveryIndexReadsItsEntry) {
+  SparseWorkingSetOptions o;
+  o.format = StorageFormat::kFp8DsMla;
+  o.dims = 576;
+  o.capacity_entries = 100;
+  o.page_entries = 16;
+  auto ws = SparseWorkingSet::Create(o);
+  ASSERT_TRUE(ws.ok()) << ws.status().ToString();
+  std::list<uint64_t> lru;  // front: most recent
+  std::unordered_map<uint64_t, std::list<uint64_t>::iterator> where;
+  std::mt19937 rng(5);
+  std::vector<int32_t> sel, phys;
+  std::vector<SparseWorkingSet::Miss> misses;
+  uint64_t model_hits = 0;
+  int32_t center = 300;
+  for (int call = 0; call < 3000; ++call) {
+    center = std::clamp<int32_t>(center + static_cast<int32_t>(rng() % 21) - 10, 0, 999);
+    sel.clear();
+    const size_t n = 1 + rng() % 100;
+    for (size_t i = 0; i < n; ++i) {
+      sel.push_back(rng() % 8 == 0 ? -1 : std::clamp<int32_t>(center + static_cast<int32_t>(rng() % 120) - 60, 0, 999));
+    }
+    phys.assign(sel.size(), 7);
+    ASSERT_TRUE((*ws)->Map(sel, phys, &misses).ok());
+    // The model: first appearances not held are misses, in order; every name moves its entry
+    // to the front.
+    std::vector<uint64_t> want_misses;
+    std::vector<uint64_t> seen;
+    for (int32_t e : sel) {
+      if (e < 0) continue;
+      const bool again = std::find(seen.begin(), seen.end(), e) != seen.end();
+      seen.push_back(static_cast<uint64_t>(e));
+      if (where.count(e)) {
+        if (!again) ++model_hits;
+        lru.erase(where[e]);
+      } else {
+        want_misses.push_back(static_cast<uint64_t>(e));
+        if (lru.size() == 100) {
+          where.erase(lru.back());
+          lru.pop_back();
+        }
+      }
+      lru.push_front(static_cast<uint64_t>(e));
+      where[e] = lru.begin();
+    }
+    ASSERT_EQ(misses.size(), want_misses.size()) << "call " << call;
+    for (size_t i = 0; i < misses.size(); ++i) {
+      ASSERT_EQ(misses[i].entry, want_misses[i]) << "call " << call;
+      Stamp(**ws, misses[i].slot, misses[i].entry);
+    }
+    for (size_t i = 0; i < sel.size(); ++i) {
+      if (sel[i] < 0) {
+        ASSERT_EQ(phys[i], -1);
+      } else {
+        ASSERT_GE(phys[i], 0);
+        ASSERT_EQ(Stamped(**ws, phys[i]), static_cast<uint64_t>(sel[i])) << "call " << call << " position " << i;
+      }
+    }
+    ASSERT_EQ((*ws)->held(), lru.size());
+  }
+  EXPECT_EQ((*ws)->hits(), model_hits);
+  EXPECT_GT(model_hits, 0u);
+}
+
+TEST(SparseWorkingSet, RefusesWhatCannotBeMappedAndChangesNothing) {
+  SparseWorkingSetOptions o;
+  o.format = StorageFormat::kC8Mla;
+  o.dims = 576;
+  o.capacity_entries = 8;
+  o.max_entries = 1000;
+  auto ws = SparseWorkingSet::Create(o);
+  ASSERT_TRUE(ws.ok());
+  std::vector<int32_t> first = {1, 2, 3}, phys(3);
+  std::vector<SparseWorkingSet::Miss> misses;
+  ASSERT_TRUE((*ws)->Map(first, phys, &misses).ok());
+  ASSERT_EQ(misses.size(), 3u);
+  std::vector<int32_t> nine = {10, 11, 12, 13, 14, 15, 16, 17, 18}, phys9(9);
+  Status st = (*ws)->Map(nine, phys9, &misses);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted) << st.ToString();
+  std::vector<int32_t> far = {1000}, bad = {-2}, phys1(1);
+  EXPECT_EQ((*ws)->Map(far, phys1, &misses).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*ws)->Map(bad, phys1, &misses).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*ws)->Map(first, phys1, &misses).code(), StatusCode::kInvalidArgument);
+  // Nine names of which eight are distinct fit.
+  std::vector<int32_t> dup = {10, 11, 12, 13, 14, 15, 16, 17, 10};
+  EXPECT_TRUE((*ws)->Map(dup, phys9, &misses).ok());
+  EXPECT_EQ(misses.size(), 8u);
+  EXPECT_EQ(phys9[0], phys9[8]);
+  // What the refused calls named was never held; the first three were, until the last call.
+  EXPECT_EQ((*ws)->held(), 8u);
+  SparseWorkingSetOptions bad_format = o;
+  bad_format.format = StorageFormat::kIdxFp8;
+  EXPECT_FALSE(SparseWorkingSet::Create(bad_format).ok());
+}
+
+// One sequence's caches for the decode test: the sparse cache as resident pool pages (block b
+// at physical page table[b]) and as sparse records in a host tier; the indexer keys resident.
+struct Sequence {
+  SparseRecordLayout layout;
+  std::vector<std::byte> pool;  // resident: physical block p at p * block_stride
+  uint64_t block_stride = 0;
+  std::vector<uint32_t> table;  // logical block -> physical block
+  std::vector<attention::testing::TestCache> keys;  // per layer
+  std::unique_ptr<HostTier> host;
+  std::vector<BundleKey> blocks;
+
+  PagedCacheView ResidentView(uint32_t layer) const {
+    PagedCacheView v;
+    v.base = pool.data() + uint64_t{layer} * layout.page_stride;
+    v.block_stride = block_stride;
+    v.num_blocks = static_cast<uint32_t>(table.size());
+    v.block_entries = layout.entries;
+    v.dims = layout.dims;
+    v.format = layout.format;
+    return v;
+  }
+};
+
+Sequence MakeSequence(StorageFormat format, uint32_t dims, uint32_t entries, uint32_t layers, uint32_t blocks,
+                      uint32_t key_entries, uint32_t seed) {
+  Sequence s;
+  s.layout.format = format;
+  s.layout.dims = dims;
+  s.layout.entries = entries;
+  s.layout.layers = layers;
+  s.layout.page_stride = (FormatPageBytes(format, dims, entries) + 63) / 64 * 64;
+  s.block_stride = s.layout.pages_bytes();
+  s.pool.assign(s.block_stride * blocks, std::byte{0});
+  s.table.resize(blocks);
+  std::iota(s.table.begin(), s.table.end(), 0u);
+  std::mt19937 rng(seed);
+  std::shuffle(s.table.begin(), s.table.end(), rng);
+  auto codec = PageCodec::Create(format, dims, entries);
+  EXPECT_TRUE(codec.ok());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> rows(uint64_t{entries} * dims);
+  HostTierOptions ho;
+  ho.capacity_bytes = (s.block_stride + s.layout.table_bytes() + 8192) * blocks + (1 << 20);
+  ho.huge_pages = false;
+  auto host = HostTier::Open(ho);
+  EXPECT_TRUE(host.ok()) << host.status().ToString();
+  s.host = std::move(*host);
+  for (uint32_t b = 0; b < blocks; ++b) {
+    std::byte* block = s.pool.data() + uint64_t{s.table[b]} * s.block_stride;
+    for (uint32_t l = 0; l < layers; ++l) {
+      for (float& x : rows) x = normal(rng);
+      EXPECT_TRUE(codec->WriteTokens(block + l * s.layout.page_stride, 0, RowsView::Fp32(rows.data(), entries, dims)).ok());
+    }
+    s.blocks.push_back(Key(b));
+    Status st = StoreSparseRecord(*s.host, Key(b), s.layout, {block, s.block_stride}, b + 1);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+  }
+  for (uint32_t l = 0; l < layers; ++l) {
+    s.keys.push_back(attention::testing::MakeCache(StorageFormat::kIdxFp8, 128, key_entries, blocks, blocks, seed + 10 + l));
+  }
+  return s;
+}
+
+struct DecodeCase {
+  const char* name;
+  StorageFormat format;
+  uint32_t dims;
+  uint32_t entries;    // sparse cache entries per block
+  uint32_t key_ratio;  // tokens per entry (V4 CSA: 4)
+  uint32_t top_k;
+  bool window;         // V4: a resident sliding-window source as `extra`
+};
+
+class SparseDecode : public ::testing::TestWithParam<DecodeCase> {};
+
+// 256 decode steps over two layers: the indexer picks the top-k of the resident keys, a query
+// drifting so that consecutive selections overlap; the kernel reads once the resident cache
+// and once the working set filled from the host tier. Every output and LSE must be the same
+// bits. The working set is the top-k exactly, so each step replaces what the last one named
+// and did not name again.
+TEST_P(SparseDecode, BitIdenticalToTheResidentCacheOver256Steps) {
+  const DecodeCase c = GetParam();
+  constexpr uint32_t kLayers = 2, kBlocks = 24, kHeads = 16, kIdxHeads = 8, kSteps = 256;
+  Sequence seq = MakeSequence(c.format, c.dims, c.entries, kLayers, kBlocks, c.entries, 100 + c.entries);
+  const uint64_t context_entries = uint64_t{kBlocks} * c.entries;
+  ASSERT_GE(context_entries, c.top_k);
+  LightningIndexerOptions io;
+  io.top_k = c.top_k;
+  auto indexer = LightningIndexer::Create(io);
+  auto mla = SparseMla::Create(SparseMlaOptions{});
+  ASSERT_TRUE(indexer.ok() && mla.ok());
+  std::vector<std::unique_ptr<SparseWorkingSet>> ws;
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    auto w = SparseWorkingSet::Create(Options(c.format, c.dims, c.top_k));
+    ASSERT_TRUE(w.ok());
+    ws.push_back(std::move(*w));
+  }
+  HostEntryFetcher fetch(*seq.host, seq.layout, seq.blocks);
+  // V4's window: 128 resident entries, all read each step.
+  attention::testing::TestCache window;
+  std::vector<int32_t> window_idx;
+  if (c.window) {
+    window = attention::testing::MakeCache(StorageFormat::kFp8V4, 512, 128, 1, 1, 77);
+    for (uint32_t e = 0; e < 128; ++e) window_idx.push_back(window.Index(e));
+  }
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> qi(kIdxHeads * 128), drift(qi.size()), weights(kIdxHeads);
+  for (float& x : qi) x = normal(rng);
+  for (float& w : weights) w = std::fabs(normal(rng)) + 0.1f;
+  std::vector<uint32_t> key_table(kBlocks), identity(kBlocks);
+  std::iota(identity.begin(), identity.end(), 0u);
+  std::vector<int32_t> logical(c.top_k), physical(c.top_k), resident(c.top_k);
+  std::vector<float> out_a(kHeads * 512), lse_a(kHeads), out_b(kHeads * 512), lse_b(kHeads);
+  std::vector<SparseWorkingSet::Miss> misses;
+  double overlap_sum = 0;
+  std::vector<std::vector<int32_t>> last(kLayers);
+  for (uint32_t step = 0; step < kSteps; ++step) {
+    for (float& x : drift) x = normal(rng);
+    for (size_t i = 0; i < qi.size(); ++i) qi[i] = 0.99f * qi[i] + 0.12f * drift[i];
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      const auto& keys = seq.keys[l];
+      IndexerSequence is{keys.table, identity, c.entries};
+      const uint64_t position = context_entries * c.key_ratio - 1;
+      IndexerBatch ib;
+      ib.q = qi.data();
+      ib.q_type = RowType::kFp32;
+      ib.weights = weights.data();
+      ib.tokens = 1;
+      ib.heads = kIdxHeads;
+      ib.sequences = std::span<const IndexerSequence>(&is, 1);
+      ib.positions = &position;
+      ib.key_ratio = c.key_ratio;
+      IndexerOutput iout;
+      iout.indices = logical.data();
+      ASSERT_TRUE((*indexer)->Run(keys.view, ib, iout).ok());
+      if (!last[l].empty()) {
+        std::vector<int32_t> a = last[l], b = logical;
+        std::sort(a.begin(), a.end());
+        std::sort(b.begin(), b.end());
+        std::vector<int32_t> both;
+        std::set_intersection(a.begin(), a.end(), b.begin(), b.end(), std::back_inserter(both));
+        overlap_sum += static_cast<double>(both.size()) / c.top_k;
+      }
+      last[l] = logical;
+      for (uint32_t i = 0; i < c.top_k; ++i) {
+        resident[i] = logical[i] < 0 ? -1 : PhysicalIndex(seq.table, c.entries, static_cast<uint64_t>(logical[i]));
+      }
+      ASSERT_TRUE(ws[l]->Map(logical, physical, &misses).ok());
+      Status st = fetch.Fetch(l, misses, *ws[l]);
+      ASSERT_TRUE(st.ok()) << st.ToString();
+      const auto q = attention::testing::RandomBf16(uint64_t{kHeads} * c.dims, step * 31 + l);
+      SparseMlaBatch mb;
+      mb.q = q.data();
+      mb.tokens = 1;
+      mb.heads = kHeads;
+      mb.softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.dims));
+      mb.main = Source(seq.ResidentView(l), resident.data(), c.top_k);
+      if (c.window) mb.extra = Source(window.view, window_idx.data(), 128);
+      ASSERT_TRUE((*mla)->Run(mb, {out_a.data(), lse_a.data()}).ok());
+      mb.main = Source(ws[l]->view(), physical.data(), c.top_k);
+      ASSERT_TRUE((*mla)->Run(mb, {out_b.data(), lse_b.data()}).ok());
+      ASSERT_EQ(std::memcmp(out_a.data(), out_b.data(), out_a.size() * 4), 0) << "step " << step << " layer " << l;
+      ASSERT_EQ(std::memcmp(lse_a.data(), lse_b.data(), lse_a.size() * 4), 0) << "step " << step << " layer " << l;
+    }
+  }
+  const double overlap = overlap_sum / ((kSteps - 1) * kLayers);
+  // The drift keeps most of a selection from one step to the next, and replaces some of it.
+  std::printf("%s: mean overlap of consecutive selections %.3f\n", c.name, overlap);
+  EXPECT_GT(overlap, 0.5) << c.name;
+  EXPECT_LT(overlap, 0.999) << c.name;
+  for (const auto& w : ws) EXPECT_GT(w->hits(), w->misses()) << c.name;
+  EXPECT_GT(fetch.bytes_fetched(), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Presets, SparseDecode,
+    ::testing::Values(DecodeCase{"v32_fp8", StorageFormat::kFp8DsMla, 576, 128, 1, 256, false},
+                      DecodeCase{"v32_c8", StorageFormat::kC8Mla, 576, 128, 1, 256, false},
+                      DecodeCase{"v4_csa", StorageFormat::kFp8V4, 512, 32, 4, 128, true}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// A record damaged in host memory is refused for the entry that was damaged, and that entry is
+// not held afterwards (the next selection names it as a miss again); a record gone from the
+// tier is NotFound, never an error of the kernel.
+TEST(HostEntryFetcher, ADamagedOrMissingRecordIsRefusedEntryByEntry) {
+  Sequence seq = MakeSequence(StorageFormat::kFp8DsMla, 576, 128, 2, 4, 128, 3);
+  auto ws = SparseWorkingSet::Create(Options(StorageFormat::kFp8DsMla, 576, 64));
+  ASSERT_TRUE(ws.ok());
+  HostEntryFetcher fetch(*seq.host, seq.layout, seq.blocks);
+  // Damage entry 5 of block 1 (logical entry 133), layer 1, in the tier's own memory.
+  {
+    auto rec = seq.host->GetPinned(Key(1), /*check=*/false);
+    ASSERT_TRUE(rec.ok());
+    auto* page = const_cast<std::byte*>((*rec)->segment(0).data()) + seq.layout.page_stride;
+    page[5 * 656 + 100] ^= std::byte{0x40};
+  }
+  std::vector<int32_t> sel = {3, 133, 200}, phys(3);
+  std::vector<SparseWorkingSet::Miss> misses;
+  ASSERT_TRUE((*ws)->Map(sel, phys, &misses).ok());
+  Status st = fetch.Fetch(1, misses, **ws);
+  EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+  EXPECT_NE(st.ToString().find("entry 133"), std::string::npos) << st.ToString();
+  ASSERT_TRUE((*ws)->Map(sel, phys, &misses).ok());
+  EXPECT_EQ(misses.size(), 2u) << "the damaged entry, and those not confirmed after it, must be fetched again";
+  // Layer 0 of the same block is intact: its entries pass.
+  EXPECT_TRUE(fetch.Fetch(0, misses, **ws).ok());
+  // A record gone from the tier.
+  ASSERT_TRUE(seq.host->Erase({Key(3)}).get()[0].ok());
+  std::vector<int32_t> gone = {400}, phys1(1);
+  ASSERT_TRUE((*ws)->Map(gone, phys1, &misses).ok());
+  st = fetch.Fetch(0, misses, **ws);
+  EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+  ASSERT_TRUE((*ws)->Map(gone, phys1, &misses).ok());
+  EXPECT_EQ(misses.size(), 1u);
+  // An entry past the sequence's blocks.
+  std::vector<int32_t> past = {4 * 128}, phys2(1);
+  ASSERT_TRUE((*ws)->Map(past, phys2, &misses).ok());
+  EXPECT_EQ(fetch.Fetch(0, misses, **ws).code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace sparsekv
