@@ -193,7 +193,18 @@ Status SparseWorkingSet::Map(std::span<const int32_t> logical, std::span<int32_t
   }
   if (top >= 0 && static_cast<uint64_t>(top) >= slot_of_.size()) slot_of_.resize(uint64_t(top) + 1, -1);
   ++call_;
+  // First everything already held moves to the front, so that making room for the misses
+  // below never drops an entry this selection names.
   uint64_t hits = 0;
+  for (int32_t e : logical) {
+    if (e < 0) continue;
+    const int32_t s = slot_of_[static_cast<uint64_t>(e)];
+    if (s < 0) continue;
+    if (stamp_[s] != call_) ++hits;
+    stamp_[s] = call_;
+    Unlink(static_cast<uint32_t>(s));
+    PushFront(static_cast<uint32_t>(s));
+  }
   for (size_t i = 0; i < logical.size(); ++i) {
     const int32_t e = logical[i];
     if (e < 0) {
@@ -201,29 +212,26 @@ Status SparseWorkingSet::Map(std::span<const int32_t> logical, std::span<int32_t
       continue;
     }
     int32_t s = slot_of_[static_cast<uint64_t>(e)];
-    if (s >= 0) {
-      if (stamp_[s] != call_) ++hits;
-      Unlink(static_cast<uint32_t>(s));
-    } else {
+    if (s < 0) {
       uint32_t slot;
       if (!free_.empty()) {
         slot = free_.back();
         free_.pop_back();
       } else {
-        slot = prev_[capacity_];  // the least recently used
-        // Never one this call named: it has at most capacity_ distinct entries (checked above),
-        // and each is at the front of the list.
+        // The least recently used: never one this call named, as the selection has at most
+        // capacity_ distinct entries (checked above) and those are all in front of it.
+        slot = prev_[capacity_];
         Release(slot);
         free_.pop_back();
       }
       s = static_cast<int32_t>(slot);
       slot_of_[static_cast<uint64_t>(e)] = s;
       entry_of_[slot] = static_cast<uint64_t>(e);
+      stamp_[slot] = call_;
       ++held_;
+      PushFront(slot);
       misses->push_back({static_cast<uint64_t>(e), slot});
     }
-    stamp_[s] = call_;
-    PushFront(static_cast<uint32_t>(s));
     physical[i] = s;
   }
   hits_ += hits;

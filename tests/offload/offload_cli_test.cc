@@ -76,4 +76,34 @@ TEST(BenchTier, BadArgumentsAreClearErrors) {
       << bad_durability.err;
 }
 
+// `sparsekv bench sparse-decode`, short: V3.2 and V4 from the host tier, every output identical
+// to the resident path's, the working set a fraction of the resident layout, and its hits what
+// the selections kept from one step to the next.
+TEST(BenchSparseDecode, ShortRunsAreIdenticalAndLean) {
+  for (const char* model : {"deepseek-v3.2-exp", "deepseek-v4-flash"}) {
+    Outcome r = Cli(std::string("bench sparse-decode --model ") + model +
+                    " --context 16384 --steps 6 --l1-fraction 0.25 --json");
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    auto j = nlohmann::json::parse(r.out);
+    for (const char* k : {"measured_overlap", "bytes_fetched_per_step", "working_set_hit_ratio", "step_seconds",
+                          "resident_step_seconds", "full_restore_seconds", "l1_bytes_per_token",
+                          "resident_l1_bytes_per_token"}) {
+      ASSERT_TRUE(j.contains(k)) << model << " " << k;
+      EXPECT_GT(j[k].get<double>(), 0) << model << " " << k;
+    }
+    EXPECT_TRUE(j["outputs_identical"].get<bool>()) << model;
+    EXPECT_GT(j["measured_overlap"].get<double>(), 0.6) << model;
+    EXPECT_LT(j["measured_overlap"].get<double>(), 1.0) << model;
+    EXPECT_LT(j["l1_vs_resident"].get<double>(), 0.6) << model;
+    // The working set holds more than a selection, so it keeps at least what the last kept.
+    EXPECT_GE(j["working_set_hit_ratio"].get<double>(), j["measured_overlap"].get<double>() - 0.05) << model;
+  }
+  Outcome ssd = Cli("bench sparse-decode --tier ssd --context 4096 --json");
+  EXPECT_NE(ssd.exit_code, 0);
+  EXPECT_NE(ssd.err.find("only the host tier"), std::string::npos) << ssd.err;
+  Outcome bad = Cli("bench sparse-decode --context 1000 --json");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("multiple of 128"), std::string::npos) << bad.err;
+}
+
 }  // namespace

@@ -102,8 +102,10 @@ class SparseWorkingSet {
   // index in view() of logical[i] (-1 stays -1), and `misses` (cleared first) lists the entries
   // not held, in order of first appearance, with the slots given to them; they must be filled
   // (Fetch) before a kernel reads them, or given up (Forget). Everything the selection names
-  // becomes the most recently used; room is made by dropping the least recently used entries
-  // no earlier token of this call named. Errors (nothing mapped, no slot changes hands): sizes
+  // becomes the most recently used (what was held first, then the misses); room is made by
+  // dropping the least recently used entries the selection does not name, so with a capacity
+  // of at least top-k the misses are exactly what the last selections did not hold. Errors
+  // (nothing mapped, no slot changes hands): sizes
   // that differ, an index below -1 or at max_entries or past, more distinct entries than the
   // capacity.
   Status Map(std::span<const int32_t> logical, std::span<int32_t> physical, std::vector<Miss>* misses);

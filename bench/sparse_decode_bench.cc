@@ -1,0 +1,438 @@
+#include "sparse_decode_bench.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "sparsekv/bf16.h"
+#include "sparsekv/block_geometry.h"
+#include "sparsekv/codec.h"
+#include "sparsekv/cpu_features.h"
+#include "sparsekv/host_tier.h"
+#include "sparsekv/lightning_indexer.h"
+#include "sparsekv/model_spec.h"
+#include "sparsekv/sparse_mla.h"
+#include "sparsekv/sparse_offload.h"
+
+namespace sparsekv::bench {
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct FreeDeleter {
+  void operator()(std::byte* p) const { std::free(p); }
+};
+using Arena = std::unique_ptr<std::byte, FreeDeleter>;
+
+Arena AllocArena(uint64_t bytes) {
+  Arena a(static_cast<std::byte*>(std::aligned_alloc(64, (bytes + 63) & ~uint64_t{63})));
+  if (a) std::memset(a.get(), 0, bytes);
+  return a;
+}
+
+// Pages of one format filled with N(0, 1) rows through the codec.
+Status Fill(std::byte* base, uint64_t stride, uint32_t pages, StorageFormat format, uint32_t dims, uint32_t entries,
+            std::mt19937& rng) {
+  SPARSEKV_ASSIGN_OR_RETURN(PageCodec codec, PageCodec::Create(format, dims, entries));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> rows(uint64_t{entries} * dims);
+  for (uint32_t p = 0; p < pages; ++p) {
+    for (float& x : rows) x = normal(rng);
+    SPARSEKV_RETURN_IF_ERROR(codec.WriteTokens(base + p * stride, 0, RowsView::Fp32(rows.data(), entries, dims)));
+  }
+  return Status::OK();
+}
+
+double Overlap(std::vector<int32_t> a, std::vector<int32_t> b) {
+  std::sort(a.begin(), a.end());
+  std::sort(b.begin(), b.end());
+  std::vector<int32_t> both;
+  std::set_intersection(a.begin(), a.end(), b.begin(), b.end(), std::back_inserter(both));
+  return static_cast<double>(both.size()) / static_cast<double>(std::max<size_t>(1, a.size()));
+}
+
+// The indexer query's drift: a step of relative size `b` in a random direction, at the same norm.
+void Drift(std::vector<float>& q, double b, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  double n0 = 0, n1 = 0;
+  for (float x : q) n0 += double{x} * x;
+  const double scale = b * std::sqrt(n0 / static_cast<double>(q.size()));
+  for (float& x : q) x += static_cast<float>(scale * normal(rng));
+  for (float x : q) n1 += double{x} * x;
+  const float k = static_cast<float>(std::sqrt(n0 / n1));
+  for (float& x : q) x *= k;
+}
+
+}  // namespace
+
+Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
+  if (o.tier != "host") {
+    return Status::NotSupported(fmt::format(
+        "bench sparse-decode: --tier {}: only the host tier reads single entries so far (SSD sector reads "
+        "are the next step of issue 18)",
+        o.tier));
+  }
+  if (!(o.l1_fraction > 0 && o.l1_fraction <= 1) || !(o.overlap > 0 && o.overlap < 1) || o.steps == 0 ||
+      o.layers == 0 || o.threads == 0) {
+    return Status::InvalidArgument(
+        "bench sparse-decode: --l1-fraction in (0, 1], --overlap in (0, 1), --steps, --layers and --threads at "
+        "least 1");
+  }
+  SPARSEKV_ASSIGN_OR_RETURN(KvPrecision precision, ParseKvPrecision(o.precision));
+  SPARSEKV_ASSIGN_OR_RETURN(ModelSpec spec, ModelPreset(o.model, precision));
+  SPARSEKV_ASSIGN_OR_RETURN(BlockGeometry geo, ComputeBlockGeometry(spec));
+  // The first layer with a sparse cache: V3.2's latent, else V4's CSA entries.
+  int sparse_pool = -1, key_pool = -1, window_pool = -1;
+  for (uint32_t l = 0; l < spec.layers.size() && sparse_pool < 0; ++l) {
+    for (CacheKind k : {CacheKind::kMlaLatent, CacheKind::kCsaCompressed}) {
+      if (geo.PoolIndex(l, k) >= 0) {
+        sparse_pool = geo.PoolIndex(l, k);
+        key_pool = geo.PoolIndex(l, CacheKind::kIndexerKey);
+        window_pool = geo.PoolIndex(l, CacheKind::kSwaWindow);
+        break;
+      }
+    }
+  }
+  if (sparse_pool < 0 || key_pool < 0 || spec.indexer_topk == 0) {
+    return Status::InvalidArgument(fmt::format("bench sparse-decode: {} has no indexed sparse cache", o.model));
+  }
+  const PoolGeometry& sp = geo.pools[sparse_pool];
+  const PoolGeometry& kp = geo.pools[key_pool];
+  const uint32_t block_tokens = geo.block_tokens;
+  if (o.context == 0 || o.context % block_tokens != 0 || o.context / block_tokens > (1u << 20)) {
+    return Status::InvalidArgument(
+        fmt::format("bench sparse-decode: --context must be a positive multiple of {} tokens", block_tokens));
+  }
+  const uint32_t blocks = static_cast<uint32_t>(o.context / block_tokens);
+  const uint32_t E = sp.entries_per_block;
+  const uint64_t entries = uint64_t{blocks} * E;
+  const uint32_t top_k = spec.indexer_topk, heads = spec.attention_heads, idx_heads = spec.indexer_heads;
+  const uint32_t dims = sp.spec.dims, key_dims = kp.spec.dims;
+  if (entries < top_k) {
+    return Status::InvalidArgument(
+        fmt::format("bench sparse-decode: {} entries of context, fewer than top-k {}", entries, top_k));
+  }
+  const uint32_t L = o.layers;
+  std::mt19937 rng(o.seed);
+
+  // The sparse cache: resident pages (logical block b at physical table[b]) and sparse records
+  // in the host tier.
+  SparseRecordLayout layout;
+  layout.format = sp.spec.format;
+  layout.dims = dims;
+  layout.entries = E;
+  layout.layers = L;
+  layout.page_stride = sp.layer_stride;
+  const uint64_t block_stride = layout.pages_bytes();
+  Arena pool = AllocArena(block_stride * blocks);
+  if (!pool) return Status::ResourceExhausted("bench sparse-decode: no memory for the resident cache");
+  SPARSEKV_RETURN_IF_ERROR(Fill(pool.get(), layout.page_stride, blocks * L, layout.format, dims, E, rng));
+  std::vector<uint32_t> table(blocks);
+  std::iota(table.begin(), table.end(), 0u);
+  std::shuffle(table.begin(), table.end(), rng);
+  HostTierOptions ho;
+  const uint64_t record = (BundleHeaderBytes(2) + block_stride + layout.table_bytes() + 4095) & ~uint64_t{4095};
+  ho.capacity_bytes = record * (blocks + 2);
+  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> host, HostTier::Open(ho));
+  std::vector<BundleKey> keys;
+  for (uint32_t b = 0; b < blocks; ++b) {
+    keys.push_back({1, BlockHash{uint64_t{b} * 0x9e3779b97f4a7c15ull + 7, b}});
+    SPARSEKV_RETURN_IF_ERROR(StoreSparseRecord(
+        *host, keys.back(), layout, {pool.get() + uint64_t{table[b]} * block_stride, block_stride}, b + 1));
+  }
+  auto resident_view = [&](uint32_t l) {
+    PagedCacheView v;
+    v.base = pool.get() + uint64_t{l} * layout.page_stride;
+    v.block_stride = block_stride;
+    v.num_blocks = blocks;
+    v.block_entries = E;
+    v.dims = dims;
+    v.format = layout.format;
+    return v;
+  };
+  // Indexer keys, resident in both paths, one arena per layer.
+  const uint32_t KE = kp.entries_per_block;
+  const uint64_t key_page = kp.layer_stride;
+  std::vector<Arena> key_arenas;
+  std::vector<uint32_t> key_table(blocks), identity(blocks);
+  std::iota(key_table.begin(), key_table.end(), 0u);
+  std::shuffle(key_table.begin(), key_table.end(), rng);
+  std::iota(identity.begin(), identity.end(), 0u);
+  for (uint32_t l = 0; l < L; ++l) {
+    key_arenas.push_back(AllocArena(key_page * blocks));
+    if (!key_arenas.back()) return Status::ResourceExhausted("bench sparse-decode: no memory for the keys");
+    SPARSEKV_RETURN_IF_ERROR(Fill(key_arenas.back().get(), key_page, blocks, kp.spec.format, key_dims, KE, rng));
+  }
+  auto key_view = [&](uint32_t l) {
+    PagedCacheView v;
+    v.base = key_arenas[l].get();
+    v.block_stride = key_page;
+    v.num_blocks = blocks;
+    v.block_entries = KE;
+    v.dims = key_dims;
+    v.format = kp.spec.format;
+    return v;
+  };
+  // V4: the sliding window, resident in both paths, read whole each step.
+  Arena window;
+  PagedCacheView window_view;
+  std::vector<int32_t> window_idx;
+  uint64_t window_bytes = 0;
+  if (window_pool >= 0) {
+    const PoolGeometry& wp = geo.pools[window_pool];
+    window_bytes = wp.layer_stride;
+    window = AllocArena(window_bytes);
+    SPARSEKV_RETURN_IF_ERROR(Fill(window.get(), window_bytes, 1, wp.spec.format, wp.spec.dims, wp.entries_per_block, rng));
+    window_view = {window.get(), window_bytes, 1, wp.entries_per_block, wp.spec.dims, wp.spec.format};
+    for (uint32_t e = 0; e < wp.entries_per_block; ++e) window_idx.push_back(static_cast<int32_t>(e));
+  }
+
+  LightningIndexerOptions io;
+  io.top_k = top_k;
+  io.threads = o.threads;
+  SPARSEKV_ASSIGN_OR_RETURN(auto indexer, LightningIndexer::Create(io));
+  SparseMlaOptions mo;
+  mo.threads = o.threads;
+  SPARSEKV_ASSIGN_OR_RETURN(auto mla, SparseMla::Create(mo));
+  const uint32_t capacity =
+      std::max<uint32_t>(top_k, static_cast<uint32_t>(std::ceil(o.l1_fraction * static_cast<double>(entries))));
+  std::vector<std::unique_ptr<SparseWorkingSet>> ws;
+  for (uint32_t l = 0; l < L; ++l) {
+    SparseWorkingSetOptions wo;
+    wo.format = layout.format;
+    wo.dims = dims;
+    wo.capacity_entries = capacity;
+    SPARSEKV_ASSIGN_OR_RETURN(auto w, SparseWorkingSet::Create(wo));
+    ws.push_back(std::move(w));
+  }
+  HostEntryFetcher fetch(*host, layout, keys);
+
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<std::vector<float>> qi(L, std::vector<float>(uint64_t{idx_heads} * key_dims));
+  std::vector<std::vector<float>> weights(L, std::vector<float>(idx_heads));
+  for (uint32_t l = 0; l < L; ++l) {
+    for (float& x : qi[l]) x = normal(rng);
+    for (float& w : weights[l]) w = std::fabs(normal(rng)) + 0.1f;
+  }
+  const uint64_t position = o.context - 1;
+  std::vector<int32_t> logical(top_k), physical(top_k), resident(top_k);
+  auto select = [&](uint32_t l, std::vector<int32_t>& out) -> Status {
+    IndexerSequence is{key_table, identity, E};
+    IndexerBatch ib;
+    ib.q = qi[l].data();
+    ib.q_type = RowType::kFp32;
+    ib.weights = weights[l].data();
+    ib.tokens = 1;
+    ib.heads = idx_heads;
+    ib.sequences = std::span<const IndexerSequence>(&is, 1);
+    ib.positions = &position;
+    ib.key_ratio = kp.spec.ratio;
+    IndexerOutput iout;
+    iout.indices = out.data();
+    return indexer->Run(key_view(l), ib, iout);
+  };
+
+  // The drift that gives the target overlap: bisection on its size, a few steps of layer 0 each.
+  double lo = 1e-4, hi = 4.0;
+  {
+    const std::vector<float> q0 = qi[0];
+    std::vector<int32_t> prev(top_k), cur(top_k);
+    for (int it = 0; it < 12; ++it) {
+      const double b = std::sqrt(lo * hi);
+      qi[0] = q0;
+      std::mt19937 crng(o.seed + 1000 + it);
+      SPARSEKV_RETURN_IF_ERROR(select(0, prev));
+      double sum = 0;
+      for (int s = 0; s < 4; ++s) {
+        Drift(qi[0], b, crng);
+        SPARSEKV_RETURN_IF_ERROR(select(0, cur));
+        sum += Overlap(prev, cur);
+        prev.swap(cur);
+      }
+      if (sum / 4 > o.overlap) {
+        lo = b;
+      } else {
+        hi = b;
+      }
+    }
+    qi[0] = q0;
+  }
+  const double drift = std::sqrt(lo * hi);
+
+  // The steps. Step 0 fills the working sets and is not counted.
+  std::vector<std::vector<int32_t>> last(L);
+  std::vector<float> out_a(uint64_t{heads} * 512), lse_a(heads), out_b(out_a.size()), lse_b(heads);
+  std::vector<SparseWorkingSet::Miss> misses;
+  std::vector<double> step_s, resident_s, idx_s, fetch_s, mla_ws_s, mla_res_s;
+  double overlap_sum = 0;
+  uint64_t overlap_n = 0, hits0 = 0, misses0 = 0, bytes0 = 0;
+  bool identical = true;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dims));
+  for (uint32_t step = 0; step <= o.steps; ++step) {
+    if (step == 1) {
+      for (const auto& w : ws) {
+        hits0 += w->hits();
+        misses0 += w->misses();
+      }
+      bytes0 = fetch.bytes_fetched();
+    }
+    double t_idx = 0, t_fetch = 0, t_ws = 0, t_res = 0;
+    for (uint32_t l = 0; l < L; ++l) {
+      Drift(qi[l], drift, rng);
+      double t0 = Now();
+      SPARSEKV_RETURN_IF_ERROR(select(l, logical));
+      t_idx += Now() - t0;
+      if (!last[l].empty() && step > 0) {
+        overlap_sum += Overlap(last[l], logical);
+        ++overlap_n;
+      }
+      last[l] = logical;
+      std::vector<uint16_t> q(uint64_t{heads} * dims);
+      for (auto& x : q) x = Bf16FromFloat(normal(rng));
+      SparseMlaBatch mb;
+      mb.q = q.data();
+      mb.tokens = 1;
+      mb.heads = heads;
+      mb.softmax_scale = scale;
+      if (window) {
+        SparseMlaSource w;
+        w.view = window_view;
+        w.indices = window_idx.data();
+        w.top_k = static_cast<uint32_t>(window_idx.size());
+        mb.extra = w;
+      }
+      auto run_resident = [&]() -> Status {
+        const double t = Now();
+        for (uint32_t i = 0; i < top_k; ++i) {
+          resident[i] = logical[i] < 0 ? -1 : PhysicalIndex(table, E, static_cast<uint64_t>(logical[i]));
+        }
+        mb.main = SparseMlaSource{};
+        mb.main.view = resident_view(l);
+        mb.main.indices = resident.data();
+        mb.main.top_k = top_k;
+        Status st = mla->Run(mb, {out_a.data(), lse_a.data()});
+        t_res += Now() - t;
+        return st;
+      };
+      auto run_sparse = [&]() -> Status {
+        double t = Now();
+        SPARSEKV_RETURN_IF_ERROR(ws[l]->Map(logical, physical, &misses));
+        SPARSEKV_RETURN_IF_ERROR(fetch.Fetch(l, misses, *ws[l]));
+        t_fetch += Now() - t;
+        t = Now();
+        mb.main = SparseMlaSource{};
+        mb.main.view = ws[l]->view();
+        mb.main.indices = physical.data();
+        mb.main.top_k = top_k;
+        Status st = mla->Run(mb, {out_b.data(), lse_b.data()});
+        t_ws += Now() - t;
+        return st;
+      };
+      // Alternate which goes first, so that neither always finds the query in the cache.
+      if ((step + l) % 2 == 0) {
+        SPARSEKV_RETURN_IF_ERROR(run_resident());
+        SPARSEKV_RETURN_IF_ERROR(run_sparse());
+      } else {
+        SPARSEKV_RETURN_IF_ERROR(run_sparse());
+        SPARSEKV_RETURN_IF_ERROR(run_resident());
+      }
+      if (std::memcmp(out_a.data(), out_b.data(), out_a.size() * 4) != 0 ||
+          std::memcmp(lse_a.data(), lse_b.data(), lse_a.size() * 4) != 0) {
+        identical = false;
+      }
+    }
+    if (step == 0) continue;
+    idx_s.push_back(t_idx);
+    fetch_s.push_back(t_fetch);
+    mla_ws_s.push_back(t_ws);
+    mla_res_s.push_back(t_res);
+    step_s.push_back(t_idx + t_fetch + t_ws);
+    resident_s.push_back(t_idx + t_res);
+  }
+  uint64_t hits = 0, miss = 0;
+  uint64_t ws_memory = 0;
+  for (const auto& w : ws) {
+    hits += w->hits();
+    miss += w->misses();
+    ws_memory += w->memory_bytes();
+  }
+  hits -= hits0;
+  miss -= misses0;
+
+  // Restoring the same context whole from the host tier: every record copied into pages and
+  // checked in the same pass (what a prefix restore does), into pages written once before.
+  Arena dest = AllocArena(block_stride * blocks);
+  if (!dest) return Status::ResourceExhausted("bench sparse-decode: no memory for the restore");
+  std::vector<double> restore;
+  for (int r = 0; r < 3; ++r) {
+    const double t = Now();
+    for (uint32_t b = 0; b < blocks; ++b) {
+      SPARSEKV_ASSIGN_OR_RETURN(BundlePtr rec, host->GetPinned(keys[b], /*check=*/false));
+      std::byte* dst[2] = {dest.get() + uint64_t{b} * block_stride, nullptr};
+      SPARSEKV_RETURN_IF_ERROR(rec->CopySegmentsVerified(dst));
+    }
+    restore.push_back(Now() - t);
+  }
+
+  // L1 bytes per token of context, per layer: the resident layout keeps the sparse cache's
+  // pages and the keys; the sparse one the keys, the working set (arena, slot state, index).
+  const double tokens = static_cast<double>(o.context);
+  const double key_bytes = static_cast<double>(key_page) * blocks;
+  const double window_per_layer = static_cast<double>(window_bytes);
+  const double resident_l1 = (static_cast<double>(layout.page_stride) * blocks + key_bytes + window_per_layer) / tokens;
+  const double sparse_l1 = (static_cast<double>(ws_memory) / L + key_bytes + window_per_layer) / tokens;
+
+  nlohmann::json j;
+  j["model"] = o.model;
+  j["precision"] = o.precision;
+  j["format"] = std::string(StorageFormatName(layout.format));
+  j["tier"] = o.tier;
+  j["context"] = o.context;
+  j["layers"] = L;
+  j["steps"] = o.steps;
+  j["top_k"] = top_k;
+  j["heads"] = heads;
+  j["indexer_heads"] = idx_heads;
+  j["sparse_entries"] = entries;
+  j["l1_fraction"] = o.l1_fraction;
+  j["working_set_entries"] = capacity;
+  j["target_overlap"] = o.overlap;
+  j["drift"] = drift;
+  j["measured_overlap"] = overlap_n ? overlap_sum / static_cast<double>(overlap_n) : 0.0;
+  j["bytes_fetched_per_step"] = static_cast<double>(fetch.bytes_fetched() - bytes0) / o.steps;
+  j["working_set_hit_ratio"] = hits + miss ? static_cast<double>(hits) / static_cast<double>(hits + miss) : 0.0;
+  j["step_seconds"] = Median(step_s);
+  j["resident_step_seconds"] = Median(resident_s);
+  j["step_vs_resident"] = Median(step_s) / Median(resident_s);
+  j["indexer_seconds"] = Median(idx_s);
+  j["fetch_seconds"] = Median(fetch_s);
+  j["mla_working_set_seconds"] = Median(mla_ws_s);
+  j["mla_resident_seconds"] = Median(mla_res_s);
+  j["full_restore_seconds"] = Median(restore);
+  j["full_restore_vs_step"] = Median(restore) / Median(step_s);
+  j["l1_bytes_per_token"] = sparse_l1;
+  j["resident_l1_bytes_per_token"] = resident_l1;
+  j["l1_vs_resident"] = sparse_l1 / resident_l1;
+  j["outputs_identical"] = identical;
+  j["simd_path"] = std::string(SimdPathName(ActiveSimdPath()));
+  j["threads"] = o.threads;
+  return j;
+}
+
+}  // namespace sparsekv::bench
