@@ -20,17 +20,23 @@ bool KernelFormat(StorageFormat f) {
          f == StorageFormat::kFp8V4;
 }
 
-void CopyEntry(StorageFormat format, uint32_t dims, const std::byte* src_page, uint32_t src_entries,
-               uint32_t src_slot, std::byte* dst_page, uint32_t dst_entries, uint32_t dst_slot) {
-  const EntryRanges from = EntryByteRanges(format, dims, src_entries, src_slot);
-  const EntryRanges to = EntryByteRanges(format, dims, dst_entries, dst_slot);
-  for (uint32_t i = 0; i < from.count; ++i) std::memcpy(dst_page + to.offset[i], src_page + from.offset[i], from.bytes[i]);
+uint64_t EntrySeed(const BundleKey& key, uint32_t layer, uint32_t slot) {
+  return (key.hash.lo * 0x9e3779b97f4a7c15ull) ^ key.hash.hi ^ (uint64_t{key.namespace_id} << 40) ^
+         (((uint64_t{layer} << 32) | slot) * 0xc2b2ae3d27d4eb4full);
 }
 
-uint64_t ChecksumRanges(const std::byte* page, const EntryRanges& r, uint32_t layer, uint32_t slot) {
-  uint64_t h = (uint64_t{layer} << 32) | slot;
-  for (uint32_t i = 0; i < r.count; ++i) h = XXH3_64bits_withSeed(page + r.offset[i], r.bytes[i], h);
-  return h;
+// Copies an entry between a page and its packed form (ranges back to back).
+void PageToPacked(const std::byte* page, const EntryRanges& r, std::byte* packed) {
+  for (uint32_t i = 0; i < r.count; ++i) {
+    std::memcpy(packed, page + r.offset[i], r.bytes[i]);
+    packed += r.bytes[i];
+  }
+}
+void PackedToPage(const std::byte* packed, const EntryRanges& r, std::byte* page) {
+  for (uint32_t i = 0; i < r.count; ++i) {
+    std::memcpy(page + r.offset[i], packed, r.bytes[i]);
+    packed += r.bytes[i];
+  }
 }
 
 }  // namespace
@@ -77,6 +83,9 @@ Status SparseRecordLayout::Validate() const {
   if (dims == 0 || entries == 0 || layers == 0) {
     return Status::InvalidArgument("sparse record: dims, entries and layers must be at least 1");
   }
+  if (entry_bytes() + 8 > kSparseSectorBytes) {
+    return Status::InvalidArgument("sparse record: an entry and its checksum do not fit a 4 KiB sector");
+  }
   if (page_stride < FormatPageBytes(format, dims, entries)) {
     return Status::InvalidArgument(fmt::format("sparse record: a page stride of {} bytes is below a {}-byte page",
                                                page_stride, FormatPageBytes(format, dims, entries)));
@@ -84,25 +93,91 @@ Status SparseRecordLayout::Validate() const {
   return Status::OK();
 }
 
-uint64_t SparseEntryChecksum(const SparseRecordLayout& layout, const std::byte* page, uint32_t layer, uint32_t slot) {
-  return ChecksumRanges(page, EntryByteRanges(layout.format, layout.dims, layout.entries, slot), layer, slot);
+uint32_t SparseRecordLayout::entry_bytes() const {
+  const EntryRanges r = EntryByteRanges(format, dims, entries, 0);
+  return r.bytes[0] + (r.count > 1 ? r.bytes[1] : 0);
+}
+
+uint32_t SparseRecordLayout::entries_per_sector() const { return kSparseSectorBytes / (entry_bytes() + 8); }
+
+uint32_t SparseRecordLayout::sectors_per_layer() const {
+  const uint32_t per = entries_per_sector();
+  return per == 0 ? 0 : (entries + per - 1) / per;
+}
+
+uint64_t SparseRecordLayout::PadBytes() { return kSparseSectorBytes - BundleHeaderBytes(2); }
+
+SparseRecordLayout::Place SparseRecordLayout::Locate(uint32_t layer, uint32_t slot) const {
+  const uint32_t per = entries_per_sector();
+  Place p;
+  p.sector = (uint64_t{layer} * sectors_per_layer() + slot / per) * kSparseSectorBytes;
+  p.data = (slot % per) * entry_bytes();
+  p.checksum = per * entry_bytes() + (slot % per) * 8;
+  return p;
+}
+
+bool SparseEntryMatches(const SparseRecordLayout& layout, const BundleKey& key, uint32_t layer, uint32_t slot,
+                        const std::byte* sector, const SparseRecordLayout::Place& place) {
+  uint64_t want;
+  std::memcpy(&want, sector + place.checksum, 8);
+  return XXH3_64bits_withSeed(sector + place.data, layout.entry_bytes(), EntrySeed(key, layer, slot)) == want;
+}
+
+namespace {
+Status CheckBuffers(const SparseRecordLayout& layout, size_t pages, size_t sectors) {
+  SPARSEKV_RETURN_IF_ERROR(layout.Validate());
+  if (pages != layout.pages_bytes() || sectors != layout.sectors_bytes()) {
+    return Status::InvalidArgument(fmt::format(
+        "sparse record: {} bytes of pages and {} of sectors; the layout holds {} and {}", pages, sectors,
+        layout.pages_bytes(), layout.sectors_bytes()));
+  }
+  return Status::OK();
+}
+}  // namespace
+
+Status PackSparseRecord(const SparseRecordLayout& layout, const BundleKey& key, std::span<const std::byte> pages,
+                        std::span<std::byte> sectors) {
+  SPARSEKV_RETURN_IF_ERROR(CheckBuffers(layout, pages.size(), sectors.size()));
+  std::memset(sectors.data(), 0, sectors.size());
+  const uint32_t bytes = layout.entry_bytes();
+  for (uint32_t l = 0; l < layout.layers; ++l) {
+    const std::byte* page = pages.data() + uint64_t{l} * layout.page_stride;
+    for (uint32_t s = 0; s < layout.entries; ++s) {
+      const SparseRecordLayout::Place at = layout.Locate(l, s);
+      std::byte* sector = sectors.data() + at.sector;
+      PageToPacked(page, EntryByteRanges(layout.format, layout.dims, layout.entries, s), sector + at.data);
+      const uint64_t sum = XXH3_64bits_withSeed(sector + at.data, bytes, EntrySeed(key, l, s));
+      std::memcpy(sector + at.checksum, &sum, 8);
+    }
+  }
+  return Status::OK();
+}
+
+Status UnpackSparseRecord(const SparseRecordLayout& layout, const BundleKey& key, std::span<const std::byte> sectors,
+                          std::span<std::byte> pages) {
+  SPARSEKV_RETURN_IF_ERROR(CheckBuffers(layout, pages.size(), sectors.size()));
+  for (uint32_t l = 0; l < layout.layers; ++l) {
+    std::byte* page = pages.data() + uint64_t{l} * layout.page_stride;
+    for (uint32_t s = 0; s < layout.entries; ++s) {
+      const SparseRecordLayout::Place at = layout.Locate(l, s);
+      const std::byte* sector = sectors.data() + at.sector;
+      if (!SparseEntryMatches(layout, key, l, s, sector, at)) {
+        return Status::Corruption(fmt::format("sparse record {}: entry {} of layer {} does not match its checksum",
+                                              key.ToString(), s, l));
+      }
+      PackedToPage(sector + at.data, EntryByteRanges(layout.format, layout.dims, layout.entries, s), page);
+    }
+  }
+  return Status::OK();
 }
 
 Status StoreSparseRecord(HostTier& host, const BundleKey& key, const SparseRecordLayout& layout,
                          std::span<const std::byte> pages, uint64_t sequence) {
   SPARSEKV_RETURN_IF_ERROR(layout.Validate());
-  if (pages.size() != layout.pages_bytes()) {
-    return Status::InvalidArgument(fmt::format("sparse record: {} bytes of pages; the layout holds {}", pages.size(),
-                                               layout.pages_bytes()));
-  }
-  std::vector<uint64_t> table(uint64_t{layout.layers} * layout.entries);
-  for (uint32_t l = 0; l < layout.layers; ++l) {
-    const std::byte* page = pages.data() + uint64_t{l} * layout.page_stride;
-    for (uint32_t s = 0; s < layout.entries; ++s) {
-      table[uint64_t{l} * layout.entries + s] = SparseEntryChecksum(layout, page, l, s);
-    }
-  }
-  const std::span<const std::byte> segments[2] = {pages, std::as_bytes(std::span<const uint64_t>(table))};
+  std::vector<std::byte> sectors(layout.sectors_bytes());
+  SPARSEKV_RETURN_IF_ERROR(PackSparseRecord(layout, key, pages, sectors));
+  const std::vector<std::byte> pad(SparseRecordLayout::PadBytes());
+  const std::span<const std::byte> segments[2] = {pad, sectors};
   SPARSEKV_ASSIGN_OR_RETURN(BundlePtr stored, host.PutGathered(key, segments, sequence));
   return Status::OK();
 }
@@ -283,8 +358,7 @@ Status HostEntryFetcher::Fetch(uint32_t layer, std::span<const SparseWorkingSet:
   // By block, so that each record is pinned once.
   sorted_.assign(misses.begin(), misses.end());
   std::sort(sorted_.begin(), sorted_.end(), [](const auto& a, const auto& b) { return a.entry < b.entry; });
-  const uint64_t pages_bytes = layout_.pages_bytes();
-  const uint64_t table_bytes = layout_.table_bytes();
+  const uint64_t sectors_bytes = layout_.sectors_bytes();
   size_t i = 0;
   while (i < sorted_.size()) {
     const uint64_t block = sorted_[i].entry / layout_.entries;
@@ -297,33 +371,30 @@ Status HostEntryFetcher::Fetch(uint32_t layer, std::span<const SparseWorkingSet:
     } else {
       // The record's layout is checked (no span reaches past it), its checksum is not: each
       // entry is checked on its own below.
-      Result<BundlePtr> rec = host_.GetPinned(blocks_[block], /*check=*/false);
+      const BundleKey& key = blocks_[block];
+      Result<BundlePtr> rec = host_.GetPinned(key, /*check=*/false);
       if (!rec.ok()) {
-        st = rec.status().WithContext(fmt::format("host entry fetch: block {} ({})", block, blocks_[block].ToString()));
-      } else if ((*rec)->segment_count() != 2 || (*rec)->segment_bytes(0) != pages_bytes ||
-                 (*rec)->segment_bytes(1) != table_bytes) {
-        st = Status::InvalidArgument(fmt::format("host entry fetch: {} is not a sparse record of this layout",
-                                                 blocks_[block].ToString()));
+        st = rec.status().WithContext(fmt::format("host entry fetch: block {} ({})", block, key.ToString()));
+      } else if ((*rec)->segment_count() != 2 || (*rec)->segment_bytes(0) != SparseRecordLayout::PadBytes() ||
+                 (*rec)->segment_bytes(1) != sectors_bytes) {
+        st = Status::InvalidArgument(
+            fmt::format("host entry fetch: {} is not a sparse record of this layout", key.ToString()));
       } else {
-        const std::byte* page = (*rec)->segment(0).data() + uint64_t{layer} * layout_.page_stride;
-        const std::byte* table = (*rec)->segment(1).data() + uint64_t{layer} * layout_.entries * 8;
+        const std::byte* sectors = (*rec)->segment(1).data();
         for (size_t k = 0; k < group.size() && st.ok(); ++k) {
           const uint32_t slot = static_cast<uint32_t>(group[k].entry % layout_.entries);
-          std::byte* dst = ws.SlotPage(group[k].slot);
-          const uint32_t at = ws.SlotInPage(group[k].slot);
-          CopyEntry(layout_.format, layout_.dims, page, layout_.entries, slot, dst, wv.block_entries, at);
-          // Checked where it landed (hot in the cache), under the source's position.
-          const uint64_t got =
-              ChecksumRanges(dst, EntryByteRanges(layout_.format, layout_.dims, wv.block_entries, at), layer, slot);
-          uint64_t want;
-          std::memcpy(&want, table + uint64_t{slot} * 8, 8);
-          if (got != want) {
+          const SparseRecordLayout::Place at = layout_.Locate(layer, slot);
+          const std::byte* sector = sectors + at.sector;
+          if (!SparseEntryMatches(layout_, key, layer, slot, sector, at)) {
             st = Status::Corruption(fmt::format("host entry fetch: entry {} (layer {}, slot {}) of {} does not match "
                                                 "its checksum",
-                                                group[k].entry, layer, slot, blocks_[block].ToString()));
-          } else {
-            bytes_fetched_ += FormatEntryBytes(layout_.format, layout_.dims);
+                                                group[k].entry, layer, slot, key.ToString()));
+            break;
           }
+          PackedToPage(sector + at.data,
+                       EntryByteRanges(layout_.format, layout_.dims, wv.block_entries, ws.SlotInPage(group[k].slot)),
+                       ws.SlotPage(group[k].slot));
+          bytes_fetched_ += layout_.entry_bytes();
         }
       }
     }

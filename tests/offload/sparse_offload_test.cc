@@ -16,6 +16,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "sparsekv/bf16.h"
 #include "sparsekv/codec.h"
 #include "sparsekv/host_tier.h"
@@ -159,6 +161,61 @@ TEST(SparseWorkingSet, RefusesWhatCannotBeMappedAndChangesNothing) {
   EXPECT_FALSE(SparseWorkingSet::Create(bad_format).ok());
 }
 
+// Packing keeps every entry and only the entries: unpacked pages equal the pages packed, for
+// each format the kernel reads; each entry fills one sector with room for its checksum; a
+// record read under another key, or with one flipped bit, is refused.
+TEST(SparseRecord, PacksEveryEntryIntoOneSectorAndBindsItToItsKey) {
+  struct Shape {
+    StorageFormat format;
+    uint32_t dims, entries, per_sector, sectors;
+  };
+  for (const Shape& c : {Shape{StorageFormat::kFp8DsMla, 576, 128, 6, 22}, Shape{StorageFormat::kC8Mla, 576, 128, 6, 22},
+                         Shape{StorageFormat::kBf16, 576, 128, 3, 43}, Shape{StorageFormat::kFp8V4, 512, 32, 6, 6}}) {
+    SparseRecordLayout layout;
+    layout.format = c.format;
+    layout.dims = c.dims;
+    layout.entries = c.entries;
+    layout.layers = 3;
+    layout.page_stride = (FormatPageBytes(c.format, c.dims, c.entries) + 63) / 64 * 64 + 64;
+    ASSERT_TRUE(layout.Validate().ok());
+    EXPECT_EQ(layout.entries_per_sector(), c.per_sector) << StorageFormatName(c.format);
+    EXPECT_EQ(layout.sectors_per_layer(), c.sectors) << StorageFormatName(c.format);
+    EXPECT_EQ(SparseRecordLayout::PadBytes() + BundleHeaderBytes(2), kSparseSectorBytes);
+    for (uint32_t l = 0; l < layout.layers; ++l) {
+      for (uint32_t s = 0; s < layout.entries; ++s) {
+        const auto at = layout.Locate(l, s);
+        ASSERT_EQ(at.sector % kSparseSectorBytes, 0u);
+        ASSERT_LE(at.data + layout.entry_bytes(), at.checksum - (s % c.per_sector) * 8);
+        ASSERT_LE(at.checksum + 8, kSparseSectorBytes);
+      }
+    }
+    std::vector<std::byte> pages(layout.pages_bytes()), sectors(layout.sectors_bytes()), back(pages.size());
+    std::mt19937 rng(3);
+    auto codec = PageCodec::Create(c.format, c.dims, c.entries);
+    ASSERT_TRUE(codec.ok());
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> rows(uint64_t{c.entries} * c.dims);
+    for (uint32_t l = 0; l < layout.layers; ++l) {
+      for (float& x : rows) x = normal(rng);
+      ASSERT_TRUE(codec->WriteTokens(pages.data() + l * layout.page_stride, 0, RowsView::Fp32(rows.data(), c.entries, c.dims)).ok());
+    }
+    ASSERT_TRUE(PackSparseRecord(layout, Key(1), pages, sectors).ok());
+    ASSERT_TRUE(UnpackSparseRecord(layout, Key(1), sectors, back).ok());
+    for (uint32_t l = 0; l < layout.layers; ++l) {
+      const uint64_t page = FormatPageBytes(c.format, c.dims, c.entries);
+      EXPECT_EQ(std::memcmp(back.data() + l * layout.page_stride, pages.data() + l * layout.page_stride, page), 0)
+          << StorageFormatName(c.format) << " layer " << l;
+    }
+    EXPECT_EQ(UnpackSparseRecord(layout, Key(2), sectors, back).code(), StatusCode::kCorruption);
+    const auto at = layout.Locate(2, c.entries - 1);
+    sectors[at.sector + at.data + layout.entry_bytes() - 1] ^= std::byte{1};
+    Status st = UnpackSparseRecord(layout, Key(1), sectors, back);
+    EXPECT_EQ(st.code(), StatusCode::kCorruption);
+    EXPECT_NE(st.ToString().find(fmt::format("entry {} of layer 2", c.entries - 1)), std::string::npos) << st.ToString();
+    EXPECT_FALSE(PackSparseRecord(layout, Key(1), std::span<const std::byte>(pages).first(10), sectors).ok());
+  }
+}
+
 // One sequence's caches for the decode test: the sparse cache as resident pool pages (block b
 // at physical page table[b]) and as sparse records in a host tier; the indexer keys resident.
 struct Sequence {
@@ -201,7 +258,7 @@ Sequence MakeSequence(StorageFormat format, uint32_t dims, uint32_t entries, uin
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> rows(uint64_t{entries} * dims);
   HostTierOptions ho;
-  ho.capacity_bytes = (s.block_stride + s.layout.table_bytes() + 8192) * blocks + (1 << 20);
+  ho.capacity_bytes = (s.layout.sectors_bytes() + 8192) * blocks + (1 << 20);
   ho.huge_pages = false;
   auto host = HostTier::Open(ho);
   EXPECT_TRUE(host.ok()) << host.status().ToString();
@@ -368,8 +425,9 @@ TEST(HostEntryFetcher, ADamagedOrMissingRecordIsRefusedEntryByEntry) {
   {
     auto rec = seq.host->GetPinned(Key(1), /*check=*/false);
     ASSERT_TRUE(rec.ok());
-    auto* page = const_cast<std::byte*>((*rec)->segment(0).data()) + seq.layout.page_stride;
-    page[5 * 656 + 100] ^= std::byte{0x40};
+    const SparseRecordLayout::Place at = seq.layout.Locate(1, 5);
+    auto* sectors = const_cast<std::byte*>((*rec)->segment(1).data());
+    sectors[at.sector + at.data + 100] ^= std::byte{0x40};
   }
   std::vector<int32_t> sel = {3, 133, 200}, phys(3);
   std::vector<SparseWorkingSet::Miss> misses;

@@ -2,11 +2,18 @@
 // CSA entries) stays in a lower tier, and each decode step brings into L1 only the entries the
 // indexer selected that are not already there.
 //
-// - A sparse record is how one block of that cache is offloaded: its pages, layer after layer
-//   as the pool lays them out, then a table of one XXH3-64 per entry, seeded with the entry's
-//   (layer, slot), so that every entry read alone is checked, and one read from the wrong
-//   place fails too. The record is an ordinary bundle (two segments), checked whole when it
-//   is stored and moved between tiers like any other.
+// - A sparse record is how one block of that cache is offloaded, laid out so that any one entry
+//   can be read and checked alone, from memory or as one 4 KiB sector of a file. Its entries
+//   are packed whole (fp8_v4's data and scales together) into 4 KiB sectors, as many as fit
+//   with an XXH3-64 each: 6 per sector for the 656-byte 8-bit latent formats and V4's 584-byte
+//   entries, 3 for bf16. Each checksum lies in the tail of its entry's sector and is seeded
+//   with the record's key, the layer and the slot, so an entry read from the wrong place, or
+//   from a record that has since replaced this one on disk, fails its check. A layer's
+//   entries take whole sectors (V3.2 fp8: 22 sectors for 128 entries, 7% more than the page;
+//   V4 CSA: 6 sectors for 32 entries, 29% more). The record is an ordinary bundle of two
+//   segments: a first one that pads the header to 4 KiB, so that the sectors start on a
+//   sector of the record (tiers keep records 4 KiB-aligned), then the sectors. It is checked
+//   whole when stored and moved between tiers like any other bundle.
 // - SparseWorkingSet is one sequence's L1 share of one layer: a fixed number of entry slots in
 //   pages of the kernel's format, an index from logical entry to slot, and LRU replacement.
 //   Map() turns a token's selection (logical entries) into indices into view(), in the same
@@ -14,7 +21,7 @@
 //   working set in place: the same entry bytes in the same order, so its output is
 //   bit-identical to reading the whole cache (the kernels are batch-invariant).
 // - HostEntryFetcher copies selected entries out of sparse records held in the host tier,
-//   without copying the records, and checks each against its table.
+//   without copying the records, and checks each.
 //
 // Thread safety: a working set and a fetcher are used by one thread at a time; the host tier
 // they read is thread-safe.
@@ -47,8 +54,10 @@ struct EntryRanges {
 // Precondition: CheckFormatFits passed for (format, dims); slot < entries.
 EntryRanges EntryByteRanges(StorageFormat format, uint32_t dims, uint32_t entries, uint32_t slot);
 
-// The shape of a sparse record: `layers` pages of `entries` entries each, `page_stride` bytes
-// apart (segment 0), then `layers * entries` u64 checksums (segment 1).
+inline constexpr uint32_t kSparseSectorBytes = 4096;
+
+// The shape of a sparse record and of the pages it is packed from: `layers` pages of `entries`
+// entries each, `page_stride` bytes apart, as a pool keeps one block.
 struct SparseRecordLayout {
   StorageFormat format = StorageFormat::kFp8DsMla;
   uint32_t dims = 0;
@@ -60,16 +69,38 @@ struct SparseRecordLayout {
   static SparseRecordLayout ForPool(const PoolGeometry& pool);
   Status Validate() const;
   uint64_t pages_bytes() const { return uint64_t{layers} * page_stride; }
-  uint64_t table_bytes() const { return uint64_t{layers} * entries * 8; }
+
+  uint32_t entry_bytes() const;        // one packed entry
+  uint32_t entries_per_sector() const;
+  uint32_t sectors_per_layer() const;
+  uint64_t sectors_bytes() const { return uint64_t{layers} * sectors_per_layer() * kSparseSectorBytes; }
+  // Segment 0: the header padded to a sector.
+  static uint64_t PadBytes();
+  // Where entry `slot` of layer `layer` lies in segment 1: its sector's offset, and the entry's
+  // and its checksum's offsets inside that sector.
+  struct Place {
+    uint64_t sector = 0;
+    uint32_t data = 0;
+    uint32_t checksum = 0;
+  };
+  Place Locate(uint32_t layer, uint32_t slot) const;
 };
 
-// The checksum of entry `slot` of layer `layer`, read from `page` (that layer's page).
-uint64_t SparseEntryChecksum(const SparseRecordLayout& layout, const std::byte* page, uint32_t layer,
-                             uint32_t slot);
+// Packs `pages` (layout.pages_bytes() bytes) into the sectors of a sparse record for `key`
+// (layout.sectors_bytes() bytes, written into `sectors`), each entry's checksum computed.
+// Errors: a layout that fails Validate, buffers of other sizes.
+Status PackSparseRecord(const SparseRecordLayout& layout, const BundleKey& key, std::span<const std::byte> pages,
+                        std::span<std::byte> sectors);
+// Unpacks sectors into pages (the restore of a whole block), checking every entry. Errors: as
+// Pack; Corruption naming the first entry that does not match.
+Status UnpackSparseRecord(const SparseRecordLayout& layout, const BundleKey& key, std::span<const std::byte> sectors,
+                          std::span<std::byte> pages);
+// Checks the packed entry at `place` of a sector (its bytes and checksum as read).
+bool SparseEntryMatches(const SparseRecordLayout& layout, const BundleKey& key, uint32_t layer, uint32_t slot,
+                        const std::byte* sector, const SparseRecordLayout::Place& place);
 
-// Stores `pages` (segment 0 of `layout`) as a sparse record under `key` in the host tier, the
-// checksum table computed here. Errors: a layout that fails Validate, pages of another size,
-// and those of HostTier::PutGathered.
+// Packs `pages` and stores them as a sparse record under `key` in the host tier. Errors: those
+// of PackSparseRecord and of HostTier::PutGathered.
 Status StoreSparseRecord(HostTier& host, const BundleKey& key, const SparseRecordLayout& layout,
                          std::span<const std::byte> pages, uint64_t sequence);
 
@@ -160,8 +191,8 @@ class HostEntryFetcher {
   HostEntryFetcher(HostTier& host, SparseRecordLayout layout, std::vector<BundleKey> blocks);
 
   // Copies the entries of layer `layer` named by `misses` (from SparseWorkingSet::Map) into
-  // their slots, each checked against its record's table as it lands. A record is pinned, not
-  // copied, while its entries are read. Errors (the entries not brought are forgotten in `ws`,
+  // their slots, each checked against its checksum first. A record is pinned, not copied,
+  // while its entries are read. Errors (the entries not brought are forgotten in `ws`,
   // so the next Map names them again): NotFound (a record gone from the tier: a cache may
   // evict), Corruption (an entry whose bytes do not match its checksum, named), InvalidArgument
   // (a record of another layout, an entry past the blocks, a working set of another format).
