@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <unistd.h>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -21,6 +23,7 @@
 #include "sparsekv/model_spec.h"
 #include "sparsekv/sparse_mla.h"
 #include "sparsekv/sparse_offload.h"
+#include "sparsekv/ssd_tier.h"
 
 namespace sparsekv::bench {
 namespace {
@@ -82,11 +85,11 @@ void Drift(std::vector<float>& q, double b, std::mt19937& rng) {
 }  // namespace
 
 Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
-  if (o.tier != "host") {
-    return Status::NotSupported(fmt::format(
-        "bench sparse-decode: --tier {}: only the host tier reads single entries so far (SSD sector reads "
-        "are the next step of issue 18)",
-        o.tier));
+  if (o.tier != "host" && o.tier != "ssd") {
+    return Status::InvalidArgument(fmt::format("bench sparse-decode: --tier must be host or ssd (got {})", o.tier));
+  }
+  if (o.tier == "ssd" && o.dir.empty()) {
+    return Status::InvalidArgument("bench sparse-decode: --tier ssd needs --dir");
   }
   if (!(o.l1_fraction > 0 && o.l1_fraction <= 1) || !(o.overlap > 0 && o.overlap < 1) || o.steps == 0 ||
       o.layers == 0 || o.threads == 0) {
@@ -150,11 +153,34 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
   const uint64_t record = kSparseSectorBytes + layout.sectors_bytes();
   ho.capacity_bytes = record * (blocks + 2);
   SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> host, HostTier::Open(ho));
+  std::unique_ptr<SsdTier> ssd;
+  std::string ssd_path;
+  if (o.tier == "ssd") {
+    ssd_path = (std::filesystem::path(o.dir) / fmt::format("sparse-decode-{}", ::getpid())).string();
+    std::filesystem::remove_all(ssd_path);
+    SsdTierOptions so;
+    so.path = ssd_path;
+    so.capacity_bytes = record * (blocks + 64);
+    so.durability = Durability::kNone;
+    SPARSEKV_ASSIGN_OR_RETURN(ssd, SsdTier::Open(so));
+  }
+  struct RemoveDir {
+    std::string path;
+    ~RemoveDir() {
+      std::error_code ec;
+      if (!path.empty()) std::filesystem::remove_all(path, ec);
+    }
+  } remove_dir{ssd_path};
   std::vector<BundleKey> keys;
   for (uint32_t b = 0; b < blocks; ++b) {
     keys.push_back({1, BlockHash{uint64_t{b} * 0x9e3779b97f4a7c15ull + 7, b}});
-    SPARSEKV_RETURN_IF_ERROR(StoreSparseRecord(
-        *host, keys.back(), layout, {pool.get() + uint64_t{table[b]} * block_stride, block_stride}, b + 1));
+    const std::span<const std::byte> pages{pool.get() + uint64_t{table[b]} * block_stride, block_stride};
+    if (ssd) {
+      SPARSEKV_ASSIGN_OR_RETURN(BundlePtr rec, MakeSparseRecord(keys.back(), layout, pages, b + 1));
+      SPARSEKV_RETURN_IF_ERROR(ssd->Put({rec}).get()[0]);
+    } else {
+      SPARSEKV_RETURN_IF_ERROR(StoreSparseRecord(*host, keys.back(), layout, pages, b + 1));
+    }
   }
   auto resident_view = [&](uint32_t l) {
     PagedCacheView v;
@@ -221,7 +247,13 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
     SPARSEKV_ASSIGN_OR_RETURN(auto w, SparseWorkingSet::Create(wo));
     ws.push_back(std::move(w));
   }
-  HostEntryFetcher fetch(*host, layout, keys);
+  HostEntryFetcher host_fetch(*host, layout, keys);
+  std::unique_ptr<SsdEntryFetcher> ssd_fetch;
+  if (ssd) ssd_fetch = std::make_unique<SsdEntryFetcher>(*ssd, layout, keys);
+  auto fetch = [&](uint32_t l, std::span<const SparseWorkingSet::Miss> m, SparseWorkingSet& w) {
+    return ssd_fetch ? ssd_fetch->Fetch(l, m, w) : host_fetch.Fetch(l, m, w);
+  };
+  auto fetched = [&] { return ssd_fetch ? ssd_fetch->bytes_fetched() : host_fetch.bytes_fetched(); };
 
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<std::vector<float>> qi(L, std::vector<float>(uint64_t{idx_heads} * key_dims));
@@ -290,7 +322,7 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
         hits0 += w->hits();
         misses0 += w->misses();
       }
-      bytes0 = fetch.bytes_fetched();
+      bytes0 = fetched();
     }
     double t_idx = 0, t_fetch = 0, t_ws = 0, t_res = 0;
     for (uint32_t l = 0; l < L; ++l) {
@@ -333,7 +365,7 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
       auto run_sparse = [&]() -> Status {
         double t = Now();
         SPARSEKV_RETURN_IF_ERROR(ws[l]->Map(logical, physical, &misses));
-        SPARSEKV_RETURN_IF_ERROR(fetch.Fetch(l, misses, *ws[l]));
+        SPARSEKV_RETURN_IF_ERROR(fetch(l, misses, *ws[l]));
         t_fetch += Now() - t;
         t = Now();
         mb.main = SparseMlaSource{};
@@ -375,15 +407,22 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
   hits -= hits0;
   miss -= misses0;
 
-  // Restoring the same context whole from the host tier: every record unpacked into pages,
-  // each entry checked, into pages written once before.
+  // Restoring the same context whole from the tier: every record read (from the SSD tier: in
+  // batches of 128, whole records, checked) and unpacked into pages written once before, each
+  // entry checked.
   Arena dest = AllocArena(block_stride * blocks);
   if (!dest) return Status::ResourceExhausted("bench sparse-decode: no memory for the restore");
   std::vector<double> restore;
   for (int r = 0; r < 3; ++r) {
     const double t = Now();
+    std::vector<Result<BundlePtr>> batch;
     for (uint32_t b = 0; b < blocks; ++b) {
-      SPARSEKV_ASSIGN_OR_RETURN(BundlePtr rec, host->GetPinned(keys[b], /*check=*/false));
+      if (ssd && b % 128 == 0) {
+        std::vector<BundleKey> some(keys.begin() + b, keys.begin() + std::min<uint32_t>(blocks, b + 128));
+        batch = ssd->Get(std::move(some)).get();
+      }
+      SPARSEKV_ASSIGN_OR_RETURN(BundlePtr rec,
+                                ssd ? std::move(batch[b % 128]) : host->GetPinned(keys[b], /*check=*/false));
       SPARSEKV_RETURN_IF_ERROR(
           UnpackSparseRecord(layout, keys[b], rec->segment(1), {dest.get() + uint64_t{b} * block_stride, block_stride}));
     }
@@ -415,7 +454,8 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
   j["target_overlap"] = o.overlap;
   j["drift"] = drift;
   j["measured_overlap"] = overlap_n ? overlap_sum / static_cast<double>(overlap_n) : 0.0;
-  j["bytes_fetched_per_step"] = static_cast<double>(fetch.bytes_fetched() - bytes0) / o.steps;
+  j["bytes_fetched_per_step"] = static_cast<double>(fetched() - bytes0) / o.steps;
+  if (ssd_fetch) j["sectors_read"] = ssd_fetch->sectors_read();
   j["working_set_hit_ratio"] = hits + miss ? static_cast<double>(hits) / static_cast<double>(hits + miss) : 0.0;
   j["step_seconds"] = Median(step_s);
   j["resident_step_seconds"] = Median(resident_s);

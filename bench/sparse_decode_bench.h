@@ -3,7 +3,8 @@
 // holds --l1-fraction of the entries; against the same steps reading the whole cache resident,
 // in the same run, with every output compared bit for bit. The indexer query drifts so that
 // consecutive selections overlap by about --overlap (the overlap reported is the one measured
-// from the indexer's own selections).
+// from the indexer's own selections). With --tier ssd each missing entry is one 4 KiB O_DIRECT
+// read (SsdEntryFetcher), at the tier's queue depth of 16.
 #pragma once
 
 #include <cstdint>
@@ -29,8 +30,10 @@ struct SparseDecodeBenchOptions {
   uint32_t layers = 2;
   // Target overlap of consecutive selections. Default: 0.9.
   double overlap = 0.9;
-  // host (ssd: not built yet). Default: host.
+  // Where the sparse cache lives: host or ssd. Default: host.
   std::string tier = "host";
+  // --tier ssd: a directory for the SSD tier's files (removed afterwards).
+  std::string dir;
   // Threads of the kernels. Default: 1.
   uint32_t threads = 1;
   uint32_t seed = 1;

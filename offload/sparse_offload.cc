@@ -9,6 +9,7 @@
 
 #include "allocator/xxhash_dispatch.h"
 #include "sparsekv/host_tier.h"
+#include "sparsekv/ssd_tier.h"
 
 namespace sparsekv {
 namespace {
@@ -169,6 +170,16 @@ Status UnpackSparseRecord(const SparseRecordLayout& layout, const BundleKey& key
     }
   }
   return Status::OK();
+}
+
+Result<BundlePtr> MakeSparseRecord(const BundleKey& key, const SparseRecordLayout& layout,
+                                   std::span<const std::byte> pages, uint64_t sequence) {
+  SPARSEKV_RETURN_IF_ERROR(layout.Validate());
+  std::vector<std::byte> sectors(layout.sectors_bytes());
+  SPARSEKV_RETURN_IF_ERROR(PackSparseRecord(layout, key, pages, sectors));
+  const std::vector<std::byte> pad(SparseRecordLayout::PadBytes());
+  const std::span<const std::byte> segments[2] = {pad, sectors};
+  return Bundle::Make(key, segments, sequence);
 }
 
 Status StoreSparseRecord(HostTier& host, const BundleKey& key, const SparseRecordLayout& layout,
@@ -406,6 +417,101 @@ Status HostEntryFetcher::Fetch(uint32_t layer, std::span<const SparseWorkingSet:
     i = end;
   }
   return Status::OK();
+}
+
+// ---------------------------------------------------------------------------------------------
+
+SsdEntryFetcher::SsdEntryFetcher(SsdTier& ssd, SparseRecordLayout layout, std::vector<BundleKey> blocks)
+    : ssd_(ssd), layout_(layout), blocks_(std::move(blocks)) {}
+
+SsdEntryFetcher::~SsdEntryFetcher() { std::free(staging_); }
+
+Status SsdEntryFetcher::Fetch(uint32_t layer, std::span<const SparseWorkingSet::Miss> misses, SparseWorkingSet& ws) {
+  if (misses.empty()) return Status::OK();
+  const PagedCacheView wv = ws.view();
+  Status st = layout_.Validate();
+  if (st.ok() && (wv.format != layout_.format || wv.dims != layout_.dims)) {
+    st = Status::InvalidArgument("ssd entry fetch: the working set holds another format than the records");
+  }
+  if (st.ok() && layer >= layout_.layers) {
+    st = Status::InvalidArgument(fmt::format("ssd entry fetch: layer {} of a record of {}", layer, layout_.layers));
+  }
+  if (!st.ok()) {
+    ws.Forget(misses);
+    return st;
+  }
+  // One read per distinct (block, sector), in the order of the entries.
+  struct Want {
+    SparseWorkingSet::Miss miss;
+    uint64_t block = 0;
+    SparseRecordLayout::Place at;
+    uint32_t read = 0;
+  };
+  std::vector<Want> wants(misses.size());
+  for (size_t i = 0; i < misses.size(); ++i) {
+    wants[i].miss = misses[i];
+    wants[i].block = misses[i].entry / layout_.entries;
+    wants[i].at = layout_.Locate(layer, static_cast<uint32_t>(misses[i].entry % layout_.entries));
+  }
+  std::sort(wants.begin(), wants.end(), [](const Want& a, const Want& b) {
+    return a.block != b.block ? a.block < b.block : a.at.sector < b.at.sector;
+  });
+  std::vector<SsdTier::SectorRead> reads;
+  std::vector<SparseWorkingSet::Miss> failed;
+  for (Want& w : wants) {
+    if (w.block >= blocks_.size()) {
+      if (st.ok()) {
+        st = Status::InvalidArgument(fmt::format("ssd entry fetch: entry {} lies past the sequence's {} blocks",
+                                                 w.miss.entry, blocks_.size()));
+      }
+      w.read = UINT32_MAX;
+      failed.push_back(w.miss);
+      continue;
+    }
+    // The sectors segment starts one sector into the record (after the padded header).
+    const uint64_t sector = kSparseSectorBytes + w.at.sector;
+    if (reads.empty() || !(reads.back().key == blocks_[w.block]) || reads.back().sector != sector) {
+      reads.push_back({blocks_[w.block], sector, nullptr});
+    }
+    w.read = static_cast<uint32_t>(reads.size() - 1);
+  }
+  if (reads.size() > staging_sectors_) {
+    std::free(staging_);
+    staging_sectors_ = std::max<uint64_t>(reads.size(), 2 * staging_sectors_);
+    staging_ = static_cast<std::byte*>(std::aligned_alloc(kSparseSectorBytes, staging_sectors_ * kSparseSectorBytes));
+    if (staging_ == nullptr) {
+      staging_sectors_ = 0;
+      ws.Forget(misses);
+      return Status::ResourceExhausted("ssd entry fetch: no memory to read sectors into");
+    }
+  }
+  for (size_t r = 0; r < reads.size(); ++r) reads[r].out = staging_ + r * kSparseSectorBytes;
+  const std::vector<Status> got = ssd_.ReadSectors(reads);
+  sectors_read_ += reads.size();
+  for (const Want& w : wants) {
+    if (w.read == UINT32_MAX) continue;
+    const SsdTier::SectorRead& r = reads[w.read];
+    const uint32_t slot = static_cast<uint32_t>(w.miss.entry % layout_.entries);
+    Status bad;
+    if (!got[w.read].ok()) {
+      bad = got[w.read].WithContext(fmt::format("ssd entry fetch: block {} ({})", w.block, r.key.ToString()));
+    } else if (!SparseEntryMatches(layout_, r.key, layer, slot, r.out, w.at)) {
+      bad = Status::Corruption(fmt::format(
+          "ssd entry fetch: entry {} (layer {}, slot {}) of {} does not match its checksum", w.miss.entry, layer,
+          slot, r.key.ToString()));
+    }
+    if (!bad.ok()) {
+      if (st.ok()) st = bad;
+      failed.push_back(w.miss);
+      continue;
+    }
+    PackedToPage(r.out + w.at.data,
+                 EntryByteRanges(layout_.format, layout_.dims, wv.block_entries, ws.SlotInPage(w.miss.slot)),
+                 ws.SlotPage(w.miss.slot));
+    bytes_fetched_ += layout_.entry_bytes();
+  }
+  ws.Forget(failed);
+  return st;
 }
 
 }  // namespace sparsekv

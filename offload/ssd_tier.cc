@@ -22,6 +22,7 @@
 #include <sys/uio.h>
 
 #include <algorithm>
+#include <future>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -228,6 +229,13 @@ class SsdTierImpl final : public SsdTier {
     return loc;
   }
 
+  std::vector<Status> ReadSectors(std::span<const SectorRead> reads) override {
+    std::promise<std::vector<Status>> done;
+    auto result = done.get_future();
+    workers_->Submit([this, reads, &done](size_t w) { done.set_value(DoReadSectors(*queues_[w], reads)); });
+    return result.get();
+  }
+
   std::vector<BundleKey> Keys() const override {
     MutexLock lock(mu_);
     std::vector<BundleKey> out;
@@ -274,6 +282,7 @@ class SsdTierImpl final : public SsdTier {
   // index entries in one RocksDB batch, publishes them in order, then acknowledges.
   void CommitLoop() SPARSEKV_EXCLUDES(mu_, index_mu_, commit_mu_);
   void Commit(std::vector<PendingPut>& group) SPARSEKV_EXCLUDES(mu_, index_mu_);
+  std::vector<Status> DoReadSectors(UringQueue& q, std::span<const SectorRead> reads);
   std::vector<Result<BundlePtr>> DoGet(UringQueue& q, const std::vector<BundleKey>& keys)
       SPARSEKV_EXCLUDES(mu_, index_mu_);
   // Removes the entries of `keys` (only where they still lie at `only_at[i]`, only if their
@@ -883,6 +892,66 @@ void SsdTierImpl::Commit(std::vector<PendingPut>& group) {
     }
     stats_.io_errors += p.io_errors;
   }
+}
+
+std::vector<Status> SsdTierImpl::DoReadSectors(UringQueue& q, std::span<const SectorRead> reads) {
+  std::vector<Status> out(reads.size());
+  std::vector<uint64_t> at(reads.size(), 0);  // file offset of each read, 0: not read
+  std::vector<uint64_t> pinned;
+  {
+    MutexLock lock(mu_);
+    for (size_t i = 0; i < reads.size(); ++i) {
+      const SectorRead& r = reads[i];
+      auto e = entries_.find(r.key);
+      if (e == entries_.end()) {
+        out[i] = Status::NotFound("ssd tier: no bundle " + r.key.ToString());
+        continue;
+      }
+      if (r.sector % kUnit != 0 || r.sector >= UnitsOf(e->second.record_bytes) * kUnit ||
+          reinterpret_cast<uintptr_t>(r.out) % kUnit != 0) {
+        out[i] = Status::InvalidArgument(fmt::format(
+            "ssd tier: sector {} of {} (a record of {} bytes), into {}: sectors are 4 KiB-aligned, inside the "
+            "record, into 4 KiB-aligned memory",
+            r.sector, r.key.ToString(), e->second.record_bytes, static_cast<const void*>(r.out)));
+        continue;
+      }
+      if (std::find(pinned.begin(), pinned.end(), e->second.at) == pinned.end()) {
+        ++pins_[e->second.at];
+        pinned.push_back(e->second.at);
+      }
+      at[i] = e->second.at * kUnit + r.sector + 1;  // + 1: offset 0 is a real place
+    }
+  }
+  std::vector<uint32_t> ops;
+  for (size_t i = 0; i < reads.size(); ++i) {
+    if (at[i] != 0) ops.push_back(static_cast<uint32_t>(i));
+  }
+  uint64_t io_errors = 0;
+  const Status ring = q.Run(
+      ops.size(),
+      [&](uint64_t k, UringOp& op) {
+        const uint32_t i = ops[k];
+        op.file = file_.get();
+        op.kind = AsyncIo::Kind::kRead;
+        op.offset = at[i] - 1;
+        op.data = reads[i].out;
+        op.length = kUnit;
+      },
+      [&](uint64_t k, const UringOp& op) {
+        if (op.result >= 0) return;
+        ++io_errors;
+        out[ops[k]] = ErrnoStatus(-op.result, fmt::format("ssd tier: read {} at {}", data_path_, op.offset));
+      });
+  MutexLock lock(mu_);
+  for (uint64_t a : pinned) UnpinLocked(a);
+  stats_.io_errors += io_errors;
+  stats_.bytes_read += ops.size() * kUnit;
+  if (!ring.ok()) {
+    for (uint32_t i : ops) {
+      if (out[i].ok()) out[i] = ring;
+    }
+  }
+  return out;
 }
 
 std::vector<Result<BundlePtr>> SsdTierImpl::DoGet(UringQueue& q,

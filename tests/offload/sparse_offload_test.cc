@@ -16,6 +16,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <fmt/format.h>
 
 #include "sparsekv/bf16.h"
@@ -23,7 +26,9 @@
 #include "sparsekv/host_tier.h"
 #include "sparsekv/lightning_indexer.h"
 #include "sparsekv/sparse_mla.h"
+#include "sparsekv/ssd_tier.h"
 #include "tests/attention/test_cache.h"
+#include "tests/offload/test_util.h"
 
 namespace sparsekv {
 namespace {
@@ -225,6 +230,8 @@ struct Sequence {
   std::vector<uint32_t> table;  // logical block -> physical block
   std::vector<attention::testing::TestCache> keys;  // per layer
   std::unique_ptr<HostTier> host;
+  std::unique_ptr<testing::TempDir> dir;
+  std::unique_ptr<SsdTier> ssd;  // when asked for: the same records on the SSD tier
   std::vector<BundleKey> blocks;
 
   PagedCacheView ResidentView(uint32_t layer) const {
@@ -240,8 +247,20 @@ struct Sequence {
 };
 
 Sequence MakeSequence(StorageFormat format, uint32_t dims, uint32_t entries, uint32_t layers, uint32_t blocks,
-                      uint32_t key_entries, uint32_t seed) {
+                      uint32_t key_entries, uint32_t seed, bool ssd = false) {
   Sequence s;
+  if (ssd) {
+    s.dir = std::make_unique<testing::TempDir>("sparse");
+    SsdTierOptions so;
+    so.path = s.dir->path();
+    so.capacity_bytes = 256ull << 20;
+    so.slab_grow_bytes = 16 << 20;
+    so.read_arena_bytes = 16 << 20;
+    so.durability = Durability::kNone;
+    auto t = SsdTier::Open(so);
+    EXPECT_TRUE(t.ok()) << t.status().ToString();
+    if (t.ok()) s.ssd = std::move(*t);
+  }
   s.layout.format = format;
   s.layout.dims = dims;
   s.layout.entries = entries;
@@ -272,6 +291,13 @@ Sequence MakeSequence(StorageFormat format, uint32_t dims, uint32_t entries, uin
     s.blocks.push_back(Key(b));
     Status st = StoreSparseRecord(*s.host, Key(b), s.layout, {block, s.block_stride}, b + 1);
     EXPECT_TRUE(st.ok()) << st.ToString();
+    if (s.ssd) {
+      auto rec = MakeSparseRecord(Key(b), s.layout, {block, s.block_stride}, b + 1);
+      EXPECT_TRUE(rec.ok()) << rec.status().ToString();
+      if (rec.ok()) {
+        EXPECT_TRUE(s.ssd->Put({*rec}).get()[0].ok());
+      }
+    }
   }
   for (uint32_t l = 0; l < layers; ++l) {
     s.keys.push_back(attention::testing::MakeCache(StorageFormat::kIdxFp8, 128, key_entries, blocks, blocks, seed + 10 + l));
@@ -287,6 +313,7 @@ struct DecodeCase {
   uint32_t key_ratio;  // tokens per entry (V4 CSA: 4)
   uint32_t top_k;
   bool window;         // V4: a resident sliding-window source as `extra`
+  bool ssd = false;    // the working set filled from the SSD tier, not the host tier
 };
 
 class SparseDecode : public ::testing::TestWithParam<DecodeCase> {};
@@ -299,7 +326,8 @@ class SparseDecode : public ::testing::TestWithParam<DecodeCase> {};
 TEST_P(SparseDecode, BitIdenticalToTheResidentCacheOver256Steps) {
   const DecodeCase c = GetParam();
   constexpr uint32_t kLayers = 2, kBlocks = 24, kHeads = 16, kIdxHeads = 8, kSteps = 256;
-  Sequence seq = MakeSequence(c.format, c.dims, c.entries, kLayers, kBlocks, c.entries, 100 + c.entries);
+  Sequence seq = MakeSequence(c.format, c.dims, c.entries, kLayers, kBlocks, c.entries, 100 + c.entries, c.ssd);
+  ASSERT_TRUE(!c.ssd || seq.ssd);
   const uint64_t context_entries = uint64_t{kBlocks} * c.entries;
   ASSERT_GE(context_entries, c.top_k);
   LightningIndexerOptions io;
@@ -313,7 +341,9 @@ TEST_P(SparseDecode, BitIdenticalToTheResidentCacheOver256Steps) {
     ASSERT_TRUE(w.ok());
     ws.push_back(std::move(*w));
   }
-  HostEntryFetcher fetch(*seq.host, seq.layout, seq.blocks);
+  HostEntryFetcher host_fetch(*seq.host, seq.layout, seq.blocks);
+  std::unique_ptr<SsdEntryFetcher> ssd_fetch;
+  if (c.ssd) ssd_fetch = std::make_unique<SsdEntryFetcher>(*seq.ssd, seq.layout, seq.blocks);
   // V4's window: 128 resident entries, all read each step.
   attention::testing::TestCache window;
   std::vector<int32_t> window_idx;
@@ -372,7 +402,7 @@ TEST_P(SparseDecode, BitIdenticalToTheResidentCacheOver256Steps) {
         resident[i] = logical[i] < 0 ? -1 : PhysicalIndex(seq.table, c.entries, static_cast<uint64_t>(logical[i]));
       }
       ASSERT_TRUE(ws[l]->Map(logical, physical, &misses).ok());
-      Status st = fetch.Fetch(l, misses, *ws[l]);
+      Status st = c.ssd ? ssd_fetch->Fetch(l, misses, *ws[l]) : host_fetch.Fetch(l, misses, *ws[l]);
       ASSERT_TRUE(st.ok()) << st.ToString();
       const auto q = attention::testing::RandomBf16(uint64_t{kHeads} * c.dims, step * 31 + l);
       SparseMlaBatch mb;
@@ -403,14 +433,20 @@ TEST_P(SparseDecode, BitIdenticalToTheResidentCacheOver256Steps) {
   EXPECT_NEAR(static_cast<double>(hit_count - hits0) / static_cast<double>(hit_count - hits0 + miss_count - misses0),
               overlap, 1e-9)
       << c.name;
-  EXPECT_GT(fetch.bytes_fetched(), 0u);
+  EXPECT_GT(c.ssd ? ssd_fetch->bytes_fetched() : host_fetch.bytes_fetched(), 0u);
+  if (c.ssd) {
+    // One sector per entry at most, and fewer when entries share one.
+    EXPECT_LE(ssd_fetch->sectors_read() * seq.layout.entry_bytes(), ssd_fetch->bytes_fetched());
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Presets, SparseDecode,
     ::testing::Values(DecodeCase{"v32_fp8", StorageFormat::kFp8DsMla, 576, 128, 1, 256, false},
                       DecodeCase{"v32_c8", StorageFormat::kC8Mla, 576, 128, 1, 256, false},
-                      DecodeCase{"v4_csa", StorageFormat::kFp8V4, 512, 32, 4, 128, true}),
+                      DecodeCase{"v4_csa", StorageFormat::kFp8V4, 512, 32, 4, 128, true},
+                      DecodeCase{"v32_fp8_ssd", StorageFormat::kFp8DsMla, 576, 128, 1, 256, false, true},
+                      DecodeCase{"v4_csa_ssd", StorageFormat::kFp8V4, 512, 32, 4, 128, true, true}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // A record damaged in host memory is refused for the entry that was damaged, and that entry is
@@ -451,6 +487,69 @@ TEST(HostEntryFetcher, ADamagedOrMissingRecordIsRefusedEntryByEntry) {
   std::vector<int32_t> past = {4 * 128}, phys2(1);
   ASSERT_TRUE((*ws)->Map(past, phys2, &misses).ok());
   EXPECT_EQ(fetch.Fetch(0, misses, **ws).code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace sparsekv
+
+namespace sparsekv {
+namespace {
+
+// From the SSD tier: a sector damaged on disk refuses the entries it holds and only those (the
+// rest of the batch is brought), and a record gone is NotFound for its entries.
+TEST(SsdEntryFetcher, ADamagedSectorRefusesItsEntriesOnly) {
+  Sequence seq = MakeSequence(StorageFormat::kFp8DsMla, 576, 128, 2, 4, 128, 5, /*ssd=*/true);
+  ASSERT_NE(seq.ssd, nullptr);
+  auto ws = SparseWorkingSet::Create(Options(StorageFormat::kFp8DsMla, 576, 64));
+  ASSERT_TRUE(ws.ok());
+  SsdEntryFetcher fetch(*seq.ssd, seq.layout, seq.blocks);
+  // Entry 7 of block 2 (logical 263), layer 1: flip a byte of it in the data file.
+  auto loc = seq.ssd->Locate(Key(2));
+  ASSERT_TRUE(loc.ok());
+  const SparseRecordLayout::Place at = seq.layout.Locate(1, 7);
+  {
+    const int fd = ::open(loc->file.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    const off_t where = static_cast<off_t>(loc->offset + kSparseSectorBytes + at.sector + at.data + 10);
+    std::byte b;
+    ASSERT_EQ(::pread(fd, &b, 1, where), 1);
+    b ^= std::byte{0x10};
+    ASSERT_EQ(::pwrite(fd, &b, 1, where), 1);
+    ::close(fd);
+  }
+  // 263 shares its sector with 264 (6 per sector: slots 6..11); 12 lies in the next one.
+  std::vector<int32_t> sel = {5, 263, 264, 268, 140}, phys(5);
+  std::vector<SparseWorkingSet::Miss> misses;
+  ASSERT_TRUE((*ws)->Map(sel, phys, &misses).ok());
+  Status st = fetch.Fetch(1, misses, **ws);
+  EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+  EXPECT_NE(st.ToString().find("entry 263"), std::string::npos) << st.ToString();
+  EXPECT_EQ(fetch.sectors_read(), 4u) << "5 entries in 4 sectors";
+  ASSERT_TRUE((*ws)->Map(sel, phys, &misses).ok());
+  ASSERT_EQ(misses.size(), 1u) << "only the damaged entry is fetched again";
+  EXPECT_EQ(misses[0].entry, 263u);
+  (*ws)->Forget(misses);
+  // The same entries of layer 0 are intact, and come back as the resident pages hold them.
+  auto ws0 = SparseWorkingSet::Create(Options(StorageFormat::kFp8DsMla, 576, 64));
+  ASSERT_TRUE(ws0.ok());
+  ASSERT_TRUE((*ws0)->Map(sel, phys, &misses).ok());
+  ASSERT_EQ(misses.size(), sel.size());
+  ASSERT_TRUE(fetch.Fetch(0, misses, **ws0).ok());
+  for (size_t i = 0; i < sel.size(); ++i) {
+    const uint64_t e = static_cast<uint64_t>(sel[i]);
+    const std::byte* want = seq.pool.data() + uint64_t{seq.table[e / 128]} * seq.block_stride + (e % 128) * 656;
+    const std::byte* got = (*ws0)->SlotPage(static_cast<uint32_t>(phys[i])) +
+                           uint64_t{(*ws0)->SlotInPage(static_cast<uint32_t>(phys[i]))} * 656;
+    EXPECT_EQ(std::memcmp(want, got, 656), 0) << "entry " << e;
+  }
+  ASSERT_TRUE(seq.ssd->Erase({Key(3)}).get()[0].ok());
+  std::vector<int32_t> gone = {400, 6}, phys2(2);
+  ASSERT_TRUE((*ws)->Map(gone, phys2, &misses).ok());
+  st = fetch.Fetch(0, misses, **ws);
+  EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+  ASSERT_TRUE((*ws)->Map(gone, phys2, &misses).ok());
+  ASSERT_EQ(misses.size(), 1u);
+  EXPECT_EQ(misses[0].entry, 400u);
 }
 
 }  // namespace

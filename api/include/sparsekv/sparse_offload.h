@@ -43,6 +43,7 @@
 namespace sparsekv {
 
 class HostTier;
+class SsdTier;
 
 // Where one entry lies inside a page of `entries` entries: one byte range, or two for fp8_v4
 // (its data, then its scales).
@@ -99,6 +100,10 @@ Status UnpackSparseRecord(const SparseRecordLayout& layout, const BundleKey& key
 bool SparseEntryMatches(const SparseRecordLayout& layout, const BundleKey& key, uint32_t layer, uint32_t slot,
                         const std::byte* sector, const SparseRecordLayout::Place& place);
 
+// The sparse record of `pages` under `key`, as a bundle any tier can store. Errors: those of
+// PackSparseRecord and Bundle::Make.
+Result<BundlePtr> MakeSparseRecord(const BundleKey& key, const SparseRecordLayout& layout,
+                                   std::span<const std::byte> pages, uint64_t sequence);
 // Packs `pages` and stores them as a sparse record under `key` in the host tier. Errors: those
 // of PackSparseRecord and of HostTier::PutGathered.
 Status StoreSparseRecord(HostTier& host, const BundleKey& key, const SparseRecordLayout& layout,
@@ -207,6 +212,33 @@ class HostEntryFetcher {
   std::vector<BundleKey> blocks_;
   std::vector<SparseWorkingSet::Miss> sorted_;
   uint64_t bytes_fetched_ = 0;
+};
+
+// Fetches entries of a sequence's sparse records from the SSD tier: for each entry, the one
+// 4 KiB sector holding it and its checksum (SsdTier::ReadSectors, O_DIRECT, at the tier's
+// queue depth), a sector read once however many of its entries are wanted. An entry costs a
+// 4 KiB read for its 656 bytes (V3.2 8-bit; 6.2x). Pages stored as they lie would cost 1.16
+// sectors per entry (one in six crosses a sector boundary) plus a sector of a checksum table
+// for each block read, which in decode, where most blocks give one entry, doubles it.
+class SsdEntryFetcher {
+ public:
+  SsdEntryFetcher(SsdTier& ssd, SparseRecordLayout layout, std::vector<BundleKey> blocks);
+  ~SsdEntryFetcher();
+
+  // As HostEntryFetcher::Fetch; every entry that can be brought is, and the first error is
+  // returned (the entries it concerns forgotten in `ws`).
+  Status Fetch(uint32_t layer, std::span<const SparseWorkingSet::Miss> misses, SparseWorkingSet& ws);
+
+  uint64_t bytes_fetched() const { return bytes_fetched_; }
+  uint64_t sectors_read() const { return sectors_read_; }
+
+ private:
+  SsdTier& ssd_;
+  SparseRecordLayout layout_;
+  std::vector<BundleKey> blocks_;
+  std::byte* staging_ = nullptr;  // 4 KiB-aligned sectors
+  uint64_t staging_sectors_ = 0;
+  uint64_t bytes_fetched_ = 0, sectors_read_ = 0;
 };
 
 }  // namespace sparsekv

@@ -104,6 +104,21 @@ class SsdTier : public Tier {
                                                FileSystem* fs = nullptr);
 
   virtual Result<SsdRecordLocation> Locate(const BundleKey& key) const = 0;
+
+  // One 4 KiB sector of a stored record: `sector` bytes from the record's start (a multiple of
+  // 4 KiB), read into `out` (4 KiB-aligned, 4 KiB).
+  struct SectorRead {
+    BundleKey key;
+    uint64_t sector = 0;
+    std::byte* out = nullptr;
+  };
+  // Reads chosen sectors of stored records, with O_DIRECT at the tier's queue depth, on one of
+  // its I/O threads (the caller waits): what an entry-granular reader needs, where a record is
+  // far larger than what it wants of it. Nothing is checked here; the caller checks what it
+  // reads (sparse records carry a checksum per entry). A record's space is not reused while
+  // its sectors are read. One status per read: NotFound (no such record), InvalidArgument (a
+  // sector past the record, an unaligned buffer), IOError.
+  virtual std::vector<Status> ReadSectors(std::span<const SectorRead> reads) = 0;
   // Every key held, in no particular order.
   virtual std::vector<BundleKey> Keys() const = 0;
   virtual SsdTierDetails Details() const = 0;
