@@ -313,7 +313,7 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
   std::vector<SparseWorkingSet::Miss> misses;
   std::vector<double> step_s, resident_s, idx_s, fetch_s, mla_ws_s, mla_res_s;
   double overlap_sum = 0;
-  uint64_t overlap_n = 0, hits0 = 0, misses0 = 0, bytes0 = 0;
+  uint64_t overlap_n = 0, hits0 = 0, misses0 = 0, bytes0 = 0, sectors0 = 0;
   bool identical = true;
   const float scale = 1.0f / std::sqrt(static_cast<float>(dims));
   for (uint32_t step = 0; step <= o.steps; ++step) {
@@ -323,6 +323,7 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
         misses0 += w->misses();
       }
       bytes0 = fetched();
+      sectors0 = ssd_fetch ? ssd_fetch->sectors_read() : 0;
     }
     double t_idx = 0, t_fetch = 0, t_ws = 0, t_res = 0;
     for (uint32_t l = 0; l < L; ++l) {
@@ -455,7 +456,10 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
   j["drift"] = drift;
   j["measured_overlap"] = overlap_n ? overlap_sum / static_cast<double>(overlap_n) : 0.0;
   j["bytes_fetched_per_step"] = static_cast<double>(fetched() - bytes0) / o.steps;
-  if (ssd_fetch) j["sectors_read"] = ssd_fetch->sectors_read();
+  if (ssd_fetch) {
+    j["sectors_read_per_step"] = static_cast<double>(ssd_fetch->sectors_read() - sectors0) / o.steps;
+    j["entry_bytes"] = layout.entry_bytes();
+  }
   j["working_set_hit_ratio"] = hits + miss ? static_cast<double>(hits) / static_cast<double>(hits + miss) : 0.0;
   j["step_seconds"] = Median(step_s);
   j["resident_step_seconds"] = Median(resident_s);

@@ -84,6 +84,13 @@ Status SparseRecordLayout::Validate() const {
   if (dims == 0 || entries == 0 || layers == 0) {
     return Status::InvalidArgument("sparse record: dims, entries and layers must be at least 1");
   }
+  const uint32_t want = format == StorageFormat::kFp8V4 ? layout::kV4Dims
+                        : format == StorageFormat::kBf16 ? dims
+                                                         : layout::kMlaDims;
+  if (dims != want || dims > 2040) {
+    return Status::InvalidArgument(fmt::format("sparse record: {} entries of {} dims do not fit a sector",
+                                               StorageFormatName(format), dims));
+  }
   if (entry_bytes() + 8 > kSparseSectorBytes) {
     return Status::InvalidArgument("sparse record: an entry and its checksum do not fit a 4 KiB sector");
   }
@@ -370,53 +377,58 @@ Status HostEntryFetcher::Fetch(uint32_t layer, std::span<const SparseWorkingSet:
   sorted_.assign(misses.begin(), misses.end());
   std::sort(sorted_.begin(), sorted_.end(), [](const auto& a, const auto& b) { return a.entry < b.entry; });
   const uint64_t sectors_bytes = layout_.sectors_bytes();
+  std::vector<SparseWorkingSet::Miss> failed;
+  auto fail = [&](Status why, std::span<const SparseWorkingSet::Miss> which) {
+    if (st.ok()) st = std::move(why);
+    failed.insert(failed.end(), which.begin(), which.end());
+  };
   size_t i = 0;
   while (i < sorted_.size()) {
     const uint64_t block = sorted_[i].entry / layout_.entries;
     size_t end = i;
     while (end < sorted_.size() && sorted_[end].entry / layout_.entries == block) ++end;
     const std::span<const SparseWorkingSet::Miss> group(sorted_.data() + i, end - i);
-    if (block >= blocks_.size()) {
-      st = Status::InvalidArgument(fmt::format("host entry fetch: entry {} lies past the sequence's {} blocks",
-                                               sorted_[i].entry, blocks_.size()));
-    } else {
-      // The record's layout is checked (no span reaches past it), its checksum is not: each
-      // entry is checked on its own below.
-      const BundleKey& key = blocks_[block];
-      Result<BundlePtr> rec = host_.GetPinned(key, /*check=*/false);
-      if (!rec.ok()) {
-        st = rec.status().WithContext(fmt::format("host entry fetch: block {} ({})", block, key.ToString()));
-      } else if ((*rec)->segment_count() != 2 || (*rec)->segment_bytes(0) != SparseRecordLayout::PadBytes() ||
-                 (*rec)->segment_bytes(1) != sectors_bytes) {
-        st = Status::InvalidArgument(
-            fmt::format("host entry fetch: {} is not a sparse record of this layout", key.ToString()));
-      } else {
-        const std::byte* sectors = (*rec)->segment(1).data();
-        for (size_t k = 0; k < group.size() && st.ok(); ++k) {
-          const uint32_t slot = static_cast<uint32_t>(group[k].entry % layout_.entries);
-          const SparseRecordLayout::Place at = layout_.Locate(layer, slot);
-          const std::byte* sector = sectors + at.sector;
-          if (!SparseEntryMatches(layout_, key, layer, slot, sector, at)) {
-            st = Status::Corruption(fmt::format("host entry fetch: entry {} (layer {}, slot {}) of {} does not match "
-                                                "its checksum",
-                                                group[k].entry, layer, slot, key.ToString()));
-            break;
-          }
-          PackedToPage(sector + at.data,
-                       EntryByteRanges(layout_.format, layout_.dims, wv.block_entries, ws.SlotInPage(group[k].slot)),
-                       ws.SlotPage(group[k].slot));
-          bytes_fetched_ += layout_.entry_bytes();
-        }
-      }
-    }
-    if (!st.ok()) {
-      // Everything not yet confirmed goes: this block's entries and those of the blocks after it.
-      ws.Forget(std::span<const SparseWorkingSet::Miss>(sorted_.data() + i, sorted_.size() - i));
-      return st;
-    }
     i = end;
+    if (block >= blocks_.size()) {
+      fail(Status::InvalidArgument(fmt::format("host entry fetch: entry {} lies past the sequence's {} blocks",
+                                               group[0].entry, blocks_.size())),
+           group);
+      continue;
+    }
+    // The record's layout is checked (no span reaches past it), its checksum is not: each
+    // entry is checked on its own below.
+    const BundleKey& key = blocks_[block];
+    Result<BundlePtr> rec = host_.GetPinned(key, /*check=*/false);
+    if (!rec.ok()) {
+      fail(rec.status().WithContext(fmt::format("host entry fetch: block {} ({})", block, key.ToString())), group);
+      continue;
+    }
+    if ((*rec)->segment_count() != 2 || (*rec)->segment_bytes(0) != SparseRecordLayout::PadBytes() ||
+        (*rec)->segment_bytes(1) != sectors_bytes) {
+      fail(Status::InvalidArgument(
+               fmt::format("host entry fetch: {} is not a sparse record of this layout", key.ToString())),
+           group);
+      continue;
+    }
+    const std::byte* sectors = (*rec)->segment(1).data();
+    for (const SparseWorkingSet::Miss& m : group) {
+      const uint32_t slot = static_cast<uint32_t>(m.entry % layout_.entries);
+      const SparseRecordLayout::Place at = layout_.Locate(layer, slot);
+      const std::byte* sector = sectors + at.sector;
+      if (!SparseEntryMatches(layout_, key, layer, slot, sector, at)) {
+        fail(Status::Corruption(fmt::format(
+                 "host entry fetch: entry {} (layer {}, slot {}) of {} does not match its checksum", m.entry,
+                 layer, slot, key.ToString())),
+             std::span<const SparseWorkingSet::Miss>(&m, 1));
+        continue;
+      }
+      PackedToPage(sector + at.data, EntryByteRanges(layout_.format, layout_.dims, wv.block_entries, ws.SlotInPage(m.slot)),
+                   ws.SlotPage(m.slot));
+      bytes_fetched_ += layout_.entry_bytes();
+    }
   }
-  return Status::OK();
+  ws.Forget(failed);
+  return st;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <future>
+#include <unordered_set>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -897,13 +898,14 @@ void SsdTierImpl::Commit(std::vector<PendingPut>& group) {
 std::vector<Status> SsdTierImpl::DoReadSectors(UringQueue& q, std::span<const SectorRead> reads) {
   std::vector<Status> out(reads.size());
   std::vector<uint64_t> at(reads.size(), 0);  // file offset of each read, 0: not read
-  std::vector<uint64_t> pinned;
+  std::unordered_set<uint64_t> pinned;  // extents, each pinned once
   {
     MutexLock lock(mu_);
     for (size_t i = 0; i < reads.size(); ++i) {
       const SectorRead& r = reads[i];
       auto e = entries_.find(r.key);
       if (e == entries_.end()) {
+        ++stats_.misses;
         out[i] = Status::NotFound("ssd tier: no bundle " + r.key.ToString());
         continue;
       }
@@ -915,9 +917,10 @@ std::vector<Status> SsdTierImpl::DoReadSectors(UringQueue& q, std::span<const Se
             r.sector, r.key.ToString(), e->second.record_bytes, static_cast<const void*>(r.out)));
         continue;
       }
-      if (std::find(pinned.begin(), pinned.end(), e->second.at) == pinned.end()) {
+      if (pinned.insert(e->second.at).second) {
         ++pins_[e->second.at];
-        pinned.push_back(e->second.at);
+        ++stats_.hits;
+        lru_.splice(lru_.end(), lru_, e->second.lru);  // read: recently used
       }
       at[i] = e->second.at * kUnit + r.sector + 1;  // + 1: offset 0 is a real place
     }
@@ -938,9 +941,12 @@ std::vector<Status> SsdTierImpl::DoReadSectors(UringQueue& q, std::span<const Se
         op.length = kUnit;
       },
       [&](uint64_t k, const UringOp& op) {
-        if (op.result >= 0) return;
+        if (op.result == static_cast<int>(kUnit)) return;
         ++io_errors;
-        out[ops[k]] = ErrnoStatus(-op.result, fmt::format("ssd tier: read {} at {}", data_path_, op.offset));
+        out[ops[k]] = op.result < 0
+                          ? ErrnoStatus(-op.result, fmt::format("ssd tier: read {} at {}", data_path_, op.offset))
+                          : Status::IOError(fmt::format("ssd tier: read {} at {}: {} bytes of {}", data_path_,
+                                                        op.offset, op.result, kUnit));
       });
   MutexLock lock(mu_);
   for (uint64_t a : pinned) UnpinLocked(a);

@@ -845,8 +845,9 @@ class Session : public std::enable_shared_from_this<Session> {
   // A PUT that the network thread may store (TryPutHere) is read whole into the receive
   // buffer, grown to hold it, and stored from there: no payload is allocated for it, its value
   // is copied once (into host memory), and while the connection sends such PUTs one receive
-  // usually brings a whole one. The bytes a grown buffer holds are charged as they arrive, as
-  // a payload's are; a grown buffer goes once the connection has been quiet for a tick.
+  // usually brings a whole one. A grown buffer's bytes are charged as they are first written
+  // (as a payload's are as they arrive) and stay charged while it is kept, as they stay in
+  // memory; it goes once the connection has been quiet for a tick.
   bool DirectPut() const {
     return authed_ && header_.opcode == wire::Opcode::kPut && header_.payload_bytes > 0 &&
            header_.payload_bytes <= kPutHereBytes && srv_.store_->PutsWithoutBlocking();
@@ -857,17 +858,25 @@ class Session : public std::enable_shared_from_this<Session> {
   bool StartDirect() {
     const size_t n = header_.payload_bytes;
     if (rbuf_.capacity() - rpos_ >= n) return true;
-    return rbuf_.Grow(n > ReadBuffer::kSmall ? n + ReadBuffer::kSmall : n, rpos_, rend_);
+    const size_t before = rbuf_.capacity();
+    if (!rbuf_.Grow(n > ReadBuffer::kSmall ? n + ReadBuffer::kSmall : n, rpos_, rend_)) return false;
+    if (rbuf_.capacity() != before) {  // a new mapping: only what was moved into it is written
+      rbuf_charge_.Release();
+      ChargeReadBuffer();
+    }
+    return true;
   }
 
-  // Charges the budget with what a grown rbuf_ holds (a payload's bytes, mostly; the
-  // ReadBuffer::kSmall bytes in place are every connection's and not charged).
+  // Charges the budget with the bytes of a grown rbuf_ that were ever written (the pages it
+  // holds in memory: as many as the largest PUT read into it, not its mapped size), until it
+  // goes back. The ReadBuffer::kSmall bytes in place are every connection's and not charged.
   void ChargeReadBuffer() {
-    const uint64_t over = rbuf_.grown() ? rend_ - rpos_ : 0;
-    if (over == rbuf_charge_.bytes()) return;
-    if (over < rbuf_charge_.bytes()) rbuf_charge_.Release();
+    const uint64_t touched = rbuf_.grown() ? std::max<uint64_t>(rbuf_charge_.bytes(), rend_) : 0;
+    if (touched == rbuf_charge_.bytes()) return;
+    if (touched < rbuf_charge_.bytes()) rbuf_charge_.Release();
+    if (touched == 0) return;
     if (rbuf_charge_.bytes() == 0) rbuf_charge_ = Charge(&srv_.budget_, account_);
-    rbuf_charge_.Add(over - rbuf_charge_.bytes());
+    rbuf_charge_.Add(touched - rbuf_charge_.bytes());
   }
 
   // Brings a direct PUT's payload into rbuf_. True when it is all there; false when a read is
@@ -890,7 +899,12 @@ class Session : public std::enable_shared_from_this<Session> {
       payload_.charge().Add(got_);
       std::memcpy(payload_.data(), rbuf_.data() + rpos_, got_);
       rpos_ = rend_ = 0;
+      // The grown buffer goes (no read into it is under way): its pages would otherwise stay
+      // charged beside the payload's.
+      rbuf_.Shrink(rpos_, rend_);
       ChargeReadBuffer();
+      // StepPayload parks (the budget refused already); were it to complete the frame, the
+      // next header is read from a fresh turn of the strand.
       if (StepPayload() && HandleFrame()) asio::post(strand_, [self = shared_from_this()] { self->ReadHeader(); });
       return false;
     }
@@ -2031,7 +2045,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   ReadBuffer rbuf_{&srv_.grown_rbuf_total_};  // received, not yet handled: [rpos_, rend_)
   size_t rpos_ = 0, rend_ = 0;
-  Charge rbuf_charge_;     // what a grown rbuf_ holds
+  Charge rbuf_charge_;     // the bytes of a grown rbuf_ written so far
   bool trimming_ = false;  // the read under way was cancelled to give a grown rbuf_ back
   Clock::time_point last_active_{};
   wire::FrameHeader header_;

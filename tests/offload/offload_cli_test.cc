@@ -104,7 +104,9 @@ TEST(BenchSparseDecode, ShortRunsAreIdenticalAndLean) {
   ASSERT_EQ(ssd.exit_code, 0) << ssd.err;
   auto j = nlohmann::json::parse(ssd.out);
   EXPECT_TRUE(j["outputs_identical"].get<bool>());
-  EXPECT_GT(j["sectors_read"].get<double>(), 0);
+  EXPECT_GT(j["sectors_read_per_step"].get<double>(), 0);
+  EXPECT_LE(j["sectors_read_per_step"].get<double>() * j["entry_bytes"].get<double>(),
+            j["bytes_fetched_per_step"].get<double>() + 1e-6);
   EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
   Outcome no_dir = Cli("bench sparse-decode --tier ssd --context 4096 --json");
   EXPECT_NE(no_dir.exit_code, 0);

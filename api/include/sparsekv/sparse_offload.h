@@ -197,10 +197,12 @@ class HostEntryFetcher {
 
   // Copies the entries of layer `layer` named by `misses` (from SparseWorkingSet::Map) into
   // their slots, each checked against its checksum first. A record is pinned, not copied,
-  // while its entries are read. Errors (the entries not brought are forgotten in `ws`,
-  // so the next Map names them again): NotFound (a record gone from the tier: a cache may
-  // evict), Corruption (an entry whose bytes do not match its checksum, named), InvalidArgument
-  // (a record of another layout, an entry past the blocks, a working set of another format).
+  // while its entries are read. Every entry that can be brought is; the first error is
+  // returned, and the entries it concerns are forgotten in `ws` (the next Map names them
+  // again): NotFound (a record gone from the tier: a cache may evict), Corruption (an entry
+  // whose bytes do not match its checksum, named), InvalidArgument (a record of another
+  // layout, an entry past the blocks; a working set of another format or a layer past the
+  // records', for which every miss is forgotten).
   Status Fetch(uint32_t layer, std::span<const SparseWorkingSet::Miss> misses, SparseWorkingSet& ws);
 
   // Bytes copied into working sets so far.
@@ -225,8 +227,9 @@ class SsdEntryFetcher {
   SsdEntryFetcher(SsdTier& ssd, SparseRecordLayout layout, std::vector<BundleKey> blocks);
   ~SsdEntryFetcher();
 
-  // As HostEntryFetcher::Fetch; every entry that can be brought is, and the first error is
-  // returned (the entries it concerns forgotten in `ws`).
+  // As HostEntryFetcher::Fetch, with the same errors but one: a record of another layout is
+  // not recognized as such, and its entries fail their checks (Corruption). IOError for a
+  // sector that could not be read.
   Status Fetch(uint32_t layer, std::span<const SparseWorkingSet::Miss> misses, SparseWorkingSet& ws);
 
   uint64_t bytes_fetched() const { return bytes_fetched_; }
