@@ -356,19 +356,28 @@ uint64_t SparseWorkingSet::memory_bytes() const {
 
 // ---------------------------------------------------------------------------------------------
 
+namespace {
+// What both fetchers check before they read: the records' layout, a working set of its format,
+// a layer the records hold.
+Status CheckFetch(const SparseRecordLayout& layout, const PagedCacheView& ws, uint32_t layer, const char* what) {
+  SPARSEKV_RETURN_IF_ERROR(layout.Validate());
+  if (ws.format != layout.format || ws.dims != layout.dims) {
+    return Status::InvalidArgument(fmt::format("{}: the working set holds another format than the records", what));
+  }
+  if (layer >= layout.layers) {
+    return Status::InvalidArgument(fmt::format("{}: layer {} of a record of {}", what, layer, layout.layers));
+  }
+  return Status::OK();
+}
+}  // namespace
+
 HostEntryFetcher::HostEntryFetcher(HostTier& host, SparseRecordLayout layout, std::vector<BundleKey> blocks)
     : host_(host), layout_(layout), blocks_(std::move(blocks)) {}
 
 Status HostEntryFetcher::Fetch(uint32_t layer, std::span<const SparseWorkingSet::Miss> misses, SparseWorkingSet& ws) {
   if (misses.empty()) return Status::OK();
   const PagedCacheView wv = ws.view();
-  Status st = layout_.Validate();
-  if (st.ok() && (wv.format != layout_.format || wv.dims != layout_.dims)) {
-    st = Status::InvalidArgument("host entry fetch: the working set holds another format than the records");
-  }
-  if (st.ok() && layer >= layout_.layers) {
-    st = Status::InvalidArgument(fmt::format("host entry fetch: layer {} of a record of {}", layer, layout_.layers));
-  }
+  Status st = CheckFetch(layout_, wv, layer, "host entry fetch");
   if (!st.ok()) {
     ws.Forget(misses);
     return st;
@@ -441,13 +450,7 @@ SsdEntryFetcher::~SsdEntryFetcher() { std::free(staging_); }
 Status SsdEntryFetcher::Fetch(uint32_t layer, std::span<const SparseWorkingSet::Miss> misses, SparseWorkingSet& ws) {
   if (misses.empty()) return Status::OK();
   const PagedCacheView wv = ws.view();
-  Status st = layout_.Validate();
-  if (st.ok() && (wv.format != layout_.format || wv.dims != layout_.dims)) {
-    st = Status::InvalidArgument("ssd entry fetch: the working set holds another format than the records");
-  }
-  if (st.ok() && layer >= layout_.layers) {
-    st = Status::InvalidArgument(fmt::format("ssd entry fetch: layer {} of a record of {}", layer, layout_.layers));
-  }
+  Status st = CheckFetch(layout_, wv, layer, "ssd entry fetch");
   if (!st.ok()) {
     ws.Forget(misses);
     return st;
