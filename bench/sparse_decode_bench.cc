@@ -149,10 +149,13 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
   std::vector<uint32_t> table(blocks);
   std::iota(table.begin(), table.end(), 0u);
   std::shuffle(table.begin(), table.end(), rng);
-  HostTierOptions ho;
   const uint64_t record = kSparseSectorBytes + layout.sectors_bytes();
-  ho.capacity_bytes = record * (blocks + 2);
-  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> host, HostTier::Open(ho));
+  std::unique_ptr<HostTier> host;
+  if (o.tier == "host") {
+    HostTierOptions ho;
+    ho.capacity_bytes = record * (blocks + 2);
+    SPARSEKV_ASSIGN_OR_RETURN(host, HostTier::Open(ho));
+  }
   std::unique_ptr<SsdTier> ssd;
   std::string ssd_path;
   if (o.tier == "ssd") {
@@ -247,13 +250,17 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
     SPARSEKV_ASSIGN_OR_RETURN(auto w, SparseWorkingSet::Create(wo));
     ws.push_back(std::move(w));
   }
-  HostEntryFetcher host_fetch(*host, layout, keys);
+  std::unique_ptr<HostEntryFetcher> host_fetch;
   std::unique_ptr<SsdEntryFetcher> ssd_fetch;
-  if (ssd) ssd_fetch = std::make_unique<SsdEntryFetcher>(*ssd, layout, keys);
+  if (ssd) {
+    ssd_fetch = std::make_unique<SsdEntryFetcher>(*ssd, layout, keys);
+  } else {
+    host_fetch = std::make_unique<HostEntryFetcher>(*host, layout, keys);
+  }
   auto fetch = [&](uint32_t l, std::span<const SparseWorkingSet::Miss> m, SparseWorkingSet& w) {
-    return ssd_fetch ? ssd_fetch->Fetch(l, m, w) : host_fetch.Fetch(l, m, w);
+    return ssd_fetch ? ssd_fetch->Fetch(l, m, w) : host_fetch->Fetch(l, m, w);
   };
-  auto fetched = [&] { return ssd_fetch ? ssd_fetch->bytes_fetched() : host_fetch.bytes_fetched(); };
+  auto fetched = [&] { return ssd_fetch ? ssd_fetch->bytes_fetched() : host_fetch->bytes_fetched(); };
 
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<std::vector<float>> qi(L, std::vector<float>(uint64_t{idx_heads} * key_dims));

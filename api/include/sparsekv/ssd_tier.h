@@ -116,8 +116,9 @@ class SsdTier : public Tier {
   // its I/O threads (the caller waits): what an entry-granular reader needs, where a record is
   // far larger than what it wants of it. Nothing is checked here; the caller checks what it
   // reads (sparse records carry a checksum per entry). A record's space is not reused while
-  // its sectors are read. One status per read: NotFound (no such record), InvalidArgument (a
-  // sector past the record, an unaligned buffer), IOError.
+  // its sectors are read. Must not be called from the tier's own I/O threads (from a
+  // callback of its async calls), which it waits for. One status per read: NotFound (no such
+  // record), InvalidArgument (a sector past the record, an unaligned buffer), IOError.
   virtual std::vector<Status> ReadSectors(std::span<const SectorRead> reads) = 0;
   // Every key held, in no particular order.
   virtual std::vector<BundleKey> Keys() const = 0;
