@@ -1,9 +1,10 @@
 #include "sparse_decode_bench.h"
 
+#include "bench_util.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -28,15 +29,7 @@
 namespace sparsekv::bench {
 namespace {
 
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+double Median(std::vector<double> v) { return RateSamples{std::move(v)}.Median(); }
 
 struct FreeDeleter {
   void operator()(std::byte* p) const { std::free(p); }
@@ -335,9 +328,9 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
     double t_idx = 0, t_fetch = 0, t_ws = 0, t_res = 0;
     for (uint32_t l = 0; l < L; ++l) {
       Drift(qi[l], drift, rng);
-      double t0 = Now();
+      double t0 = NowSeconds();
       SPARSEKV_RETURN_IF_ERROR(select(l, logical));
-      t_idx += Now() - t0;
+      t_idx += NowSeconds() - t0;
       if (!last[l].empty() && step > 0) {
         overlap_sum += Overlap(last[l], logical);
         ++overlap_n;
@@ -358,7 +351,7 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
         mb.extra = w;
       }
       auto run_resident = [&]() -> Status {
-        const double t = Now();
+        const double t = NowSeconds();
         for (uint32_t i = 0; i < top_k; ++i) {
           resident[i] = logical[i] < 0 ? -1 : PhysicalIndex(table, E, static_cast<uint64_t>(logical[i]));
         }
@@ -367,21 +360,21 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
         mb.main.indices = resident.data();
         mb.main.top_k = top_k;
         Status st = mla->Run(mb, {out_a.data(), lse_a.data()});
-        t_res += Now() - t;
+        t_res += NowSeconds() - t;
         return st;
       };
       auto run_sparse = [&]() -> Status {
-        double t = Now();
+        double t = NowSeconds();
         SPARSEKV_RETURN_IF_ERROR(ws[l]->Map(logical, physical, &misses));
         SPARSEKV_RETURN_IF_ERROR(fetch(l, misses, *ws[l]));
-        t_fetch += Now() - t;
-        t = Now();
+        t_fetch += NowSeconds() - t;
+        t = NowSeconds();
         mb.main = SparseMlaSource{};
         mb.main.view = ws[l]->view();
         mb.main.indices = physical.data();
         mb.main.top_k = top_k;
         Status st = mla->Run(mb, {out_b.data(), lse_b.data()});
-        t_ws += Now() - t;
+        t_ws += NowSeconds() - t;
         return st;
       };
       // Alternate which goes first, so that neither always finds the query in the cache.
@@ -422,7 +415,7 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
   if (!dest) return Status::ResourceExhausted("bench sparse-decode: no memory for the restore");
   std::vector<double> restore;
   for (int r = 0; r < 3; ++r) {
-    const double t = Now();
+    const double t = NowSeconds();
     std::vector<Result<BundlePtr>> batch;
     for (uint32_t b = 0; b < blocks; ++b) {
       if (ssd && b % 128 == 0) {
@@ -434,7 +427,7 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
       SPARSEKV_RETURN_IF_ERROR(
           UnpackSparseRecord(layout, keys[b], rec->segment(1), {dest.get() + uint64_t{b} * block_stride, block_stride}));
     }
-    restore.push_back(Now() - t);
+    restore.push_back(NowSeconds() - t);
   }
 
   // L1 bytes per token of context, per layer: the resident layout keeps the sparse cache's

@@ -255,7 +255,6 @@ void SparseWorkingSet::Release(uint32_t s) {
   slot_of_[entry_of_[s]] = -1;
   entry_of_[s] = kFree;
   free_.push_back(s);
-  --held_;
 }
 
 Status SparseWorkingSet::Map(std::span<const int32_t> logical, std::span<int32_t> physical,
@@ -321,7 +320,6 @@ Status SparseWorkingSet::Map(std::span<const int32_t> logical, std::span<int32_t
       slot_of_[static_cast<uint64_t>(e)] = s;
       entry_of_[slot] = static_cast<uint64_t>(e);
       stamp_[slot] = call_;
-      ++held_;
       PushFront(slot);
       misses->push_back({static_cast<uint64_t>(e), slot});
     }

@@ -908,20 +908,28 @@ class Session : public std::enable_shared_from_this<Session> {
       if (StepPayload() && HandleFrame()) asio::post(strand_, [self = shared_from_this()] { self->ReadHeader(); });
       return false;
     }
-    reading_ = true;
-    socket_.async_read_some(asio::buffer(rbuf_.data() + rend_, chunk),
-                            asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec,
-                                                                                     size_t k) {
-                              self->reading_ = false;
-                              if (ec) {
-                                self->closing_ = true;
-                                return self->MaybeClose();
-                              }
-                              self->rend_ += k;
-                              self->ChargeReadBuffer();
-                              if (self->StepDirect() && self->HandleDirect()) self->ReadHeader();
-                            }));
+    ReadPayload(asio::buffer(rbuf_.data() + rend_, chunk), [](Session& s, size_t k) {
+      s.rend_ += k;
+      s.ChargeReadBuffer();
+      if (s.StepDirect() && s.HandleDirect()) s.ReadHeader();
+    });
     return false;
+  }
+
+  // Reads some of a frame's payload into `into`; then `arrived(session, bytes)` on the strand,
+  // or the connection closes when the read fails.
+  template <typename Arrived>
+  void ReadPayload(asio::mutable_buffer into, Arrived arrived) {
+    reading_ = true;
+    socket_.async_read_some(
+        into, asio::bind_executor(strand_, [self = shared_from_this(), arrived](boost::system::error_code ec, size_t k) {
+          self->reading_ = false;
+          if (ec) {
+            self->closing_ = true;
+            return self->MaybeClose();
+          }
+          arrived(*self, k);
+        }));
   }
 
   // Handles the direct PUT at rbuf_'s front. When the store cannot take it from this thread
@@ -941,17 +949,14 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     if (stored) {
       srv_.metrics_.BytesIn(wire::kHeaderBytes + p.size());
-      ChargeReadBuffer();
       return true;
     }
     if (!payload_.Reserve(p.size(), Charge(&srv_.budget_, account_))) {
-      ChargeReadBuffer();
       return FailFrame(header_.request_id, Status::ResourceExhausted(fmt::format(
                                                "no address space for a {}-byte payload", p.size())));
     }
     payload_.charge().Add(p.size());
     std::memcpy(payload_.data(), p.data(), p.size());
-    ChargeReadBuffer();
     return HandleFrame();
   }
 
@@ -982,20 +987,12 @@ class Session : public std::enable_shared_from_this<Session> {
       Park(Resume::kPayload, chunk);
       return false;
     }
-    reading_ = true;
-    socket_.async_read_some(asio::buffer(payload_.data() + got_, chunk),
-                            asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec,
-                                                                                     size_t k) {
-                              self->reading_ = false;
-                              if (ec) {
-                                self->closing_ = true;
-                                return self->MaybeClose();
-                              }
-                              self->payload_.charge().Add(k);  // what arrived, no more
-                              self->got_ += k;
-                              self->payload_.AdviseHugePages(self->got_);
-                              if (self->StepPayload() && self->HandleFrame()) self->ReadHeader();
-                            }));
+    ReadPayload(asio::buffer(payload_.data() + got_, chunk), [](Session& s, size_t k) {
+      s.payload_.charge().Add(k);  // what arrived, no more
+      s.got_ += k;
+      s.payload_.AdviseHugePages(s.got_);
+      if (s.StepPayload() && s.HandleFrame()) s.ReadHeader();
+    });
     return false;
   }
 

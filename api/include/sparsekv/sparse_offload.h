@@ -157,7 +157,7 @@ class SparseWorkingSet {
   PagedCacheView view() const;
   uint32_t page_entries() const { return page_entries_; }
   uint32_t capacity() const { return capacity_; }
-  uint64_t held() const { return held_; }
+  uint64_t held() const { return capacity_ - free_.size(); }
   // Counts over every Map call: entries named that were held, and that were not.
   uint64_t hits() const { return hits_; }
   uint64_t misses() const { return misses_; }
@@ -185,7 +185,7 @@ class SparseWorkingSet {
   std::vector<uint64_t> stamp_;        // the Map call that last named the slot
   std::vector<uint32_t> free_;
   uint64_t call_ = 0;
-  uint64_t held_ = 0, hits_ = 0, misses_ = 0;
+  uint64_t hits_ = 0, misses_ = 0;
 };
 
 // Fetches entries of a sequence's sparse records from the host tier into a working set. The
