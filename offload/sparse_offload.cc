@@ -527,4 +527,114 @@ Status SsdEntryFetcher::Fetch(uint32_t layer, std::span<const SparseWorkingSet::
   return st;
 }
 
+// ---------------------------------------------------------------------------------------------
+
+BundleKey SparseValueKey(const WireBlockHash& hash) {
+  BundleKey key;
+  std::memcpy(&key.hash.lo, hash.data(), 8);
+  std::memcpy(&key.hash.hi, hash.data() + 8, 8);
+  return key;
+}
+
+Result<std::vector<std::byte>> MakeSparseValue(const SparseRecordLayout& layout, const WireBlockHash& hash,
+                                               std::span<const std::byte> pages) {
+  SPARSEKV_RETURN_IF_ERROR(layout.Validate());
+  std::vector<std::byte> value(kSparseValuePadBytes + layout.sectors_bytes());
+  SPARSEKV_RETURN_IF_ERROR(PackSparseRecord(layout, SparseValueKey(hash), pages,
+                                            std::span(value).subspan(kSparseValuePadBytes)));
+  return value;
+}
+
+DaemonEntryFetcher::DaemonEntryFetcher(Client& client, SparseRecordLayout layout, std::vector<WireBlockHash> blocks)
+    : client_(client), layout_(layout), blocks_(std::move(blocks)) {}
+
+Status DaemonEntryFetcher::Fetch(uint32_t layer, std::span<const SparseWorkingSet::Miss> misses,
+                                 SparseWorkingSet& ws) {
+  if (misses.empty()) return Status::OK();
+  const PagedCacheView wv = ws.view();
+  Status st = CheckFetch(layout_, wv, layer, "daemon entry fetch");
+  if (!st.ok()) {
+    ws.Forget(misses);
+    return st;
+  }
+  std::vector<SparseWorkingSet::Miss> sorted(misses.begin(), misses.end());
+  std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.entry < b.entry; });
+  std::vector<SparseWorkingSet::Miss> failed;
+  // One item per block, two ranges per entry: the entry, then its checksum.
+  std::vector<RangesRequest> items;
+  std::vector<std::pair<size_t, size_t>> groups;  // [begin, end) of `sorted` per item
+  const uint32_t entry_bytes = layout_.entry_bytes();
+  size_t i = 0;
+  while (i < sorted.size()) {
+    const uint64_t block = sorted[i].entry / layout_.entries;
+    size_t end = i;
+    while (end < sorted.size() && sorted[end].entry / layout_.entries == block) ++end;
+    if (block >= blocks_.size()) {
+      if (st.ok()) {
+        st = Status::InvalidArgument(fmt::format("daemon entry fetch: entry {} lies past the sequence's {} blocks",
+                                                 sorted[i].entry, blocks_.size()));
+      }
+      failed.insert(failed.end(), sorted.begin() + i, sorted.begin() + end);
+      i = end;
+      continue;
+    }
+    RangesRequest req;
+    req.hash = blocks_[block];
+    for (size_t k = i; k < end; ++k) {
+      const SparseRecordLayout::Place at = layout_.Locate(layer, static_cast<uint32_t>(sorted[k].entry % layout_.entries));
+      const uint64_t sector = kSparseValuePadBytes + at.sector;
+      req.ranges.push_back({sector + at.data, entry_bytes});
+      req.ranges.push_back({sector + at.checksum, 8});
+      bytes_requested_ += entry_bytes + 8;
+    }
+    items.push_back(std::move(req));
+    groups.emplace_back(i, end);
+    i = end;
+  }
+  if (!items.empty()) {
+    ++requests_;
+    Result<std::vector<GetResult>> got = client_.GetRanges(items);
+    if (!got.ok()) {
+      ws.Forget(misses);
+      return got.status().WithContext("daemon entry fetch");
+    }
+    // An entry is checked where the record would hold it: its bytes and checksum put back at
+    // their offsets in a sector.
+    alignas(64) std::byte sector[kSparseSectorBytes];
+    for (size_t k = 0; k < items.size(); ++k) {
+      const auto [begin, end] = groups[k];
+      const GetResult& r = (*got)[k];
+      const BundleKey key = SparseValueKey(items[k].hash);
+      if (!r.status.ok()) {
+        if (st.ok()) st = r.status.WithContext(fmt::format("daemon entry fetch: block {}", sorted[begin].entry / layout_.entries));
+        failed.insert(failed.end(), sorted.begin() + begin, sorted.begin() + end);
+        continue;
+      }
+      const std::byte* p = r.bytes.data();
+      for (size_t e = begin; e < end; ++e, p += entry_bytes + 8) {
+        const SparseWorkingSet::Miss& m = sorted[e];
+        const uint32_t slot = static_cast<uint32_t>(m.entry % layout_.entries);
+        const SparseRecordLayout::Place at = layout_.Locate(layer, slot);
+        std::memcpy(sector + at.data, p, entry_bytes);
+        std::memcpy(sector + at.checksum, p + entry_bytes, 8);
+        if (!SparseEntryMatches(layout_, key, layer, slot, sector, at)) {
+          if (st.ok()) {
+            st = Status::Corruption(fmt::format(
+                "daemon entry fetch: entry {} (layer {}, slot {}) of block {} does not match its checksum", m.entry,
+                layer, slot, m.entry / layout_.entries));
+          }
+          failed.push_back(m);
+          continue;
+        }
+        PackedToPage(sector + at.data,
+                     EntryByteRanges(layout_.format, layout_.dims, wv.block_entries, ws.SlotInPage(m.slot)),
+                     ws.SlotPage(m.slot));
+        bytes_fetched_ += entry_bytes;
+      }
+    }
+  }
+  ws.Forget(failed);
+  return st;
+}
+
 }  // namespace sparsekv

@@ -230,10 +230,11 @@ class SsdTierImpl final : public SsdTier {
     return loc;
   }
 
-  std::vector<Status> ReadSectors(std::span<const SectorRead> reads) override {
+  std::vector<Status> ReadSectors(std::span<const SectorRead> reads, std::vector<SectorRecord>* records) override {
     std::promise<std::vector<Status>> done;
     auto result = done.get_future();
-    workers_->Submit([this, reads, &done](size_t w) { done.set_value(DoReadSectors(*queues_[w], reads)); });
+    workers_->Submit(
+        [this, reads, records, &done](size_t w) { done.set_value(DoReadSectors(*queues_[w], reads, records)); });
     return result.get();
   }
 
@@ -283,7 +284,8 @@ class SsdTierImpl final : public SsdTier {
   // index entries in one RocksDB batch, publishes them in order, then acknowledges.
   void CommitLoop() SPARSEKV_EXCLUDES(mu_, index_mu_, commit_mu_);
   void Commit(std::vector<PendingPut>& group) SPARSEKV_EXCLUDES(mu_, index_mu_);
-  std::vector<Status> DoReadSectors(UringQueue& q, std::span<const SectorRead> reads);
+  std::vector<Status> DoReadSectors(UringQueue& q, std::span<const SectorRead> reads,
+                                    std::vector<SectorRecord>* records);
   std::vector<Result<BundlePtr>> DoGet(UringQueue& q, const std::vector<BundleKey>& keys)
       SPARSEKV_EXCLUDES(mu_, index_mu_);
   // Removes the entries of `keys` (only where they still lie at `only_at[i]`, only if their
@@ -895,8 +897,10 @@ void SsdTierImpl::Commit(std::vector<PendingPut>& group) {
   }
 }
 
-std::vector<Status> SsdTierImpl::DoReadSectors(UringQueue& q, std::span<const SectorRead> reads) {
+std::vector<Status> SsdTierImpl::DoReadSectors(UringQueue& q, std::span<const SectorRead> reads,
+                                               std::vector<SectorRecord>* records) {
   std::vector<Status> out(reads.size());
+  if (records != nullptr) records->assign(reads.size(), SectorRecord{});
   std::vector<uint64_t> at(reads.size(), 0);  // file offset of each read, 0: not read
   std::unordered_set<uint64_t> pinned;  // extents, each pinned once
   {
@@ -909,6 +913,7 @@ std::vector<Status> SsdTierImpl::DoReadSectors(UringQueue& q, std::span<const Se
         out[i] = Status::NotFound("ssd tier: no bundle " + r.key.ToString());
         continue;
       }
+      if (records != nullptr) (*records)[i] = {e->second.record_bytes, e->second.sequence};
       if (r.sector % kUnit != 0 || r.sector >= UnitsOf(e->second.record_bytes) * kUnit ||
           reinterpret_cast<uintptr_t>(r.out) % kUnit != 0) {
         out[i] = Status::InvalidArgument(fmt::format(

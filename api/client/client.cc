@@ -1114,6 +1114,67 @@ Result<std::vector<GetResult>> Client::Get(std::span<const WireBlockHash> hashes
   return impl_->GetSocket(hashes);
 }
 
+Result<std::vector<GetResult>> Client::GetRanges(std::span<const RangesRequest> items) {
+  std::vector<GetResult> out(items.size());
+  const uint64_t max_reply = max_payload_bytes();
+  size_t next = 0;
+  while (next < items.size()) {
+    // One request: as many items as keep the reply within the maximum payload.
+    w::GetRangesRequest req;
+    std::vector<size_t> index;
+    uint64_t bound = 4, ranges = 0;
+    for (; next < items.size(); ++next) {
+      const RangesRequest& it = items[next];
+      uint64_t bytes = 0;
+      bool empty_range = it.ranges.empty();
+      for (const ValueRange& r : it.ranges) {
+        bytes += r.bytes;
+        empty_range |= r.bytes == 0;
+      }
+      const uint64_t cost = 5 + std::max<uint64_t>(bytes, w::kMaxRangesMessageBytes);
+      if (empty_range || 4 + cost > max_reply || it.ranges.size() > w::kMaxRangesPerRequest) {
+        out[next].status = Status::InvalidArgument(
+            empty_range ? "GET_RANGES: an item with no range or a range of 0 bytes"
+                        : fmt::format("GET_RANGES: {} bytes in {} ranges of one value exceed one reply of {} bytes",
+                                      bytes, it.ranges.size(), max_reply));
+        continue;
+      }
+      if (!req.items.empty() && (bound + cost > max_reply || ranges + it.ranges.size() > w::kMaxRangesPerRequest ||
+                                 req.items.size() == w::kMaxBatchItems)) {
+        break;
+      }
+      bound += cost;
+      ranges += it.ranges.size();
+      w::RangeItem ri;
+      ri.hash = it.hash;
+      ri.ranges.reserve(it.ranges.size());
+      for (const ValueRange& r : it.ranges) ri.ranges.push_back({r.offset, r.bytes});
+      req.items.push_back(std::move(ri));
+      index.push_back(next);
+    }
+    if (req.items.empty()) continue;
+    auto f = impl_->Call(w::Opcode::kGetRanges, w::Encode(req));
+    if (!f.ok()) return f.status();
+    SPARSEKV_ASSIGN_OR_RETURN(w::GetRangesReply r, w::DecodeGetRangesReply(f->payload));
+    if (r.items.size() != req.items.size()) {
+      return Status::Internal(fmt::format("sparsekvd answered {} items for {}", r.items.size(), req.items.size()));
+    }
+    for (size_t k = 0; k < r.items.size(); ++k) {
+      GetResult& g = out[index[k]];
+      g.status = FromItem(r.items[k].status);
+      if (!g.status.ok()) continue;
+      uint64_t want = 0;
+      for (const w::ByteRange& br : req.items[k].ranges) want += br.bytes;
+      if (r.items[k].bytes.size() != want) {
+        return Status::Internal(
+            fmt::format("sparsekvd answered {} bytes for ranges of {}", r.items[k].bytes.size(), want));
+      }
+      g.bytes.assign(r.items[k].bytes.begin(), r.items[k].bytes.end());
+    }
+  }
+  return out;
+}
+
 Result<std::vector<Status>> Client::Pin(std::span<const WireBlockHash> hashes, uint8_t priority) {
   w::PinRequest req{{hashes.begin(), hashes.end()}, priority};
   return Impl::ParseStatusList(impl_->Call(w::Opcode::kPin, w::Encode(req)), hashes.size());

@@ -109,6 +109,7 @@ std::string_view OpcodeName(Opcode op) {
     case Opcode::kShmGet: return "SHM_GET";
     case Opcode::kShmRelease: return "SHM_RELEASE";
     case Opcode::kPing: return "PING";
+    case Opcode::kGetRanges: return "GET_RANGES";
   }
   return "UNKNOWN";
 }
@@ -523,6 +524,82 @@ Result<ShmGetReply> DecodeShmGetReply(std::span<const std::byte> p) {
     }
   }
   SPARSEKV_RETURN_IF_ERROR(r.Finish("SHM_GET reply"));
+  return m;
+}
+
+uint64_t GetRangesReplyBound(const GetRangesRequest& m) {
+  uint64_t bound = 4;
+  for (const RangeItem& it : m.items) {
+    uint64_t bytes = 0;
+    for (const ByteRange& r : it.ranges) bytes += r.bytes;
+    bound += 5 + std::max<uint64_t>(bytes, kMaxRangesMessageBytes);
+  }
+  return bound;
+}
+
+std::vector<std::byte> Encode(const GetRangesRequest& m) {
+  PayloadWriter w;
+  WriteList(w, m.items, [](PayloadWriter& o, const RangeItem& it) {
+    o.Bytes(it.hash);
+    o.U32(static_cast<uint32_t>(it.ranges.size()));
+    for (const ByteRange& r : it.ranges) {
+      o.U64(r.offset);
+      o.U32(r.bytes);
+    }
+  });
+  return w.Take();
+}
+
+Result<GetRangesRequest> DecodeGetRangesRequest(std::span<const std::byte> p, uint32_t max_reply_bytes) {
+  PayloadReader r(p);
+  GetRangesRequest m;
+  uint64_t ranges = 0;
+  SPARSEKV_RETURN_IF_ERROR(ReadList(r, "GET_RANGES item count", 20, m.items, [&](RangeItem& it) -> Status {
+    SPARSEKV_ASSIGN_OR_RETURN(auto h, r.Bytes(16, "GET_RANGES hash"));
+    std::memcpy(it.hash.data(), h.data(), 16);
+    SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count("GET_RANGES range count", kMaxRangesPerRequest, 12));
+    if (n == 0) return Bad("a GET_RANGES item names no range");
+    ranges += n;
+    if (ranges > kMaxRangesPerRequest) {
+      return Bad(fmt::format("GET_RANGES names more than {} ranges", kMaxRangesPerRequest));
+    }
+    it.ranges.resize(n);
+    for (ByteRange& br : it.ranges) {
+      SPARSEKV_ASSIGN_OR_RETURN(br.offset, r.U64("GET_RANGES range offset"));
+      SPARSEKV_ASSIGN_OR_RETURN(br.bytes, r.U32("GET_RANGES range bytes"));
+      if (br.bytes == 0) return Bad("a GET_RANGES range of 0 bytes");
+      if (br.offset > UINT64_MAX - br.bytes) return Bad("a GET_RANGES range reaches past 2^64");
+    }
+    return Status::OK();
+  }));
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("GET_RANGES"));
+  const uint64_t bound = GetRangesReplyBound(m);
+  if (bound > max_reply_bytes) {
+    return Bad(fmt::format("GET_RANGES asks for a reply of up to {} bytes; the most is {}", bound, max_reply_bytes));
+  }
+  return m;
+}
+
+std::vector<std::byte> Encode(const GetRangesReply& m) {
+  PayloadWriter w;
+  WriteList(w, m.items, [](PayloadWriter& o, const RangesItem& it) {
+    WriteItemStatus(o, it.status);
+    if (it.status.code == StatusCode::kOk) o.Blob(it.bytes);
+  });
+  return w.Take();
+}
+
+Result<GetRangesReply> DecodeGetRangesReply(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  GetRangesReply m;
+  SPARSEKV_RETURN_IF_ERROR(ReadList(r, "GET_RANGES item count", 2, m.items, [&](RangesItem& it) -> Status {
+    SPARSEKV_ASSIGN_OR_RETURN(it.status, ReadItemStatus(r));
+    if (it.status.code == StatusCode::kOk) {
+      SPARSEKV_ASSIGN_OR_RETURN(it.bytes, r.Blob("GET_RANGES bytes", kMaxPayloadBytes));
+    }
+    return Status::OK();
+  }));
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("GET_RANGES reply"));
   return m;
 }
 

@@ -45,8 +45,9 @@ enum class Opcode : uint16_t {
   kShmGet = 13,     // shared-memory path: bundles copied into the staging area, offsets returned
   kShmRelease = 14, // reserved; answered OK per item
   kPing = 15,
+  kGetRanges = 16,  // chosen byte ranges of stored values (entry-granular reads)
 };
-inline constexpr uint16_t kMaxOpcode = 15;
+inline constexpr uint16_t kMaxOpcode = 16;
 std::string_view OpcodeName(Opcode op);
 
 // Header flags.
@@ -221,6 +222,33 @@ struct ShmGetReply {
   std::vector<ShmSlot> slots;  // one per OK item, in order
 };
 
+// GET_RANGES: byte ranges of one stored value, read without reading the rest of it.
+struct ByteRange {
+  uint64_t offset = 0;  // into the value (the bytes a PUT stored)
+  uint32_t bytes = 0;   // at least 1
+};
+struct RangeItem {
+  WireHash hash{};
+  std::vector<ByteRange> ranges;
+};
+struct GetRangesRequest {
+  std::vector<RangeItem> items;
+};
+// Ranges of all items of one request together, at most.
+inline constexpr uint32_t kMaxRangesPerRequest = 65536;
+// An item's error message in a GET_RANGES reply is cut to this many bytes, so that the reply's
+// size is bounded by the request (GetRangesReplyBound).
+inline constexpr uint32_t kMaxRangesMessageBytes = 256;
+struct RangesItem {
+  ItemStatus status;
+  std::span<const std::byte> bytes;  // the ranges' bytes back to back, in order; empty unless OK
+};
+struct GetRangesReply {
+  std::vector<RangesItem> items;
+};
+// The largest reply `m` can get: 4 + per item 5 + max(its ranges' bytes, kMaxRangesMessageBytes).
+uint64_t GetRangesReplyBound(const GetRangesRequest& m);
+
 struct ErrorReply {
   StatusCode code = StatusCode::kInternal;
   std::string message;
@@ -249,6 +277,8 @@ std::vector<std::byte> Encode(const StatusListReply& m);
 std::vector<std::byte> Encode(const GetReply& m);
 std::vector<std::byte> Encode(const ShmPutRequest& m);
 std::vector<std::byte> Encode(const ShmGetReply& m);
+std::vector<std::byte> Encode(const GetRangesRequest& m);
+std::vector<std::byte> Encode(const GetRangesReply& m);
 std::vector<std::byte> Encode(const ErrorReply& m);
 std::vector<std::byte> Encode(const EventBatch& m);
 
@@ -263,6 +293,11 @@ Result<StatusListReply> DecodeStatusListReply(std::span<const std::byte> p);
 Result<GetReply> DecodeGetReply(std::span<const std::byte> p, uint32_t max_bundle_bytes);
 Result<ShmPutRequest> DecodeShmPutRequest(std::span<const std::byte> p);
 Result<ShmGetReply> DecodeShmGetReply(std::span<const std::byte> p);
+// Errors: as for every list, plus more than kMaxRangesPerRequest ranges in all, an item of no
+// ranges, a range of 0 bytes or reaching past 2^64, a reply that could exceed
+// `max_reply_bytes` (GetRangesReplyBound).
+Result<GetRangesRequest> DecodeGetRangesRequest(std::span<const std::byte> p, uint32_t max_reply_bytes);
+Result<GetRangesReply> DecodeGetRangesReply(std::span<const std::byte> p);
 Result<ErrorReply> DecodeErrorReply(std::span<const std::byte> p);
 Result<EventBatch> DecodeEventBatch(std::span<const std::byte> p);
 

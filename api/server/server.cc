@@ -1162,6 +1162,7 @@ class Session : public std::enable_shared_from_this<Session> {
       case wire::Opcode::kDelete:
       case wire::Opcode::kShmRelease: return wire::DecodeHashList(p).status();
       case wire::Opcode::kPin: return wire::DecodePinRequest(p).status();
+      case wire::Opcode::kGetRanges: return wire::DecodeGetRangesRequest(p, srv_.options_.max_frame_bytes).status();
       case wire::Opcode::kStats:
       case wire::Opcode::kSubscribe:
         return p.empty() ? Status::OK()
@@ -1446,6 +1447,7 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       case wire::Opcode::kShmPut: return HandleShmPut(p);
       case wire::Opcode::kShmGet: return HandleShmGet(p);
+      case wire::Opcode::kGetRanges: return HandleGetRanges(p);
       case wire::Opcode::kShmRelease: {
         SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
         return wire::Encode(wire::StatusListReply{std::vector<wire::ItemStatus>(req.hashes.size())});
@@ -1836,6 +1838,26 @@ class Session : public std::enable_shared_from_this<Session> {
       srv_.EndAsyncCall();
     }
     return taken;
+  }
+
+  Result<Reply> HandleGetRanges(std::span<const std::byte> p) {
+    SPARSEKV_ASSIGN_OR_RETURN(wire::GetRangesRequest req,
+                              wire::DecodeGetRangesRequest(p, srv_.options_.max_frame_bytes));
+    // Written as the store answers: u32 count, then per item its status and, when OK, a blob.
+    wire::PayloadWriter w;
+    w.Reserve(wire::GetRangesReplyBound(req));
+    w.U32(static_cast<uint32_t>(req.items.size()));
+    srv_.store_->GetRanges(ns_, req.items, [&](size_t, const Status& st, std::span<const std::byte> bytes) {
+      if (st.ok()) {
+        w.U8(0);
+        w.Blob(bytes);
+        return;
+      }
+      w.U8(static_cast<uint8_t>(st.code()));
+      const std::string_view msg = st.message();
+      w.String(msg.substr(0, wire::kMaxRangesMessageBytes));
+    });
+    return w.Take();
   }
 
   Result<Reply> HandleShmGet(std::span<const std::byte> p) {

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "sparsekv/host_tier.h"
+#include "sparsekv/ssd_tier.h"
 
 namespace sparsekv::server {
 namespace {
@@ -18,7 +19,57 @@ wire::ItemStatus ToItem(const Status& st) {
   return st.ok() ? wire::ItemStatus{} : wire::ItemStatus{st.code(), std::string(st.message())};
 }
 
+// Whether every range lies inside a value of `value_bytes`; InvalidArgument naming the first
+// that does not.
+Status CheckRanges(std::span<const wire::ByteRange> ranges, uint64_t value_bytes) {
+  for (const wire::ByteRange& r : ranges) {
+    if (r.offset > value_bytes || r.bytes > value_bytes - r.offset) {
+      return Status::InvalidArgument(
+          fmt::format("range of {} bytes at {} reaches past the value's {} bytes", r.bytes, r.offset, value_bytes));
+    }
+  }
+  return Status::OK();
+}
+
+uint64_t RangesBytes(std::span<const wire::ByteRange> ranges) {
+  uint64_t n = 0;
+  for (const wire::ByteRange& r : ranges) n += r.bytes;
+  return n;
+}
+
+// The ranges of `value`, back to back, into `out`.
+Status GatherRanges(std::span<const std::byte> value, std::span<const wire::ByteRange> ranges,
+                    std::vector<std::byte>& out) {
+  SPARSEKV_RETURN_IF_ERROR(CheckRanges(ranges, value.size()));
+  out.resize(RangesBytes(ranges));
+  std::byte* p = out.data();
+  for (const wire::ByteRange& r : ranges) {
+    std::memcpy(p, value.data() + r.offset, r.bytes);
+    p += r.bytes;
+  }
+  return Status::OK();
+}
+
+// Where a daemon value starts in its record: one segment after the header.
+constexpr uint64_t kValueInRecord = BundleHeaderBytes(1);
+constexpr uint64_t kSector = 4096;
+// No value is this large (a frame holds at most 64 MiB): a range past it is refused unread.
+constexpr uint64_t kBeyondAnyValue = 1ull << 40;
+// Sectors one item may read from the SSD tier, and a request hold at a time.
+constexpr uint64_t kMaxRangeSectors = 256;
+
 }  // namespace
+
+void DaemonStore::GetRanges(uint32_t ns, std::span<const wire::RangeItem> items, const RangesSink& sink) {
+  std::vector<wire::WireHash> hashes;
+  hashes.reserve(items.size());
+  for (const wire::RangeItem& it : items) hashes.push_back(it.hash);
+  std::vector<std::byte> out;
+  Get(ns, hashes, [&](size_t i, const Status& st, std::span<const std::byte> bytes, const Keep&) {
+    Status g = st.ok() ? GatherRanges(bytes, items[i].ranges, out) : st;
+    sink(i, g, g.ok() ? std::span<const std::byte>(out) : std::span<const std::byte>{});
+  });
+}
 
 BlockHash FromWire(const wire::WireHash& h) {
   BlockHash b;
@@ -251,6 +302,167 @@ Status TieredStore::Recheck(uint32_t ns, const wire::WireHash& hash, const Keep&
     Emit(ns, wire::EventRecord{2, 0, {hash}});
   }
   return st;
+}
+
+void TieredStore::GetRanges(uint32_t ns, std::span<const wire::RangeItem> items, const RangesSink& sink) {
+  const size_t n = items.size();
+  struct Item {
+    bool done = false;
+    Status st;
+    std::vector<std::byte> bytes;
+  };
+  std::vector<Item> out(n);
+  std::vector<BundleKey> keys(n);
+  for (size_t i = 0; i < n; ++i) keys[i] = {ns, FromWire(items[i].hash)};
+  // Pinned blocks, then the host tier, in place (not checked whole: see DaemonStore).
+  {
+    MutexLock l(mu_);
+    for (size_t i = 0; i < n; ++i) {
+      auto it = pinned_.find(keys[i]);
+      if (it == pinned_.end()) continue;
+      out[i].st = GatherRanges(it->second.bundle->segment(0), items[i].ranges, out[i].bytes);
+      out[i].done = true;
+    }
+  }
+  HostTier* host = nullptr;
+  SsdTier* ssd = nullptr;
+  for (size_t t = 0; t < chain_->tier_count(); ++t) {
+    if (host == nullptr && t == 0) host = dynamic_cast<HostTier*>(&chain_->tier(t));
+    if (ssd == nullptr) ssd = dynamic_cast<SsdTier*>(&chain_->tier(t));
+  }
+  if (host != nullptr) {
+    for (size_t i = 0; i < n; ++i) {
+      if (out[i].done) continue;
+      Result<BundlePtr> b = host->GetPinned(keys[i], /*check=*/false);
+      if (!b.ok() || chain_->IsStale(keys[i], (*b)->sequence())) continue;
+      out[i].st = GatherRanges((*b)->segment(0), items[i].ranges, out[i].bytes);
+      out[i].done = true;
+    }
+  }
+  // The SSD tier: the sectors each item's ranges lie in, read in batches of at most
+  // kMaxRangeSectors; an item needing more goes to the general path below.
+  if (ssd != nullptr) {
+    struct Want {
+      size_t item;
+      std::vector<uint64_t> sectors;  // record offsets, sorted, distinct
+    };
+    std::vector<Want> wants;
+    for (size_t i = 0; i < n; ++i) {
+      if (out[i].done) continue;
+      Want w{i, {}};
+      for (const wire::ByteRange& r : items[i].ranges) {
+        if (r.offset + r.bytes > kBeyondAnyValue) {
+          out[i].st = CheckRanges(std::span(&r, 1), kBeyondAnyValue);
+          out[i].done = true;
+          break;
+        }
+        const uint64_t first = (kValueInRecord + r.offset) / kSector;
+        const uint64_t last = (kValueInRecord + r.offset + r.bytes - 1) / kSector;
+        for (uint64_t s = first; s <= last && w.sectors.size() <= kMaxRangeSectors; ++s) w.sectors.push_back(s * kSector);
+      }
+      if (out[i].done) continue;
+      std::sort(w.sectors.begin(), w.sectors.end());
+      w.sectors.erase(std::unique(w.sectors.begin(), w.sectors.end()), w.sectors.end());
+      if (w.sectors.size() <= kMaxRangeSectors) wants.push_back(std::move(w));
+    }
+    auto* staging = static_cast<std::byte*>(std::aligned_alloc(kSector, kMaxRangeSectors * kSector));
+    size_t next = 0;
+    while (staging != nullptr && next < wants.size()) {
+      // One batch: as many whole items as fit the staging area.
+      size_t end = next;
+      uint64_t sectors = 0;
+      while (end < wants.size() && sectors + wants[end].sectors.size() <= kMaxRangeSectors) {
+        sectors += wants[end++].sectors.size();
+      }
+      std::vector<SsdTier::SectorRead> reads;
+      reads.reserve(sectors);
+      for (size_t w = next; w < end; ++w) {
+        for (uint64_t s : wants[w].sectors) {
+          reads.push_back({keys[wants[w].item], s, staging + reads.size() * kSector});
+        }
+      }
+      std::vector<SsdTier::SectorRecord> records;
+      const std::vector<Status> got = ssd->ReadSectors(reads, &records);
+      size_t at = 0;
+      for (size_t w = next; w < end; ++w) {
+        const Want& want = wants[w];
+        Item& it = out[want.item];
+        const size_t first = at;
+        at += want.sectors.size();
+        // Every sector from one record, found and read (a PUT may replace it between reads;
+        // then the general path answers).
+        bool found = true, same = true;
+        Status bad;
+        for (size_t k = first; k < at; ++k) {
+          if (got[k].code() == StatusCode::kNotFound) {
+            found = false;
+          } else if (!got[k].ok() && got[k].code() != StatusCode::kInvalidArgument && bad.ok()) {
+            bad = got[k];  // a sector past the record is refused by CheckRanges, by name
+          }
+          if (records[k].sequence != records[first].sequence || records[k].record_bytes != records[first].record_bytes) {
+            same = false;
+          }
+        }
+        if (!found || !same || chain_->IsStale(keys[want.item], records[first].sequence)) continue;
+        it.done = true;
+        const uint64_t record_bytes = records[first].record_bytes;
+        if (record_bytes < kValueInRecord) {
+          it.st = Status::Corruption(fmt::format("a record of {} bytes in the SSD tier", record_bytes));
+          continue;
+        }
+        it.st = CheckRanges(items[want.item].ranges, record_bytes - kValueInRecord);
+        if (it.st.ok() && !bad.ok()) it.st = bad;
+        if (!it.st.ok()) continue;
+        it.bytes.resize(RangesBytes(items[want.item].ranges));
+        std::byte* p = it.bytes.data();
+        for (const wire::ByteRange& r : items[want.item].ranges) {
+          // Copy sector by sector: the range's sectors are in `want.sectors`, staged in order.
+          uint64_t pos = kValueInRecord + r.offset;
+          uint64_t left = r.bytes;
+          while (left > 0) {
+            const uint64_t sector = pos / kSector * kSector;
+            const size_t k = first + (std::lower_bound(want.sectors.begin(), want.sectors.end(), sector) -
+                                      want.sectors.begin());
+            const uint64_t take = std::min(left, sector + kSector - pos);
+            std::memcpy(p, staging + k * kSector + (pos - sector), take);
+            p += take;
+            pos += take;
+            left -= take;
+          }
+        }
+      }
+      next = end;
+    }
+    std::free(staging);
+  }
+  // What is left (another tier, an SSD record replaced meanwhile, an item of many sectors):
+  // the record comes up whole, as for a GET.
+  std::vector<wire::RangeItem> rest;
+  std::vector<size_t> rest_index;
+  for (size_t i = 0; i < n; ++i) {
+    if (out[i].done) continue;
+    rest.push_back(items[i]);
+    rest_index.push_back(i);
+  }
+  uint64_t asked = 0, hits = 0, bytes = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (!out[i].done) continue;
+    ++asked;
+    if (out[i].st.ok()) {
+      ++hits;
+      bytes += out[i].bytes.size();
+    }
+  }
+  if (!rest.empty()) {
+    DaemonStore::GetRanges(ns, rest, [&](size_t k, const Status& st, std::span<const std::byte> b) {
+      Item& it = out[rest_index[k]];
+      it.st = st;
+      it.bytes.assign(b.begin(), b.end());
+    });
+  }
+  CountGets(ns, asked, hits, bytes, 0);  // the general path counts its own items
+  for (size_t i = 0; i < n; ++i) sink(i, out[i].st, out[i].st.ok() ? std::span<const std::byte>(out[i].bytes)
+                                                                     : std::span<const std::byte>{});
 }
 
 DaemonStore::Arena TieredStore::SharedArena() const {

@@ -44,6 +44,11 @@ class TieredStore : public DaemonStore {
   bool TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink,
                              bool check) override;
   Status Recheck(uint32_t ns, const wire::WireHash& hash, const Keep& keep) override;
+  // Pinned blocks and the host tier answer from memory in place; the SSD tier reads the 4 KiB
+  // sectors the ranges lie in (an item needing more than 256 of them reads its whole record,
+  // so one request holds at most 1 MiB of sectors at a time); any other tier hands the record
+  // up, as a GET does.
+  void GetRanges(uint32_t ns, std::span<const wire::RangeItem> items, const RangesSink& sink) override;
   // The host tier's arena when it is memfd-backed (offload.host.backing).
   Arena SharedArena() const override;
   std::vector<wire::ItemStatus> Pin(uint32_t ns, std::span<const wire::WireHash> hashes, uint8_t priority) override;

@@ -240,6 +240,25 @@ TEST_F(DaemonTest, MalformedFramesGetAnErrorAndCloseOnlyTheirConnection) {
     auto hb = wire::EncodeHeader(h);
     corpus.emplace_back(hb.begin(), hb.end());
   }
+  // GET_RANGES: a range of 0 bytes, an item of no ranges, a reply that could exceed the maximum
+  // payload, a range count the payload cannot hold.
+  auto ranges_frame = [&](std::vector<wire::ByteRange> ranges) {
+    wire::GetRangesRequest req;
+    req.items.push_back({H(1), std::move(ranges)});
+    return wire::EncodeFrame(wire::Opcode::kGetRanges, 0, 2, wire::Encode(req));
+  };
+  corpus.push_back(ranges_frame({{0, 16}, {100, 0}}));
+  corpus.push_back(ranges_frame({}));
+  corpus.push_back(ranges_frame({{0, 0xffffffffu}}));
+  {
+    wire::PayloadWriter w;
+    w.U32(1);
+    w.Bytes(H(1));
+    w.U32(1000000);
+    w.U64(0);
+    w.U32(16);
+    corpus.push_back(wire::EncodeFrame(wire::Opcode::kGetRanges, 0, 2, w.bytes()));
+  }
   corpus.push_back(wire::EncodeFrame(wire::Opcode::kEvent, 0, 2, {}));  // server-only opcode
   corpus.push_back(RawHello("again", false));  // HELLO twice
   for (size_t i = 0; i < corpus.size(); ++i) {
@@ -769,6 +788,94 @@ class DaemonArenaLoadTest : public DaemonTest {
 
 TEST_F(DaemonArenaLoadTest, LoadOf32ClientsWithLentGetsHasNoErrors) { MixedLoad(*this, {{"alpha", "alpha-token"}}); }
 
+// GET_RANGES from memory: each item's ranges in order, the newest version (pinned or not),
+// NotFound for what is absent, deleted or another namespace's, InvalidArgument for a range
+// past the end, and no byte past it.
+TEST_F(DaemonTest, GetRangesReadsPartsOfTheNewestValueAndNothingPastIt) {
+  auto c = Connect("alpha", "alpha-token", /*unix_socket=*/false);
+  auto beta = Connect("beta", "beta-token", /*unix_socket=*/true);
+  ASSERT_TRUE(c && beta);
+  const std::vector<std::byte> v1 = Value(10, 100000);
+  const BundleRef r1{H(1), v1};
+  ASSERT_TRUE(c->Put(std::span<const BundleRef>(&r1, 1)).ok());
+  const std::vector<ValueRange> ranges = {{0, 1}, {99999, 1}, {4000, 5000}, {4000, 10}, {50000, 8}};
+  auto slices = [&](const std::vector<std::byte>& v, const std::vector<ValueRange>& rs) {
+    std::vector<std::byte> out;
+    for (const ValueRange& r : rs) out.insert(out.end(), v.begin() + r.offset, v.begin() + r.offset + r.bytes);
+    return out;
+  };
+  auto got = c->GetRanges(std::vector<RangesRequest>{
+      {H(1), ranges}, {H(2), {{0, 1}}}, {H(1), {{99999, 2}}}, {H(1), {{0, 100000}}}, {H(1), {{1ull << 62, 1}}}});
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  ASSERT_EQ(got->size(), 5u);
+  EXPECT_EQ((*got)[0].bytes, slices(v1, ranges));
+  EXPECT_EQ((*got)[1].status.code(), StatusCode::kNotFound);
+  EXPECT_EQ((*got)[2].status.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT((*got)[2].status.ToString(), HasSubstr("past the value's 100000 bytes"));
+  EXPECT_TRUE((*got)[2].bytes.empty());
+  EXPECT_EQ((*got)[3].bytes, v1);
+  EXPECT_EQ((*got)[4].status.code(), StatusCode::kInvalidArgument);
+  // Another namespace does not see it.
+  auto other = beta->GetRanges(std::vector<RangesRequest>{{H(1), {{0, 1}}}});
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ((*other)[0].status.code(), StatusCode::kNotFound);
+  // A shorter value replaces it: its bytes, and its end.
+  const std::vector<std::byte> v2 = Value(11, 70000);
+  const BundleRef r2{H(1), v2};
+  ASSERT_TRUE(c->Put(std::span<const BundleRef>(&r2, 1)).ok());
+  got = c->GetRanges(std::vector<RangesRequest>{{H(1), {{0, 1}, {69999, 1}}}, {H(1), {{69999, 2}}}});
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ((*got)[0].bytes, slices(v2, {{0, 1}, {69999, 1}}));
+  EXPECT_EQ((*got)[1].status.code(), StatusCode::kInvalidArgument);
+  // Pinned, then overwritten: the pin moves to the new version, which is what is read.
+  ASSERT_TRUE(c->Pin(std::vector<WireBlockHash>{H(1)}, 1).ok());
+  const std::vector<std::byte> v3 = Value(12, 30000);
+  const BundleRef r3{H(1), v3};
+  ASSERT_TRUE(c->Put(std::span<const BundleRef>(&r3, 1)).ok());
+  got = c->GetRanges(std::vector<RangesRequest>{{H(1), {{29000, 1000}}}});
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ((*got)[0].bytes, slices(v3, {{29000, 1000}}));
+  ASSERT_TRUE(c->Unpin(std::vector<WireBlockHash>{H(1)}).ok());
+  // Deleted.
+  ASSERT_TRUE(c->Delete(std::vector<WireBlockHash>{H(1)}).ok());
+  got = c->GetRanges(std::vector<RangesRequest>{{H(1), {{0, 1}}}});
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ((*got)[0].status.code(), StatusCode::kNotFound);
+  // What the client refuses without asking.
+  got = c->GetRanges(std::vector<RangesRequest>{{H(1), {}}, {H(1), {{0, 0}}}});
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ((*got)[0].status.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*got)[1].status.code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(c->Ping().ok());
+}
+
+// Replies bounded by a small maximum payload: the client splits a large GET_RANGES over several
+// requests and gets every byte; an item whose ranges alone exceed it is refused.
+class DaemonSmallFrameTest : public DaemonTest {
+  void Configure(TieredStoreOptions&, ServerOptions& opts) override { opts.max_frame_bytes = 256 << 10; }
+};
+
+TEST_F(DaemonSmallFrameTest, GetRangesIsSplitWithinTheMaximumPayload) {
+  auto c = Connect("alpha", "alpha-token", /*unix_socket=*/false, /*shm=*/false);
+  ASSERT_NE(c, nullptr);
+  std::vector<std::vector<std::byte>> values;
+  std::vector<RangesRequest> items;
+  for (uint64_t k = 0; k < 6; ++k) {
+    values.push_back(Value(50 + k, 200000));
+    const BundleRef ref{H(k), values.back()};
+    ASSERT_TRUE(c->Put(std::span<const BundleRef>(&ref, 1)).ok());
+    items.push_back({H(k), {{0, 150000}, {150000, 50000}}});
+  }
+  items.push_back({H(0), {{0, 200000}, {0, 100000}}});  // 300,000 bytes: more than one reply
+  auto got = c->GetRanges(items);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  for (uint64_t k = 0; k < 6; ++k) {
+    ASSERT_TRUE((*got)[k].status.ok()) << (*got)[k].status.ToString();
+    EXPECT_EQ((*got)[k].bytes, values[k]) << k;
+  }
+  EXPECT_EQ((*got)[6].status.code(), StatusCode::kInvalidArgument);
+}
+
 class DaemonLimitsTest : public DaemonTest {
  protected:
   void Configure(TieredStoreOptions&, ServerOptions& opts) override {
@@ -980,6 +1087,84 @@ TEST_P(DaemonSsdTest, GracefulStopKeepsWhatOnlyHostMemoryHeld) {
     ASSERT_TRUE((*got)[0].status.ok()) << "key " << k << " lost: " << (*got)[0].status.ToString();
     EXPECT_EQ((*got)[0].bytes, value(k)) << "key " << k;
   }
+}
+
+// GET_RANGES from the SSD tier: the sectors the ranges lie in, not the records; the values stay
+// where they are; the newest version, before and after a restart; nothing past a value's end.
+TEST_P(DaemonSsdTest, GetRangesReadsSectorsOfTheNewestVersion) {
+  constexpr uint64_t kKeys = 96;
+  auto value = [](uint64_t key, uint64_t round) { return Value(key * 16 + round + 100, 65536 - 64 * (key % 7)); };
+  auto c = Connect("alpha", "alpha-token", /*unix_socket=*/false);
+  ASSERT_NE(c, nullptr);
+  for (uint64_t round = 0; round < 2; ++round) {
+    for (uint64_t k = 0; k < kKeys; ++k) {
+      const std::vector<std::byte> v = value(k, round);
+      const BundleRef ref{H(k), v};
+      auto put = c->Put(std::span<const BundleRef>(&ref, 1));
+      ASSERT_TRUE(put.ok() && (*put)[0].ok());
+    }
+  }
+  auto check = [&](const char* when) {
+    auto reader = Connect("alpha", "alpha-token", /*unix_socket=*/false);
+    ASSERT_NE(reader, nullptr);
+    std::vector<WireBlockHash> all;
+    for (uint64_t k = 0; k < kKeys; ++k) all.push_back(H(k));
+    auto lk = reader->Lookup(all);
+    ASSERT_TRUE(lk.ok());
+    std::vector<uint64_t> down;
+    for (uint64_t k = 0; k < kKeys; ++k) {
+      if (lk->tiers[k] == BlockTier::kSsd) down.push_back(k);
+    }
+    ASSERT_GT(down.size(), kKeys / 4) << when;
+    const uint64_t read0 = store_->chain().tier(1).Stats().bytes_read;
+    std::vector<RangesRequest> items;
+    for (uint64_t k : down) {
+      const uint64_t n = value(k, 1).size();
+      // The first byte, two bytes across the record's first sector boundary (value byte 4,032
+      // is record byte 4,096), and the last 100 bytes: 3 sectors, 4 when those cross one.
+      items.push_back({H(k), {{0, 1}, {4031, 2}, {n - 100, 100}}});
+    }
+    items.push_back({H(down[0]), {{value(down[0], 1).size() - 1, 2}}});  // one byte past the end
+    auto got = reader->GetRanges(items);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    for (size_t i = 0; i < down.size(); ++i) {
+      const std::vector<std::byte> v = value(down[i], 1);
+      std::vector<std::byte> want = {v[0], v[4031], v[4032]};
+      want.insert(want.end(), v.end() - 100, v.end());
+      ASSERT_TRUE((*got)[i].status.ok()) << when << ": key " << down[i] << ": " << (*got)[i].status.ToString();
+      EXPECT_EQ((*got)[i].bytes, want) << when << ": key " << down[i] << " is not its newest value";
+    }
+    EXPECT_EQ(got->back().status.code(), StatusCode::kInvalidArgument) << got->back().status.ToString();
+    const uint64_t read = store_->chain().tier(1).Stats().bytes_read - read0;
+    EXPECT_GT(read, 0u) << when;
+    EXPECT_LE(read, (4 * down.size() + 1) * 4096) << when << ": more than the sectors the ranges lie in";
+    auto after = reader->Lookup(all);
+    ASSERT_TRUE(after.ok());
+    for (uint64_t k : down) EXPECT_EQ(after->tiers[k], BlockTier::kSsd) << when << ": key " << k << " moved";
+  };
+  check("running");
+  // An overwrite of a value that lies in the SSD tier is what a later GET_RANGES reads.
+  {
+    auto lk = c->Lookup(std::vector<WireBlockHash>{H(0), H(1), H(2), H(3)});
+    ASSERT_TRUE(lk.ok());
+    const uint64_t k = std::find(lk->tiers.begin(), lk->tiers.end(), BlockTier::kSsd) - lk->tiers.begin();
+    ASSERT_LT(k, 4u);
+    const std::vector<std::byte> v = Value(999, 20000);
+    const BundleRef ref{H(k), v};
+    ASSERT_TRUE(c->Put(std::span<const BundleRef>(&ref, 1)).ok());
+    auto got = c->GetRanges(std::vector<RangesRequest>{{H(k), {{19990, 10}, {30000, 1}}}, {H(k), {{0, 4}}}});
+    ASSERT_TRUE(got.ok());
+    EXPECT_EQ((*got)[0].status.code(), StatusCode::kInvalidArgument) << "the old value was longer";
+    EXPECT_EQ((*got)[1].bytes, std::vector<std::byte>(v.begin(), v.begin() + 4));
+    const std::vector<std::byte> newest = value(k, 1);
+    const BundleRef back{H(k), newest};
+    ASSERT_TRUE(c->Put(std::span<const BundleRef>(&back, 1)).ok());
+  }
+  c.reset();
+  server_.reset();
+  store_.reset();
+  Start();
+  check("after a restart");
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, DaemonSsdTest,

@@ -20,6 +20,7 @@ static void DecodeAs(uint16_t op, std::span<const std::byte> p) {
     case 11: (void)sw::DecodeErrorReply(p); break;
     case 12: (void)sw::DecodeShmPutRequest(p); break;
     case 13: (void)sw::DecodeShmGetReply(p); break;
+    case 16: (void)sw::DecodeGetRangesRequest(p, 1u << 20); (void)sw::DecodeGetRangesReply(p); break;
     default: (void)sw::DecodeHashList(p); break;
   }
 }

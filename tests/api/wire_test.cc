@@ -212,5 +212,65 @@ TEST(Wire, MalformedPayloadsAreRefused) {
   EXPECT_FALSE(DecodeLookupReply(lk.bytes()).ok());
 }
 
+// GET_RANGES round trips, and every way a request can be refused, by name.
+TEST(Wire, GetRangesRoundTripAndLimits) {
+  GetRangesRequest req;
+  req.items.push_back({H(1), {{0, 1}, {4032, 664}, {UINT64_MAX - 7, 7}}});
+  req.items.push_back({H(2), {{5, 5}}});
+  auto back = DecodeGetRangesRequest(Encode(req), kMaxPayloadBytes);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  ASSERT_EQ(back->items.size(), 2u);
+  EXPECT_EQ(back->items[0].hash, H(1));
+  ASSERT_EQ(back->items[0].ranges.size(), 3u);
+  EXPECT_EQ(back->items[0].ranges[1].offset, 4032u);
+  EXPECT_EQ(back->items[0].ranges[1].bytes, 664u);
+  EXPECT_EQ(back->items[0].ranges[2].offset, UINT64_MAX - 7);
+  EXPECT_EQ(back->items[1].ranges[0].bytes, 5u);
+  // The reply's bound: 4 + (5 + max(672, 256)) + (5 + max(5, 256)).
+  EXPECT_EQ(GetRangesReplyBound(req), 4u + 677u + 261u);
+  EXPECT_FALSE(DecodeGetRangesRequest(Encode(req), 4 + 677 + 260).ok());
+  EXPECT_TRUE(DecodeGetRangesRequest(Encode(req), 4 + 677 + 261).ok());
+
+  auto refused = [](GetRangesRequest m, const char* why) {
+    auto r = DecodeGetRangesRequest(Encode(m), kMaxPayloadBytes);
+    ASSERT_FALSE(r.ok()) << why;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << why;
+    EXPECT_THAT(r.status().ToString(), HasSubstr(why));
+  };
+  refused(GetRangesRequest{{{H(1), {}}}}, "names no range");
+  refused(GetRangesRequest{{{H(1), {{3, 0}}}}}, "range of 0 bytes");
+  refused(GetRangesRequest{{{H(1), {{UINT64_MAX - 3, 7}}}}}, "past 2^64");
+  {
+    GetRangesRequest many;
+    many.items.push_back({H(1), std::vector<ByteRange>(40000, ByteRange{0, 1})});
+    many.items.push_back({H(2), std::vector<ByteRange>(30000, ByteRange{0, 1})});
+    refused(many, "more than 65536 ranges");
+  }
+  // A count the payload cannot hold, and bytes left over.
+  PayloadWriter w;
+  w.U32(1);
+  w.Bytes(H(1));
+  w.U32(1000);
+  w.U64(0);
+  w.U32(1);
+  EXPECT_FALSE(DecodeGetRangesRequest(w.bytes(), kMaxPayloadBytes).ok());
+  std::vector<std::byte> extra = Encode(req);
+  extra.push_back(std::byte{0});
+  EXPECT_FALSE(DecodeGetRangesRequest(extra, kMaxPayloadBytes).ok());
+
+  GetRangesReply reply;
+  const std::vector<std::byte> bytes = {std::byte{1}, std::byte{2}, std::byte{3}};
+  reply.items.push_back({ItemStatus{}, bytes});
+  reply.items.push_back({ItemStatus{StatusCode::kNotFound, "gone"}, {}});
+  const std::vector<std::byte> encoded = Encode(reply);  // the decoded bytes are views into it
+  auto rb = DecodeGetRangesReply(encoded);
+  ASSERT_TRUE(rb.ok());
+  ASSERT_EQ(rb->items.size(), 2u);
+  EXPECT_TRUE(std::equal(rb->items[0].bytes.begin(), rb->items[0].bytes.end(), bytes.begin(), bytes.end()));
+  EXPECT_EQ(rb->items[1].status.code, StatusCode::kNotFound);
+  EXPECT_EQ(rb->items[1].status.message, "gone");
+  EXPECT_EQ(OpcodeName(Opcode::kGetRanges), "GET_RANGES");
+}
+
 }  // namespace
 }  // namespace sparsekv::wire

@@ -27,6 +27,8 @@
 #include "sparsekv/lightning_indexer.h"
 #include "sparsekv/sparse_mla.h"
 #include "sparsekv/ssd_tier.h"
+#include "server/server.h"
+#include "server/tiered_store.h"
 #include "tests/attention/test_cache.h"
 #include "tests/offload/test_util.h"
 
@@ -233,6 +235,11 @@ struct Sequence {
   std::unique_ptr<testing::TempDir> dir;
   std::unique_ptr<SsdTier> ssd;  // when asked for: the same records on the SSD tier
   std::vector<BundleKey> blocks;
+  // When asked for: an in-process sparsekvd holding the same entries as sparse values.
+  std::unique_ptr<server::TieredStore> store;
+  std::unique_ptr<server::Server> server;
+  std::unique_ptr<Client> client;
+  std::vector<WireBlockHash> wire_blocks;
 
   PagedCacheView ResidentView(uint32_t layer) const {
     PagedCacheView v;
@@ -246,9 +253,60 @@ struct Sequence {
   }
 };
 
+enum class Daemon { kNone, kHost, kOverSsd };
+
+WireBlockHash WireKey(uint64_t block) {
+  WireBlockHash h{};
+  const BundleKey k = Key(block);
+  std::memcpy(h.data(), &k.hash.lo, 8);
+  std::memcpy(h.data() + 8, &k.hash.hi, 8);
+  return h;
+}
+
+// A daemon in this process over a Unix socket: its host tier alone, or a host tier of 256 KiB
+// over an SSD tier, so that most values are read from the SSD tier.
+void StartDaemon(Sequence& s, Daemon daemon) {
+  if (!s.dir) s.dir = std::make_unique<testing::TempDir>("sparse_daemon");
+  server::TieredStoreOptions so;
+  so.offload.host.capacity_bytes = daemon == Daemon::kOverSsd ? (256ull << 10) : (64ull << 20);
+  so.offload.host.max_record_bytes = 256ull << 10;
+  so.offload.host.huge_pages = false;
+  if (daemon == Daemon::kOverSsd) {
+    so.offload.ssd_enabled = true;
+    so.offload.ssd.path = s.dir->path() + "/daemon_ssd";
+    so.offload.ssd.capacity_bytes = 256ull << 20;
+    so.offload.ssd.read_arena_bytes = 16ull << 20;
+    so.offload.ssd.slab_grow_bytes = 16ull << 20;
+    so.offload.ssd.durability = Durability::kNone;
+  }
+  auto store = server::TieredStore::Open(so);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  s.store = std::move(*store);
+  server::ServerOptions opts;
+  opts.tcp_listen = "";
+  opts.metrics_listen = "";
+  opts.unix_path = s.dir->path() + "/d.sock";
+  opts.namespaces = {{"sparse", "sparse-token"}};
+  auto srv = server::Server::Start(opts, s.store.get());
+  ASSERT_TRUE(srv.ok()) << srv.status().ToString();
+  s.server = std::move(*srv);
+  ClientOptions co;
+  co.address = "unix:" + opts.unix_path;
+  co.namespace_name = "sparse";
+  co.token = "sparse-token";
+  co.shared_memory = false;
+  auto c = Client::Connect(co);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  s.client = std::move(*c);
+}
+
 Sequence MakeSequence(StorageFormat format, uint32_t dims, uint32_t entries, uint32_t layers, uint32_t blocks,
-                      uint32_t key_entries, uint32_t seed, bool ssd = false) {
+                      uint32_t key_entries, uint32_t seed, bool ssd = false, Daemon daemon = Daemon::kNone) {
   Sequence s;
+  if (daemon != Daemon::kNone) {
+    StartDaemon(s, daemon);
+    EXPECT_NE(s.client, nullptr);
+  }
   if (ssd) {
     s.dir = std::make_unique<testing::TempDir>("sparse");
     SsdTierOptions so;
@@ -298,6 +356,14 @@ Sequence MakeSequence(StorageFormat format, uint32_t dims, uint32_t entries, uin
         EXPECT_TRUE(s.ssd->Put({*rec}).get()[0].ok());
       }
     }
+    if (s.client) {
+      s.wire_blocks.push_back(WireKey(b));
+      auto value = MakeSparseValue(s.layout, WireKey(b), {block, s.block_stride});
+      EXPECT_TRUE(value.ok()) << value.status().ToString();
+      const BundleRef ref{WireKey(b), *value};
+      auto put = s.client->Put(std::span<const BundleRef>(&ref, 1));
+      EXPECT_TRUE(put.ok() && (*put)[0].ok());
+    }
   }
   for (uint32_t l = 0; l < layers; ++l) {
     s.keys.push_back(attention::testing::MakeCache(StorageFormat::kIdxFp8, 128, key_entries, blocks, blocks, seed + 10 + l));
@@ -314,6 +380,7 @@ struct DecodeCase {
   uint32_t top_k;
   bool window;         // V4: a resident sliding-window source as `extra`
   bool ssd = false;    // the working set filled from the SSD tier, not the host tier
+  Daemon daemon = Daemon::kNone;  // ... or from sparsekvd, with GET_RANGES
 };
 
 class SparseDecode : public ::testing::TestWithParam<DecodeCase> {};
@@ -326,8 +393,10 @@ class SparseDecode : public ::testing::TestWithParam<DecodeCase> {};
 TEST_P(SparseDecode, BitIdenticalToTheResidentCacheOver256Steps) {
   const DecodeCase c = GetParam();
   constexpr uint32_t kLayers = 2, kBlocks = 24, kHeads = 16, kIdxHeads = 8, kSteps = 256;
-  Sequence seq = MakeSequence(c.format, c.dims, c.entries, kLayers, kBlocks, c.entries, 100 + c.entries, c.ssd);
+  Sequence seq =
+      MakeSequence(c.format, c.dims, c.entries, kLayers, kBlocks, c.entries, 100 + c.entries, c.ssd, c.daemon);
   ASSERT_TRUE(!c.ssd || seq.ssd);
+  ASSERT_TRUE(c.daemon == Daemon::kNone || seq.client);
   const uint64_t context_entries = uint64_t{kBlocks} * c.entries;
   ASSERT_GE(context_entries, c.top_k);
   LightningIndexerOptions io;
@@ -344,6 +413,18 @@ TEST_P(SparseDecode, BitIdenticalToTheResidentCacheOver256Steps) {
   HostEntryFetcher host_fetch(*seq.host, seq.layout, seq.blocks);
   std::unique_ptr<SsdEntryFetcher> ssd_fetch;
   if (c.ssd) ssd_fetch = std::make_unique<SsdEntryFetcher>(*seq.ssd, seq.layout, seq.blocks);
+  std::unique_ptr<DaemonEntryFetcher> daemon_fetch;
+  if (seq.client) daemon_fetch = std::make_unique<DaemonEntryFetcher>(*seq.client, seq.layout, seq.wire_blocks);
+  uint64_t daemon_ssd_read0 = 0;
+  if (c.daemon == Daemon::kOverSsd) {
+    // Most values went down to the daemon's SSD tier, and stay there: GET_RANGES does not
+    // bring them up.
+    std::vector<WireBlockHash> all = seq.wire_blocks;
+    auto lk = seq.client->Lookup(all);
+    ASSERT_TRUE(lk.ok());
+    EXPECT_GT(std::count(lk->tiers.begin(), lk->tiers.end(), BlockTier::kSsd), kBlocks / 2);
+    daemon_ssd_read0 = seq.store->chain().tier(1).Stats().bytes_read;
+  }
   // V4's window: 128 resident entries, all read each step.
   attention::testing::TestCache window;
   std::vector<int32_t> window_idx;
@@ -402,7 +483,9 @@ TEST_P(SparseDecode, BitIdenticalToTheResidentCacheOver256Steps) {
         resident[i] = logical[i] < 0 ? -1 : PhysicalIndex(seq.table, c.entries, static_cast<uint64_t>(logical[i]));
       }
       ASSERT_TRUE(ws[l]->Map(logical, physical, &misses).ok());
-      Status st = c.ssd ? ssd_fetch->Fetch(l, misses, *ws[l]) : host_fetch.Fetch(l, misses, *ws[l]);
+      Status st = daemon_fetch ? daemon_fetch->Fetch(l, misses, *ws[l])
+                  : c.ssd      ? ssd_fetch->Fetch(l, misses, *ws[l])
+                               : host_fetch.Fetch(l, misses, *ws[l]);
       ASSERT_TRUE(st.ok()) << st.ToString();
       const auto q = attention::testing::RandomBf16(uint64_t{kHeads} * c.dims, step * 31 + l);
       SparseMlaBatch mb;
@@ -433,10 +516,26 @@ TEST_P(SparseDecode, BitIdenticalToTheResidentCacheOver256Steps) {
   EXPECT_NEAR(static_cast<double>(hit_count - hits0) / static_cast<double>(hit_count - hits0 + miss_count - misses0),
               overlap, 1e-9)
       << c.name;
-  EXPECT_GT(c.ssd ? ssd_fetch->bytes_fetched() : host_fetch.bytes_fetched(), 0u);
+  EXPECT_GT(daemon_fetch ? daemon_fetch->bytes_fetched()
+            : c.ssd      ? ssd_fetch->bytes_fetched()
+                         : host_fetch.bytes_fetched(),
+            0u);
   if (c.ssd) {
     // One sector per entry at most, and fewer when entries share one.
     EXPECT_LE(ssd_fetch->sectors_read() * seq.layout.entry_bytes(), ssd_fetch->bytes_fetched());
+  }
+  if (daemon_fetch) {
+    // Over the socket: each entry and its checksum, nothing more.
+    EXPECT_EQ(daemon_fetch->bytes_requested(), daemon_fetch->bytes_fetched() / seq.layout.entry_bytes() *
+                                                    (seq.layout.entry_bytes() + 8));
+  }
+  if (c.daemon == Daemon::kOverSsd) {
+    // The daemon read sectors, not records: at most one 4 KiB sector per entry it served.
+    const uint64_t read = seq.store->chain().tier(1).Stats().bytes_read - daemon_ssd_read0;
+    EXPECT_GT(read, 0u);
+    EXPECT_LE(read, daemon_fetch->bytes_fetched() / seq.layout.entry_bytes() * kSparseSectorBytes);
+    std::printf("%s: the daemon's SSD tier read %.2f MB for %.2f MB of entries\n", c.name, read / 1e6,
+                daemon_fetch->bytes_fetched() / 1e6);
   }
 }
 
@@ -446,7 +545,13 @@ INSTANTIATE_TEST_SUITE_P(
                       DecodeCase{"v32_c8", StorageFormat::kC8Mla, 576, 128, 1, 256, false},
                       DecodeCase{"v4_csa", StorageFormat::kFp8V4, 512, 32, 4, 128, true},
                       DecodeCase{"v32_fp8_ssd", StorageFormat::kFp8DsMla, 576, 128, 1, 256, false, true},
-                      DecodeCase{"v4_csa_ssd", StorageFormat::kFp8V4, 512, 32, 4, 128, true, true}),
+                      DecodeCase{"v4_csa_ssd", StorageFormat::kFp8V4, 512, 32, 4, 128, true, true},
+                      DecodeCase{"v32_fp8_daemon", StorageFormat::kFp8DsMla, 576, 128, 1, 256, false, false,
+                                 Daemon::kHost},
+                      DecodeCase{"v32_fp8_daemon_ssd", StorageFormat::kFp8DsMla, 576, 128, 1, 256, false, false,
+                                 Daemon::kOverSsd},
+                      DecodeCase{"v4_csa_daemon_ssd", StorageFormat::kFp8V4, 512, 32, 4, 128, true, false,
+                                 Daemon::kOverSsd}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // A record damaged in host memory is refused for the entry that was damaged, and that entry is

@@ -65,6 +65,16 @@ struct GetResult {
   std::vector<std::byte> bytes;    // the bundle when status is OK
 };
 
+// GET_RANGES: byte ranges of one stored value (the bytes a PUT stored), read without the rest.
+struct ValueRange {
+  uint64_t offset = 0;
+  uint32_t bytes = 0;
+};
+struct RangesRequest {
+  WireBlockHash hash{};
+  std::vector<ValueRange> ranges;
+};
+
 struct EventNotice {
   uint8_t type = 0;                // 1 stored, 2 removed, 3 all cleared
   BlockTier tier = BlockTier::kAbsent;
@@ -84,6 +94,13 @@ class Client {
   Result<LookupResult> Lookup(std::span<const WireBlockHash> hashes);
   Result<std::vector<Status>> Put(std::span<const BundleRef> bundles);
   Result<std::vector<GetResult>> Get(std::span<const WireBlockHash> hashes);
+  // Per item, its ranges' bytes back to back, in order (api/PROTOCOL.md, GET_RANGES). The
+  // daemon does not check a value's checksum for this (it would read all of it): check what
+  // the ranges carry (sparse records carry a checksum per entry). Items are sent in as many
+  // requests as the daemon's maximum payload needs. Per item: NotFound, InvalidArgument (a
+  // range of 0 bytes, past the value's end, or an item whose reply alone could exceed the
+  // maximum payload), IOError.
+  Result<std::vector<GetResult>> GetRanges(std::span<const RangesRequest> items);
   Result<std::vector<Status>> Pin(std::span<const WireBlockHash> hashes, uint8_t priority);
   Result<std::vector<Status>> Unpin(std::span<const WireBlockHash> hashes);
   Result<std::vector<Status>> Delete(std::span<const WireBlockHash> hashes);

@@ -36,6 +36,7 @@
 
 #include "sparsekv/block_geometry.h"
 #include "sparsekv/bundle.h"
+#include "sparsekv/client.h"
 #include "sparsekv/paged_cache_view.h"
 #include "sparsekv/status.h"
 #include "sparsekv/storage_format.h"
@@ -242,6 +243,42 @@ class SsdEntryFetcher {
   std::byte* staging_ = nullptr;  // 4 KiB-aligned sectors
   uint64_t staging_sectors_ = 0;
   uint64_t bytes_fetched_ = 0, sectors_read_ = 0;
+};
+
+// A sparse record as the value of one block in sparsekvd, read entry by entry with GET_RANGES.
+// The daemon keeps a value at byte 64 of its record (api/PROTOCOL.md), so the value is the
+// sectors after kSparseValuePadBytes zero bytes: they then lie on 4 KiB sectors of the
+// daemon's record, and an entry costs one sector read when the daemon reads it from its SSD
+// tier. Entries are checked with the key {namespace 0, the block's hash}, whatever namespace
+// the daemon files the value under.
+inline constexpr uint64_t kSparseValuePadBytes = kSparseSectorBytes - 64;
+BundleKey SparseValueKey(const WireBlockHash& hash);
+// The value for `pages` (layout.pages_bytes() bytes) under `hash`. Errors: as PackSparseRecord.
+Result<std::vector<std::byte>> MakeSparseValue(const SparseRecordLayout& layout, const WireBlockHash& hash,
+                                               std::span<const std::byte> pages);
+
+// Fetches entries of a sequence's sparse values from sparsekvd: one GET_RANGES per Fetch, two
+// ranges per entry (its packed bytes and its checksum), each entry checked here, since the
+// daemon does not check values it reads in part.
+class DaemonEntryFetcher {
+ public:
+  DaemonEntryFetcher(Client& client, SparseRecordLayout layout, std::vector<WireBlockHash> blocks);
+
+  // As HostEntryFetcher::Fetch. Errors: a broken connection (every miss forgotten), and per
+  // entry NotFound, Corruption, InvalidArgument (a value too short for the layout, an entry
+  // past the blocks), IOError, as the daemon answers.
+  Status Fetch(uint32_t layer, std::span<const SparseWorkingSet::Miss> misses, SparseWorkingSet& ws);
+
+  uint64_t bytes_fetched() const { return bytes_fetched_; }
+  // Bytes of ranges asked for (entries and their checksums).
+  uint64_t bytes_requested() const { return bytes_requested_; }
+  uint64_t requests() const { return requests_; }
+
+ private:
+  Client& client_;
+  SparseRecordLayout layout_;
+  std::vector<WireBlockHash> blocks_;
+  uint64_t bytes_fetched_ = 0, bytes_requested_ = 0, requests_ = 0;
 };
 
 }  // namespace sparsekv

@@ -118,8 +118,16 @@ class SsdTier : public Tier {
   // reads (sparse records carry a checksum per entry). A record's space is not reused while
   // its sectors are read. Must not be called from the tier's own I/O threads (from a
   // callback of its async calls), which it waits for. One status per read: NotFound (no such
-  // record), InvalidArgument (a sector past the record, an unaligned buffer), IOError.
-  virtual std::vector<Status> ReadSectors(std::span<const SectorRead> reads) = 0;
+  // record), InvalidArgument (a sector past the record, an unaligned buffer), IOError. With
+  // `records`, it gets one SectorRecord per read: the size and sequence of the record the
+  // sector was read from (zeros for NotFound), so a caller can tell the bytes of the record
+  // from the padding after it and a stale copy from the newest.
+  struct SectorRecord {
+    uint64_t record_bytes = 0;
+    uint64_t sequence = 0;
+  };
+  virtual std::vector<Status> ReadSectors(std::span<const SectorRead> reads,
+                                          std::vector<SectorRecord>* records = nullptr) = 0;
   // Every key held, in no particular order.
   virtual std::vector<BundleKey> Keys() const = 0;
   virtual SsdTierDetails Details() const = 0;
