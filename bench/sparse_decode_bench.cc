@@ -25,6 +25,8 @@
 #include "sparsekv/sparse_mla.h"
 #include "sparsekv/sparse_offload.h"
 #include "sparsekv/ssd_tier.h"
+#include "server/server.h"
+#include "server/tiered_store.h"
 
 namespace sparsekv::bench {
 namespace {
@@ -78,11 +80,12 @@ void Drift(std::vector<float>& q, double b, std::mt19937& rng) {
 }  // namespace
 
 Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
-  if (o.tier != "host" && o.tier != "ssd") {
-    return Status::InvalidArgument(fmt::format("bench sparse-decode: --tier must be host or ssd (got {})", o.tier));
+  if (o.tier != "host" && o.tier != "ssd" && o.tier != "daemon" && o.tier != "daemon-ssd") {
+    return Status::InvalidArgument(
+        fmt::format("bench sparse-decode: --tier must be host, ssd, daemon or daemon-ssd (got {})", o.tier));
   }
-  if (o.tier == "ssd" && o.dir.empty()) {
-    return Status::InvalidArgument("bench sparse-decode: --tier ssd needs --dir");
+  if ((o.tier == "ssd" || o.tier == "daemon-ssd") && o.dir.empty()) {
+    return Status::InvalidArgument(fmt::format("bench sparse-decode: --tier {} needs --dir", o.tier));
   }
   if (!(o.l1_fraction > 0 && o.l1_fraction <= 1) || !(o.overlap > 0 && o.overlap < 1) || o.steps == 0 ||
       o.layers == 0 || o.threads == 0) {
@@ -151,9 +154,14 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
   }
   std::unique_ptr<SsdTier> ssd;
   std::string ssd_path;
-  if (o.tier == "ssd") {
-    ssd_path = (std::filesystem::path(o.dir) / fmt::format("sparse-decode-{}", ::getpid())).string();
+  const bool daemon = o.tier == "daemon" || o.tier == "daemon-ssd";
+  if (o.tier == "ssd" || daemon) {
+    ssd_path = (std::filesystem::path(o.dir.empty() ? std::filesystem::temp_directory_path().string() : o.dir) /
+                fmt::format("sparse-decode-{}", ::getpid()))
+                   .string();
     std::filesystem::remove_all(ssd_path);
+  }
+  if (o.tier == "ssd") {
     SsdTierOptions so;
     so.path = ssd_path;
     so.capacity_bytes = record * (blocks + 64);
@@ -167,11 +175,53 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
       if (!path.empty()) std::filesystem::remove_all(path, ec);
     }
   } remove_dir{ssd_path};
+  // --tier daemon: sparsekvd in this process, over a Unix socket, with the values in its host
+  // tier; daemon-ssd: a host tier of an eighth of them over an SSD tier in --dir.
+  std::unique_ptr<server::TieredStore> store;
+  std::unique_ptr<server::Server> server;
+  std::unique_ptr<Client> client;
+  std::vector<WireBlockHash> wire_keys;
+  if (daemon) {
+    std::filesystem::create_directories(ssd_path);
+    server::TieredStoreOptions so;
+    const uint64_t value_record = 64 + kSparseValuePadBytes + layout.sectors_bytes();
+    so.offload.host.capacity_bytes =
+        o.tier == "daemon" ? (value_record + 4096) * (blocks + 2) : std::max<uint64_t>(value_record * (blocks / 8 + 2), 4 << 20);
+    so.offload.host.max_record_bytes = std::max<uint64_t>(value_record, 1 << 20);
+    if (o.tier == "daemon-ssd") {
+      so.offload.ssd_enabled = true;
+      so.offload.ssd.path = ssd_path + "/ssd";
+      so.offload.ssd.capacity_bytes = (value_record + 4096) * (blocks + 64);
+      so.offload.ssd.durability = Durability::kNone;
+    }
+    SPARSEKV_ASSIGN_OR_RETURN(store, server::TieredStore::Open(so));
+    server::ServerOptions sv;
+    sv.tcp_listen = "";
+    sv.metrics_listen = "";
+    sv.unix_path = ssd_path + "/d.sock";
+    sv.namespaces = {{"bench", "bench"}};
+    SPARSEKV_ASSIGN_OR_RETURN(server, server::Server::Start(sv, store.get()));
+    ClientOptions co;
+    co.address = "unix:" + sv.unix_path;
+    co.namespace_name = "bench";
+    co.token = "bench";
+    co.shared_memory = false;
+    SPARSEKV_ASSIGN_OR_RETURN(client, Client::Connect(co));
+  }
   std::vector<BundleKey> keys;
   for (uint32_t b = 0; b < blocks; ++b) {
     keys.push_back({1, BlockHash{uint64_t{b} * 0x9e3779b97f4a7c15ull + 7, b}});
     const std::span<const std::byte> pages{pool.get() + uint64_t{table[b]} * block_stride, block_stride};
-    if (ssd) {
+    if (client) {
+      WireBlockHash h{};
+      std::memcpy(h.data(), &keys.back().hash.lo, 8);
+      std::memcpy(h.data() + 8, &keys.back().hash.hi, 8);
+      wire_keys.push_back(h);
+      SPARSEKV_ASSIGN_OR_RETURN(std::vector<std::byte> value, MakeSparseValue(layout, h, pages));
+      const BundleRef ref{h, value};
+      SPARSEKV_ASSIGN_OR_RETURN(std::vector<Status> put, client->Put(std::span<const BundleRef>(&ref, 1)));
+      SPARSEKV_RETURN_IF_ERROR(put[0]);
+    } else if (ssd) {
       SPARSEKV_ASSIGN_OR_RETURN(BundlePtr rec, MakeSparseRecord(keys.back(), layout, pages, b + 1));
       SPARSEKV_RETURN_IF_ERROR(ssd->Put({rec}).get()[0]);
     } else {
@@ -245,15 +295,28 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
   }
   std::unique_ptr<HostEntryFetcher> host_fetch;
   std::unique_ptr<SsdEntryFetcher> ssd_fetch;
-  if (ssd) {
+  std::unique_ptr<DaemonEntryFetcher> daemon_fetch;
+  if (client) {
+    daemon_fetch = std::make_unique<DaemonEntryFetcher>(*client, layout, wire_keys);
+  } else if (ssd) {
     ssd_fetch = std::make_unique<SsdEntryFetcher>(*ssd, layout, keys);
   } else {
     host_fetch = std::make_unique<HostEntryFetcher>(*host, layout, keys);
   }
   auto fetch = [&](uint32_t l, std::span<const SparseWorkingSet::Miss> m, SparseWorkingSet& w) {
-    return ssd_fetch ? ssd_fetch->Fetch(l, m, w) : host_fetch->Fetch(l, m, w);
+    return daemon_fetch ? daemon_fetch->Fetch(l, m, w)
+           : ssd_fetch  ? ssd_fetch->Fetch(l, m, w)
+                        : host_fetch->Fetch(l, m, w);
   };
-  auto fetched = [&] { return ssd_fetch ? ssd_fetch->bytes_fetched() : host_fetch->bytes_fetched(); };
+  auto fetched = [&] {
+    return daemon_fetch ? daemon_fetch->bytes_fetched()
+           : ssd_fetch  ? ssd_fetch->bytes_fetched()
+                        : host_fetch->bytes_fetched();
+  };
+  uint64_t daemon_ssd_read0 = 0, requests0 = 0, requested0 = 0;
+  auto daemon_ssd_read = [&]() -> uint64_t {
+    return o.tier == "daemon-ssd" ? store->chain().tier(1).Stats().bytes_read : 0;
+  };
 
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<std::vector<float>> qi(L, std::vector<float>(uint64_t{idx_heads} * key_dims));
@@ -324,6 +387,11 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
       }
       bytes0 = fetched();
       sectors0 = ssd_fetch ? ssd_fetch->sectors_read() : 0;
+      daemon_ssd_read0 = daemon_ssd_read();
+      if (daemon_fetch) {
+        requests0 = daemon_fetch->requests();
+        requested0 = daemon_fetch->bytes_requested();
+      }
     }
     double t_idx = 0, t_fetch = 0, t_ws = 0, t_res = 0;
     for (uint32_t l = 0; l < L; ++l) {
@@ -408,15 +476,34 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
   hits -= hits0;
   miss -= misses0;
 
+  const uint64_t daemon_ssd_bytes = daemon_ssd_read() - daemon_ssd_read0;
   // Restoring the same context whole from the tier: every record read (from the SSD tier: in
   // batches of 128, whole records, checked) and unpacked into pages written once before, each
-  // entry checked.
+  // entry checked. From the daemon: GETs of 16 values (checked by the daemon and by the client).
   Arena dest = AllocArena(block_stride * blocks);
   if (!dest) return Status::ResourceExhausted("bench sparse-decode: no memory for the restore");
   std::vector<double> restore;
   for (int r = 0; r < 3; ++r) {
     const double t = NowSeconds();
     std::vector<Result<BundlePtr>> batch;
+    if (client) {
+      for (uint32_t b = 0; b < blocks; b += 16) {
+        std::vector<WireBlockHash> some(wire_keys.begin() + b, wire_keys.begin() + std::min<uint32_t>(blocks, b + 16));
+        SPARSEKV_ASSIGN_OR_RETURN(std::vector<GetResult> got, client->Get(some));
+        for (size_t i = 0; i < got.size(); ++i) {
+          SPARSEKV_RETURN_IF_ERROR(got[i].status);
+          const std::span<const std::byte> value(got[i].bytes);
+          if (value.size() != kSparseValuePadBytes + layout.sectors_bytes()) {
+            return Status::Corruption("bench sparse-decode: a value of another size came back");
+          }
+          SPARSEKV_RETURN_IF_ERROR(UnpackSparseRecord(layout, SparseValueKey(wire_keys[b + i]),
+                                                      value.subspan(kSparseValuePadBytes),
+                                                      {dest.get() + uint64_t{b + i} * block_stride, block_stride}));
+        }
+      }
+      restore.push_back(NowSeconds() - t);
+      continue;
+    }
     for (uint32_t b = 0; b < blocks; ++b) {
       if (ssd && b % 128 == 0) {
         std::vector<BundleKey> some(keys.begin() + b, keys.begin() + std::min<uint32_t>(blocks, b + 128));
@@ -456,6 +543,12 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
   j["drift"] = drift;
   j["measured_overlap"] = overlap_n ? overlap_sum / static_cast<double>(overlap_n) : 0.0;
   j["bytes_fetched_per_step"] = static_cast<double>(fetched() - bytes0) / o.steps;
+  if (daemon_fetch) {
+    j["requests_per_step"] = static_cast<double>(daemon_fetch->requests() - requests0) / o.steps;
+    j["bytes_requested_per_step"] = static_cast<double>(daemon_fetch->bytes_requested() - requested0) / o.steps;
+  }
+  if (o.tier == "daemon-ssd") j["daemon_ssd_bytes_read_per_step"] = static_cast<double>(daemon_ssd_bytes) / o.steps;
+  if (daemon_fetch) j["entry_bytes"] = layout.entry_bytes();
   if (ssd_fetch) {
     j["sectors_read_per_step"] = static_cast<double>(ssd_fetch->sectors_read() - sectors0) / o.steps;
     j["entry_bytes"] = layout.entry_bytes();

@@ -4,7 +4,9 @@
 // in the same run, with every output compared bit for bit. The indexer query drifts so that
 // consecutive selections overlap by about --overlap (the overlap reported is the one measured
 // from the indexer's own selections). With --tier ssd each missing entry is one 4 KiB O_DIRECT
-// read (SsdEntryFetcher), at the tier's queue depth of 16.
+// read (SsdEntryFetcher), at the tier's queue depth of 16. With --tier daemon the entries come
+// from sparsekvd in this process over a Unix socket (DaemonEntryFetcher: one GET_RANGES per
+// layer and step); daemon-ssd puts most of the values on its SSD tier.
 #pragma once
 
 #include <cstdint>
@@ -30,9 +32,9 @@ struct SparseDecodeBenchOptions {
   uint32_t layers = 2;
   // Target overlap of consecutive selections. Default: 0.9.
   double overlap = 0.9;
-  // Where the sparse cache lives: host or ssd. Default: host.
+  // Where the sparse cache lives: host, ssd, daemon or daemon-ssd. Default: host.
   std::string tier = "host";
-  // --tier ssd: a directory for the SSD tier's files (removed afterwards).
+  // --tier ssd, daemon-ssd: a directory for the SSD tier's files (removed afterwards).
   std::string dir;
   // Threads of the kernels. Default: 1.
   uint32_t threads = 1;

@@ -28,8 +28,13 @@ SPARSEKV_BENCH_COMMAND(sparse_decode) {
       ->capture_default_str();
   cmd->add_option("--layers", o.layers, "Layers simulated (each costs the same)")->capture_default_str();
   cmd->add_option("--overlap", o.overlap, "Target overlap of consecutive selections")->capture_default_str();
-  cmd->add_option("--tier", o.tier, "Where the sparse cache lives: host or ssd")->capture_default_str();
-  cmd->add_option("--dir", o.dir, "--tier ssd: a directory for the SSD tier's files (removed afterwards)");
+  cmd->add_option("--tier", o.tier,
+                  "Where the sparse cache lives: host, ssd, daemon (sparsekvd in this process, its host tier, "
+                  "read with GET_RANGES over a Unix socket) or daemon-ssd (its host tier holding an eighth, over "
+                  "an SSD tier)")
+      ->capture_default_str();
+  cmd->add_option("--dir", o.dir,
+                  "--tier ssd, daemon-ssd: a directory for the SSD tier's files (removed afterwards)");
   cmd->add_option("--threads", o.threads, "Threads of the kernels")->check(CLI::Range(1, 1024))->capture_default_str();
   cmd->add_option("--seed", o.seed, "Seed of the synthetic cache and queries")->capture_default_str();
   cmd->add_flag("--json", args->json, "Print JSON");

@@ -108,6 +108,17 @@ TEST(BenchSparseDecode, ShortRunsAreIdenticalAndLean) {
   EXPECT_LE(j["sectors_read_per_step"].get<double>() * j["entry_bytes"].get<double>(),
             j["bytes_fetched_per_step"].get<double>() + 1e-6);
   EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+  // Through sparsekvd (GET_RANGES), its values mostly on its SSD tier: one request per layer
+  // and step, at most a sector read by the daemon per entry, the same outputs.
+  Outcome d = Cli("bench sparse-decode --tier daemon-ssd --dir " + dir.path() + " --context 8192 --steps 6 --json");
+  ASSERT_EQ(d.exit_code, 0) << d.err;
+  j = nlohmann::json::parse(d.out);
+  EXPECT_TRUE(j["outputs_identical"].get<bool>());
+  EXPECT_EQ(j["requests_per_step"].get<double>(), 2.0);
+  EXPECT_GT(j["daemon_ssd_bytes_read_per_step"].get<double>(), 0);
+  EXPECT_LE(j["daemon_ssd_bytes_read_per_step"].get<double>(),
+            j["bytes_fetched_per_step"].get<double>() / j["entry_bytes"].get<double>() * 4096 + 1e-6);
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
   Outcome no_dir = Cli("bench sparse-decode --tier ssd --context 4096 --json");
   EXPECT_NE(no_dir.exit_code, 0);
   EXPECT_NE(no_dir.err.find("--tier ssd needs --dir"), std::string::npos) << no_dir.err;
