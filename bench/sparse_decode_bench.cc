@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -279,6 +280,14 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
   io.top_k = top_k;
   io.threads = o.threads;
   SPARSEKV_ASSIGN_OR_RETURN(auto indexer, LightningIndexer::Create(io));
+  // --prefetch P: the sparse path's indexer ranks P more, the next-ranked entries to prefetch;
+  // the resident path keeps its own top-k run (timed on its own), whose selection must match.
+  std::unique_ptr<LightningIndexer> ranker;
+  if (o.prefetch > 0) {
+    LightningIndexerOptions ro = io;
+    ro.top_k = top_k + o.prefetch;
+    SPARSEKV_ASSIGN_OR_RETURN(ranker, LightningIndexer::Create(ro));
+  }
   SparseMlaOptions mo;
   mo.threads = o.threads;
   SPARSEKV_ASSIGN_OR_RETURN(auto mla, SparseMla::Create(mo));
@@ -313,7 +322,37 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
            : ssd_fetch  ? ssd_fetch->bytes_fetched()
                         : host_fetch->bytes_fetched();
   };
-  uint64_t daemon_ssd_read0 = 0, requests0 = 0, requested0 = 0;
+  // --prefetch: a second fetcher of the same kind, run on AsyncEntryFetcher's thread.
+  std::unique_ptr<HostEntryFetcher> host_prefetch;
+  std::unique_ptr<SsdEntryFetcher> ssd_prefetch;
+  std::unique_ptr<DaemonEntryFetcher> daemon_prefetch;
+  std::unique_ptr<AsyncEntryFetcher> async;
+  std::atomic<uint64_t> prefetch_ns{0};
+  if (o.prefetch > 0) {
+    if (client) {
+      daemon_prefetch = std::make_unique<DaemonEntryFetcher>(*client, layout, wire_keys);
+    } else if (ssd) {
+      ssd_prefetch = std::make_unique<SsdEntryFetcher>(*ssd, layout, keys);
+    } else {
+      host_prefetch = std::make_unique<HostEntryFetcher>(*host, layout, keys);
+    }
+    async = std::make_unique<AsyncEntryFetcher>(
+        [&](uint32_t l, std::span<const SparseWorkingSet::Miss> m, SparseWorkingSet& w) {
+          const double t = NowSeconds();
+          Status st = daemon_prefetch ? daemon_prefetch->Fetch(l, m, w)
+                      : ssd_prefetch  ? ssd_prefetch->Fetch(l, m, w)
+                                      : host_prefetch->Fetch(l, m, w);
+          prefetch_ns += static_cast<uint64_t>((NowSeconds() - t) * 1e9);
+          return st;
+        });
+  }
+  auto prefetched_bytes = [&]() -> uint64_t {
+    return daemon_prefetch ? daemon_prefetch->bytes_fetched()
+           : ssd_prefetch  ? ssd_prefetch->bytes_fetched()
+           : host_prefetch ? host_prefetch->bytes_fetched()
+                           : 0;
+  };
+  uint64_t daemon_ssd_read0 = 0, requests0 = 0, requested0 = 0, prefetched0 = 0, prefetch_ns0 = 0;
   auto daemon_ssd_read = [&]() -> uint64_t {
     return o.tier == "daemon-ssd" ? store->chain().tier(1).Stats().bytes_read : 0;
   };
@@ -327,7 +366,8 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
   }
   const uint64_t position = o.context - 1;
   std::vector<int32_t> logical(top_k), physical(top_k), resident(top_k);
-  auto select = [&](uint32_t l, std::vector<int32_t>& out) -> Status {
+  auto select = [&](uint32_t l, std::vector<int32_t>& out, LightningIndexer* by = nullptr,
+                    float* logits = nullptr) -> Status {
     IndexerSequence is{key_table, identity, E};
     IndexerBatch ib;
     ib.q = qi[l].data();
@@ -340,8 +380,26 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
     ib.key_ratio = kp.spec.ratio;
     IndexerOutput iout;
     iout.indices = out.data();
-    return indexer->Run(key_view(l), ib, iout);
+    iout.top_logits = logits;
+    return (by != nullptr ? by : indexer.get())->Run(key_view(l), ib, iout);
   };
+  // The ranked run split: the top-k (ascending, as the indexer writes a selection) and the rest,
+  // best first. Ties go to the lower entry.
+  std::vector<int32_t> ranked(top_k + o.prefetch), chosen(top_k), next_ranked;
+  std::vector<float> ranked_logits(ranked.size());
+  std::vector<uint32_t> order(ranked.size());
+  auto split_ranked = [&] {
+    std::iota(order.begin(), order.end(), 0u);
+    std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+      if (ranked_logits[a] != ranked_logits[b]) return ranked_logits[a] > ranked_logits[b];
+      return ranked[a] < ranked[b];
+    });
+    for (uint32_t i = 0; i < top_k; ++i) chosen[i] = ranked[order[i]];
+    std::sort(chosen.begin(), chosen.end());
+    next_ranked.clear();
+    for (size_t i = top_k; i < order.size(); ++i) next_ranked.push_back(ranked[order[i]]);
+  };
+  uint64_t selection_mismatches = 0;
 
   // The drift that gives the target overlap: bisection on its size, a few steps of layer 0 each.
   double lo = 1e-4, hi = 4.0;
@@ -374,7 +432,7 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
   std::vector<std::vector<int32_t>> last(L);
   std::vector<float> out_a(uint64_t{heads} * 512), lse_a(heads), out_b(out_a.size()), lse_b(heads);
   std::vector<SparseWorkingSet::Miss> misses;
-  std::vector<double> step_s, resident_s, idx_s, fetch_s, mla_ws_s, mla_res_s;
+  std::vector<double> step_s, resident_s, idx_s, rank_s, fetch_s, mla_ws_s, mla_res_s;
   double overlap_sum = 0;
   uint64_t overlap_n = 0, hits0 = 0, misses0 = 0, bytes0 = 0, sectors0 = 0;
   bool identical = true;
@@ -388,17 +446,26 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
       bytes0 = fetched();
       sectors0 = ssd_fetch ? ssd_fetch->sectors_read() : 0;
       daemon_ssd_read0 = daemon_ssd_read();
+      prefetched0 = prefetched_bytes();
+      prefetch_ns0 = prefetch_ns.load();
       if (daemon_fetch) {
         requests0 = daemon_fetch->requests();
         requested0 = daemon_fetch->bytes_requested();
       }
     }
-    double t_idx = 0, t_fetch = 0, t_ws = 0, t_res = 0;
+    double t_idx = 0, t_rank = 0, t_fetch = 0, t_ws = 0, t_res = 0;
     for (uint32_t l = 0; l < L; ++l) {
       Drift(qi[l], drift, rng);
       double t0 = NowSeconds();
       SPARSEKV_RETURN_IF_ERROR(select(l, logical));
       t_idx += NowSeconds() - t0;
+      if (ranker) {
+        t0 = NowSeconds();
+        SPARSEKV_RETURN_IF_ERROR(select(l, ranked, ranker.get(), ranked_logits.data()));
+        split_ranked();
+        t_rank += NowSeconds() - t0;
+        if (chosen != logical) ++selection_mismatches;
+      }
       if (!last[l].empty() && step > 0) {
         overlap_sum += Overlap(last[l], logical);
         ++overlap_n;
@@ -433,8 +500,15 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
       };
       auto run_sparse = [&]() -> Status {
         double t = NowSeconds();
-        SPARSEKV_RETURN_IF_ERROR(ws[l]->Map(logical, physical, &misses));
+        if (async) (void)async->Wait(*ws[l]);  // a failed prefetch is fetched below, on demand
+        SPARSEKV_RETURN_IF_ERROR(ws[l]->Map(ranker ? chosen : logical, physical, &misses));
         SPARSEKV_RETURN_IF_ERROR(fetch(l, misses, *ws[l]));
+        if (async) {
+          // The next-ranked entries are brought while the kernel runs.
+          std::vector<SparseWorkingSet::Miss> ahead;
+          ws[l]->Prefetch(next_ranked, &ahead);
+          async->Start(l, std::move(ahead), *ws[l]);
+        }
         t_fetch += NowSeconds() - t;
         t = NowSeconds();
         mb.main = SparseMlaSource{};
@@ -463,15 +537,23 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
     fetch_s.push_back(t_fetch);
     mla_ws_s.push_back(t_ws);
     mla_res_s.push_back(t_res);
-    step_s.push_back(t_idx + t_fetch + t_ws);
+    step_s.push_back((ranker ? t_rank : t_idx) + t_fetch + t_ws);
     resident_s.push_back(t_idx + t_res);
+    if (ranker) rank_s.push_back(t_rank);
   }
-  uint64_t hits = 0, miss = 0;
+  if (async) {
+    for (const auto& w : ws) (void)async->Wait(*w);
+  }
+  const uint64_t prefetched_total = prefetched_bytes() - prefetched0;
+  const double prefetch_busy = (prefetch_ns.load() - prefetch_ns0) / 1e9;
+  uint64_t hits = 0, miss = 0, ahead = 0, ahead_used = 0;
   uint64_t ws_memory = 0;
   for (const auto& w : ws) {
     hits += w->hits();
     miss += w->misses();
     ws_memory += w->memory_bytes();
+    ahead += w->prefetched();
+    ahead_used += w->prefetch_used();
   }
   hits -= hits0;
   miss -= misses0;
@@ -552,6 +634,14 @@ Result<nlohmann::json> RunSparseDecodeBench(const SparseDecodeBenchOptions& o) {
   if (ssd_fetch) {
     j["sectors_read_per_step"] = static_cast<double>(ssd_fetch->sectors_read() - sectors0) / o.steps;
     j["entry_bytes"] = layout.entry_bytes();
+  }
+  j["prefetch"] = o.prefetch;
+  if (async) {
+    j["bytes_prefetched_per_step"] = static_cast<double>(prefetched_total) / o.steps;
+    j["prefetch_thread_seconds_per_step"] = prefetch_busy / o.steps;
+    j["prefetch_used_ratio"] = ahead ? static_cast<double>(ahead_used) / static_cast<double>(ahead) : 0.0;
+    j["ranked_indexer_seconds"] = Median(rank_s);
+    j["selection_mismatches"] = selection_mismatches;
   }
   j["working_set_hit_ratio"] = hits + miss ? static_cast<double>(hits) / static_cast<double>(hits + miss) : 0.0;
   j["step_seconds"] = Median(step_s);

@@ -36,6 +36,10 @@ struct SparseDecodeBenchOptions {
   std::string tier = "host";
   // --tier ssd, daemon-ssd: a directory for the SSD tier's files (removed afterwards).
   std::string dir;
+  // Entries ranked past the top-k that each step prefetches, per layer, on a thread of their own
+  // while the kernel runs (the sparse path's indexer then ranks top-k + this many; the
+  // resident path keeps its own top-k run). Default: 0 (none).
+  uint32_t prefetch = 0;
   // Threads of the kernels. Default: 1.
   uint32_t threads = 1;
   uint32_t seed = 1;

@@ -230,6 +230,7 @@ Result<std::unique_ptr<SparseWorkingSet>> SparseWorkingSet::Create(const SparseW
   ws->next_.assign(o.capacity_entries + 1, 0);
   ws->prev_[o.capacity_entries] = ws->next_[o.capacity_entries] = o.capacity_entries;  // empty list
   ws->stamp_.assign(o.capacity_entries, 0);
+  ws->prefetch_.assign(o.capacity_entries, 0);
   ws->free_.reserve(o.capacity_entries);
   for (uint32_t s = o.capacity_entries; s-- > 0;) ws->free_.push_back(s);
   return ws;
@@ -252,6 +253,7 @@ void SparseWorkingSet::PushFront(uint32_t s) {
 
 void SparseWorkingSet::Release(uint32_t s) {
   Unlink(s);
+  prefetch_[s] = 0;
   slot_of_[entry_of_[s]] = -1;
   entry_of_[s] = kFree;
   free_.push_back(s);
@@ -294,6 +296,10 @@ Status SparseWorkingSet::Map(std::span<const int32_t> logical, std::span<int32_t
     if (s < 0) continue;
     if (stamp_[s] != call_) ++hits;
     stamp_[s] = call_;
+    if (prefetch_[s]) {
+      prefetch_[s] = 0;
+      ++prefetch_used_;
+    }
     Unlink(static_cast<uint32_t>(s));
     PushFront(static_cast<uint32_t>(s));
   }
@@ -328,6 +334,35 @@ Status SparseWorkingSet::Map(std::span<const int32_t> logical, std::span<int32_t
   hits_ += hits;
   misses_ += misses->size();
   return Status::OK();
+}
+
+void SparseWorkingSet::Prefetch(std::span<const int32_t> logical, std::vector<Miss>* misses) {
+  misses->clear();
+  for (int32_t e : logical) {
+    if (e < 0 || static_cast<uint64_t>(e) >= max_entries_) continue;
+    if (static_cast<uint64_t>(e) >= slot_of_.size()) slot_of_.resize(uint64_t(e) + 1, -1);
+    if (slot_of_[static_cast<uint64_t>(e)] >= 0) continue;  // held (or named earlier in this call)
+    uint32_t slot;
+    if (!free_.empty()) {
+      slot = free_.back();
+      free_.pop_back();
+    } else {
+      // The least recently used, unless the last Map named it: the Map's entries are all in
+      // front of any other (it moved them there), so once the tail is one, none is left.
+      slot = prev_[capacity_];
+      if (slot == capacity_ || (call_ > 0 && stamp_[slot] == call_) || prefetch_[slot] == 2) break;
+      Release(slot);
+      free_.pop_back();
+    }
+    slot_of_[static_cast<uint64_t>(e)] = static_cast<int32_t>(slot);
+    entry_of_[slot] = static_cast<uint64_t>(e);
+    stamp_[slot] = 0;
+    prefetch_[slot] = 2;  // named by this call: not taken back by it
+    PushFront(slot);
+    misses->push_back({static_cast<uint64_t>(e), slot});
+  }
+  for (const Miss& m : *misses) prefetch_[m.slot] = 1;
+  prefetched_ += misses->size();
 }
 
 void SparseWorkingSet::Forget(std::span<const Miss> misses) {
@@ -635,6 +670,63 @@ Status DaemonEntryFetcher::Fetch(uint32_t layer, std::span<const SparseWorkingSe
   }
   ws.Forget(failed);
   return st;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+AsyncEntryFetcher::AsyncEntryFetcher(FetchFn fetch) : fetch_(std::move(fetch)), thread_([this] { Run(); }) {}
+
+AsyncEntryFetcher::~AsyncEntryFetcher() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void AsyncEntryFetcher::Start(uint32_t layer, std::vector<SparseWorkingSet::Miss> misses, SparseWorkingSet& ws) {
+  if (misses.empty()) return;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    jobs_.push_back({layer, std::move(misses), &ws});
+  }
+  cv_.notify_all();
+}
+
+Status AsyncEntryFetcher::Wait(SparseWorkingSet& ws) {
+  std::unique_lock<std::mutex> l(mu_);
+  cv_.wait(l, [&] {
+    if (running_ == &ws) return false;
+    return std::none_of(jobs_.begin(), jobs_.end(), [&](const Job& j) { return j.ws == &ws; });
+  });
+  Status first;
+  for (auto it = errors_.begin(); it != errors_.end();) {
+    if (it->first == &ws) {
+      if (first.ok()) first = it->second;
+      it = errors_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return first;
+}
+
+void AsyncEntryFetcher::Run() {
+  std::unique_lock<std::mutex> l(mu_);
+  while (true) {
+    cv_.wait(l, [&] { return stop_ || !jobs_.empty(); });
+    if (jobs_.empty()) return;  // stopping, and nothing left
+    Job job = std::move(jobs_.front());
+    jobs_.pop_front();
+    running_ = job.ws;
+    l.unlock();
+    Status st = fetch_(job.layer, job.misses, *job.ws);
+    l.lock();
+    running_ = nullptr;
+    if (!st.ok()) errors_.emplace_back(job.ws, std::move(st));
+    cv_.notify_all();
+  }
 }
 
 }  // namespace sparsekv

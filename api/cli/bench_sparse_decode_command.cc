@@ -33,6 +33,10 @@ SPARSEKV_BENCH_COMMAND(sparse_decode) {
                   "read with GET_RANGES over a Unix socket) or daemon-ssd (its host tier holding an eighth, over "
                   "an SSD tier)")
       ->capture_default_str();
+  cmd->add_option("--prefetch", o.prefetch,
+                  "Entries ranked past the top-k prefetched per layer and step on a thread of their own while "
+                  "the kernel runs")
+      ->capture_default_str();
   cmd->add_option("--dir", o.dir,
                   "--tier ssd, daemon-ssd: a directory for the SSD tier's files (removed afterwards)");
   cmd->add_option("--threads", o.threads, "Threads of the kernels")->check(CLI::Range(1, 1024))->capture_default_str();

@@ -98,6 +98,23 @@ TEST(BenchSparseDecode, ShortRunsAreIdenticalAndLean) {
     // The working set holds more than a selection, so it keeps at least what the last kept.
     EXPECT_GE(j["working_set_hit_ratio"].get<double>(), j["measured_overlap"].get<double>() - 0.05) << model;
   }
+  // Prefetching the next-ranked entries: the same selections (the ranked run's top-k is the
+  // plain run's), the same outputs, fewer entries fetched on demand, some prefetched used.
+  {
+    const std::string common = "bench sparse-decode --context 16384 --steps 6 --l1-fraction 0.25 --json";
+    Outcome plain = Cli(common);
+    Outcome ahead = Cli(common + " --prefetch 256");
+    ASSERT_EQ(plain.exit_code, 0) << plain.err;
+    ASSERT_EQ(ahead.exit_code, 0) << ahead.err;
+    auto p = nlohmann::json::parse(plain.out);
+    auto a = nlohmann::json::parse(ahead.out);
+    EXPECT_TRUE(a["outputs_identical"].get<bool>());
+    EXPECT_EQ(a["selection_mismatches"].get<uint64_t>(), 0u);
+    EXPECT_DOUBLE_EQ(a["measured_overlap"].get<double>(), p["measured_overlap"].get<double>());
+    EXPECT_LT(a["bytes_fetched_per_step"].get<double>(), p["bytes_fetched_per_step"].get<double>());
+    EXPECT_GT(a["prefetch_used_ratio"].get<double>(), 0);
+    EXPECT_GT(a["bytes_prefetched_per_step"].get<double>(), 0);
+  }
   // From the SSD tier: one sector per missing entry at most; the tier's files are removed.
   sparsekv::testing::TempDir dir("sparse_bench");
   Outcome ssd = Cli("bench sparse-decode --tier ssd --dir " + dir.path() + " --context 8192 --steps 6 --json");

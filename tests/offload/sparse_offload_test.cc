@@ -168,6 +168,55 @@ TEST(SparseWorkingSet, RefusesWhatCannotBeMappedAndChangesNothing) {
   EXPECT_FALSE(SparseWorkingSet::Create(bad_format).ok());
 }
 
+// Prefetch takes free slots, then the least recently used, never a slot the last Map named
+// (the kernel may be reading those meanwhile); it stops when only those are left; what it
+// brought is a hit when a Map names it, and counted as used.
+TEST(SparseWorkingSet, PrefetchNeverTakesWhatTheLastMapNamed) {
+  SparseWorkingSetOptions o;
+  o.format = StorageFormat::kFp8DsMla;
+  o.dims = 576;
+  o.capacity_entries = 10;
+  o.page_entries = 4;
+  auto ws = SparseWorkingSet::Create(o);
+  ASSERT_TRUE(ws.ok());
+  std::vector<SparseWorkingSet::Miss> misses, ahead;
+  // Before any Map: free slots only, each entry once, the unnamable skipped.
+  (*ws)->Prefetch(std::vector<int32_t>{5, 5, -1, 6, 1 << 30}, &ahead);
+  ASSERT_EQ(ahead.size(), 2u);
+  EXPECT_EQ(ahead[0].entry, 5u);
+  EXPECT_EQ(ahead[1].entry, 6u);
+  std::vector<int32_t> sel = {1, 2, 3, 4, 5, 6}, phys(6);
+  ASSERT_TRUE((*ws)->Map(sel, phys, &misses).ok());
+  EXPECT_EQ(misses.size(), 4u) << "5 and 6 were prefetched";
+  EXPECT_EQ((*ws)->hits(), 2u);
+  EXPECT_EQ((*ws)->prefetch_used(), 2u);
+  std::vector<uint32_t> named(phys.begin(), phys.end());
+  // 4 free slots, then nothing else: all 6 held slots were named by the last Map.
+  (*ws)->Prefetch(std::vector<int32_t>{20, 21, 22, 23, 24, 25, 26}, &ahead);
+  ASSERT_EQ(ahead.size(), 4u);
+  for (const auto& a : ahead) {
+    EXPECT_EQ(std::count(named.begin(), named.end(), a.slot), 0) << "slot " << a.slot << " was named by the Map";
+  }
+  // A Map naming some of them: hits; then a Prefetch may take the rest (not named now), and
+  // the entries of the last Map that the Map before named but this one did not.
+  std::vector<int32_t> sel2 = {1, 20, 21}, phys2(3);
+  ASSERT_TRUE((*ws)->Map(sel2, phys2, &misses).ok());
+  EXPECT_TRUE(misses.empty());
+  EXPECT_EQ((*ws)->prefetch_used(), 4u);
+  (*ws)->Prefetch(std::vector<int32_t>{30, 31, 32, 33, 34, 35, 36, 37, 38}, &ahead);
+  EXPECT_EQ(ahead.size(), 7u) << "10 slots, 3 named by the last Map";
+  for (const auto& a : ahead) {
+    EXPECT_EQ(std::count(phys2.begin(), phys2.end(), static_cast<int32_t>(a.slot)), 0);
+  }
+  EXPECT_EQ((*ws)->prefetched(), 2u + 4u + 7u);
+  // Forget gives prefetched slots back; a later Map names their entries as misses.
+  (*ws)->Forget(ahead);
+  EXPECT_EQ((*ws)->held(), 3u);
+  std::vector<int32_t> sel3 = {30}, phys3(1);
+  ASSERT_TRUE((*ws)->Map(sel3, phys3, &misses).ok());
+  EXPECT_EQ(misses.size(), 1u);
+}
+
 // Packing keeps every entry and only the entries: unpacked pages equal the pages packed, for
 // each format the kernel reads; each entry fills one sector with room for its checksum; a
 // record read under another key, or with one flipped bit, is refused.
@@ -381,6 +430,9 @@ struct DecodeCase {
   bool window;         // V4: a resident sliding-window source as `extra`
   bool ssd = false;    // the working set filled from the SSD tier, not the host tier
   Daemon daemon = Daemon::kNone;  // ... or from sparsekvd, with GET_RANGES
+  // Each step also prefetches, on AsyncEntryFetcher's thread while the kernel reads the working
+  // set, the entries after each selected one (a stand-in for the indexer's next-ranked).
+  bool prefetch = false;
 };
 
 class SparseDecode : public ::testing::TestWithParam<DecodeCase> {};
@@ -406,7 +458,7 @@ TEST_P(SparseDecode, BitIdenticalToTheResidentCacheOver256Steps) {
   ASSERT_TRUE(indexer.ok() && mla.ok());
   std::vector<std::unique_ptr<SparseWorkingSet>> ws;
   for (uint32_t l = 0; l < kLayers; ++l) {
-    auto w = SparseWorkingSet::Create(Options(c.format, c.dims, c.top_k));
+    auto w = SparseWorkingSet::Create(Options(c.format, c.dims, c.prefetch ? 2 * c.top_k : c.top_k));
     ASSERT_TRUE(w.ok());
     ws.push_back(std::move(*w));
   }
@@ -415,6 +467,21 @@ TEST_P(SparseDecode, BitIdenticalToTheResidentCacheOver256Steps) {
   if (c.ssd) ssd_fetch = std::make_unique<SsdEntryFetcher>(*seq.ssd, seq.layout, seq.blocks);
   std::unique_ptr<DaemonEntryFetcher> daemon_fetch;
   if (seq.client) daemon_fetch = std::make_unique<DaemonEntryFetcher>(*seq.client, seq.layout, seq.wire_blocks);
+  // The prefetch's own fetcher (fetchers are used by one thread at a time), on its own thread.
+  std::unique_ptr<HostEntryFetcher> host_ahead;
+  std::unique_ptr<SsdEntryFetcher> ssd_ahead;
+  std::unique_ptr<AsyncEntryFetcher> async;
+  if (c.prefetch) {
+    if (c.ssd) {
+      ssd_ahead = std::make_unique<SsdEntryFetcher>(*seq.ssd, seq.layout, seq.blocks);
+    } else {
+      host_ahead = std::make_unique<HostEntryFetcher>(*seq.host, seq.layout, seq.blocks);
+    }
+    async = std::make_unique<AsyncEntryFetcher>(
+        [&](uint32_t l, std::span<const SparseWorkingSet::Miss> m, SparseWorkingSet& w) {
+          return ssd_ahead ? ssd_ahead->Fetch(l, m, w) : host_ahead->Fetch(l, m, w);
+        });
+  }
   uint64_t daemon_ssd_read0 = 0;
   if (c.daemon == Daemon::kOverSsd) {
     // Most values went down to the daemon's SSD tier, and stay there: GET_RANGES does not
@@ -482,11 +549,23 @@ TEST_P(SparseDecode, BitIdenticalToTheResidentCacheOver256Steps) {
       for (uint32_t i = 0; i < c.top_k; ++i) {
         resident[i] = logical[i] < 0 ? -1 : PhysicalIndex(seq.table, c.entries, static_cast<uint64_t>(logical[i]));
       }
+      if (async) {
+        ASSERT_TRUE(async->Wait(*ws[l]).ok());
+      }
       ASSERT_TRUE(ws[l]->Map(logical, physical, &misses).ok());
       Status st = daemon_fetch ? daemon_fetch->Fetch(l, misses, *ws[l])
                   : c.ssd      ? ssd_fetch->Fetch(l, misses, *ws[l])
                                : host_fetch.Fetch(l, misses, *ws[l]);
       ASSERT_TRUE(st.ok()) << st.ToString();
+      if (async) {
+        std::vector<int32_t> next;
+        for (int32_t e : logical) {
+          if (e >= 0 && static_cast<uint64_t>(e) + 1 < context_entries) next.push_back(e + 1);
+        }
+        std::vector<SparseWorkingSet::Miss> ahead;
+        ws[l]->Prefetch(next, &ahead);
+        async->Start(l, std::move(ahead), *ws[l]);  // filled while the kernel reads below
+      }
       const auto q = attention::testing::RandomBf16(uint64_t{kHeads} * c.dims, step * 31 + l);
       SparseMlaBatch mb;
       mb.q = q.data();
@@ -513,9 +592,17 @@ TEST_P(SparseDecode, BitIdenticalToTheResidentCacheOver256Steps) {
     hit_count += w->hits();
     miss_count += w->misses();
   }
-  EXPECT_NEAR(static_cast<double>(hit_count - hits0) / static_cast<double>(hit_count - hits0 + miss_count - misses0),
-              overlap, 1e-9)
-      << c.name;
+  const double hit_ratio =
+      static_cast<double>(hit_count - hits0) / static_cast<double>(hit_count - hits0 + miss_count - misses0);
+  if (c.prefetch) {
+    // Prefetched entries that a later selection named count as hits.
+    uint64_t used = 0;
+    for (const auto& w : ws) used += w->prefetch_used();
+    EXPECT_GT(used, 0u) << c.name;
+    EXPECT_GE(hit_ratio, overlap) << c.name;
+  } else {
+    EXPECT_NEAR(hit_ratio, overlap, 1e-9) << c.name;
+  }
   EXPECT_GT(daemon_fetch ? daemon_fetch->bytes_fetched()
             : c.ssd      ? ssd_fetch->bytes_fetched()
                          : host_fetch.bytes_fetched(),
@@ -551,7 +638,11 @@ INSTANTIATE_TEST_SUITE_P(
                       DecodeCase{"v32_fp8_daemon_ssd", StorageFormat::kFp8DsMla, 576, 128, 1, 256, false, false,
                                  Daemon::kOverSsd},
                       DecodeCase{"v4_csa_daemon_ssd", StorageFormat::kFp8V4, 512, 32, 4, 128, true, false,
-                                 Daemon::kOverSsd}),
+                                 Daemon::kOverSsd},
+                      DecodeCase{"v32_fp8_prefetch", StorageFormat::kFp8DsMla, 576, 128, 1, 256, false, false,
+                                 Daemon::kNone, true},
+                      DecodeCase{"v4_csa_ssd_prefetch", StorageFormat::kFp8V4, 512, 32, 4, 128, true, true,
+                                 Daemon::kNone, true}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // A record damaged in host memory is refused for the entry that was damaged, and that entry is

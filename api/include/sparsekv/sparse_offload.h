@@ -28,10 +28,15 @@
 #pragma once
 
 #include <array>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <span>
+#include <thread>
 #include <vector>
 
 #include "sparsekv/block_geometry.h"
@@ -150,6 +155,15 @@ class SparseWorkingSet {
   // Gives up entries Map assigned but that could not be filled: their slots become free.
   void Forget(std::span<const Miss> misses);
 
+  // Makes room for entries likely to be selected soon (the indexer's next-ranked ones) and
+  // names in `misses` (cleared first) those not held, with the slots given to them, to be
+  // filled (Fetch) while the kernel reads what the last Map named: no slot the last Map named
+  // changes hands, so the kernel's reads and the fill touch different bytes. Each is placed
+  // as the most recently used; at most as many as there are slots the last Map did not name,
+  // the rest left out. Until the fill completes the caller must not Map again (a Map names a
+  // prefetched entry as held). Entries below 0 or past max_entries are skipped, repeats once.
+  void Prefetch(std::span<const int32_t> logical, std::vector<Miss>* misses);
+
   // Where slot `slot` lies: its page, and its entry index inside the page.
   std::byte* SlotPage(uint32_t slot) { return arena_ + uint64_t{slot / page_entries_} * page_stride_; }
   uint32_t SlotInPage(uint32_t slot) const { return slot % page_entries_; }
@@ -162,6 +176,9 @@ class SparseWorkingSet {
   // Counts over every Map call: entries named that were held, and that were not.
   uint64_t hits() const { return hits_; }
   uint64_t misses() const { return misses_; }
+  // Entries Prefetch named, and those of them a Map named afterwards while still held.
+  uint64_t prefetched() const { return prefetched_; }
+  uint64_t prefetch_used() const { return prefetch_used_; }
   // Bytes of L1 memory: the arena, the per-slot state and the entry index (which grows with
   // the largest entry named).
   uint64_t memory_bytes() const;
@@ -184,9 +201,10 @@ class SparseWorkingSet {
   std::vector<uint64_t> entry_of_;  // slot -> logical entry (kFree when free)
   std::vector<uint32_t> prev_, next_;  // LRU list over slots; index capacity_ is the head
   std::vector<uint64_t> stamp_;        // the Map call that last named the slot
+  std::vector<uint8_t> prefetch_;      // 1: filled by Prefetch, not named by a Map since
   std::vector<uint32_t> free_;
   uint64_t call_ = 0;
-  uint64_t hits_ = 0, misses_ = 0;
+  uint64_t hits_ = 0, misses_ = 0, prefetched_ = 0, prefetch_used_ = 0;
 };
 
 // Fetches entries of a sequence's sparse records from the host tier into a working set. The
@@ -243,6 +261,43 @@ class SsdEntryFetcher {
   std::byte* staging_ = nullptr;  // 4 KiB-aligned sectors
   uint64_t staging_sectors_ = 0;
   uint64_t bytes_fetched_ = 0, sectors_read_ = 0;
+};
+
+// Runs entry fetches on a thread of its own, so that they overlap the caller's compute: after a
+// step's Map and Fetch, the caller starts the fill of what Prefetch named (the indexer's
+// next-ranked entries) and runs the kernel on the working set meanwhile; before the next Map of
+// that working set it waits. The fetch function must not share state with the caller's own
+// fetches (give it a fetcher of its own); it runs on one thread, in the order started.
+class AsyncEntryFetcher {
+ public:
+  using FetchFn = std::function<Status(uint32_t layer, std::span<const SparseWorkingSet::Miss>, SparseWorkingSet&)>;
+  explicit AsyncEntryFetcher(FetchFn fetch);
+  ~AsyncEntryFetcher();  // waits for what was started
+  AsyncEntryFetcher(const AsyncEntryFetcher&) = delete;
+  AsyncEntryFetcher& operator=(const AsyncEntryFetcher&) = delete;
+
+  // Starts filling `misses` of `ws` (from Prefetch). The caller does not touch `ws` until Wait.
+  void Start(uint32_t layer, std::vector<SparseWorkingSet::Miss> misses, SparseWorkingSet& ws);
+  // Waits for every fill of `ws` started so far; returns the first error they met (their
+  // entries are forgotten, so a later Map names them as misses).
+  Status Wait(SparseWorkingSet& ws);
+
+ private:
+  struct Job {
+    uint32_t layer;
+    std::vector<SparseWorkingSet::Miss> misses;
+    SparseWorkingSet* ws;
+  };
+  void Run();
+
+  FetchFn fetch_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;                 // guarded by mu_
+  const SparseWorkingSet* running_ = nullptr;  // guarded by mu_
+  std::vector<std::pair<const SparseWorkingSet*, Status>> errors_;  // guarded by mu_
+  bool stop_ = false;                    // guarded by mu_
+  std::thread thread_;
 };
 
 // A sparse record as the value of one block in sparsekvd, read entry by entry with GET_RANGES.
