@@ -782,6 +782,17 @@ Result<OffloadedPrefix> OffloadedCache::AcquirePrefix(SequenceId seq) {
   return out;
 }
 
+Result<std::vector<BlockDigest>> OffloadedCache::BlockDigests(SequenceId seq) const {
+  std::shared_ptr<SequenceState> st;
+  {
+    MutexLock lock(mu_);
+    auto it = sequences_.find(seq);
+    if (it == sequences_.end()) return Status::NotFound(fmt::format("offloaded cache: no sequence {}", seq));
+    st = it->second;
+  }
+  return st->digests;  // changed only by AppendTokens, which the caller orders with this
+}
+
 Result<OffloadedPrefix> OffloadedCache::LookupPrefix(const PrefixQuery& query) {
   SPARSEKV_ASSIGN_OR_RETURN(PrefixMatch l1, manager_.LookupPrefix(query));
   OffloadedPrefix out;

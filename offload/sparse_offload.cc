@@ -76,6 +76,66 @@ SparseRecordLayout SparseRecordLayout::ForPool(const PoolGeometry& pool) {
   return l;
 }
 
+Result<SparseModelSplit> SplitSparseModel(const ModelSpec& spec, uint32_t block_tokens) {
+  SPARSEKV_RETURN_IF_ERROR(spec.Validate());
+  SPARSEKV_ASSIGN_OR_RETURN(BlockGeometry geometry, ComputeBlockGeometry(spec, block_tokens));
+  auto selected = [&](const LayerSpec& layer, const KindSpec& k) {
+    if (k.kind != CacheKind::kMlaLatent && k.kind != CacheKind::kCsaCompressed) return false;
+    return std::any_of(layer.kinds.begin(), layer.kinds.end(),
+                       [](const KindSpec& o) { return o.kind == CacheKind::kIndexerKey; });
+  };
+  SparseModelSplit out;
+  out.resident = spec;
+  out.resident.name = spec.name + "/resident";
+  // (The pools are checked below; a layer's kinds here.)
+  for (size_t l = 0; l < spec.layers.size(); ++l) {
+    std::vector<KindSpec>& kinds = out.resident.layers[l].kinds;
+    kinds.clear();
+    // A selected kind's layer keeps its indexer keys, so no layer is left empty.
+    for (const KindSpec& k : spec.layers[l].kinds) {
+      if (!selected(spec.layers[l], k)) kinds.push_back(k);
+    }
+  }
+  for (const PoolGeometry& pool : geometry.pools) {
+    if (pool.layers.empty() || !selected(spec.layers[pool.layers[0]], pool.spec)) {
+      for (uint32_t l : pool.layers) {
+        if (selected(spec.layers[l], pool.spec)) {
+          return Status::InvalidArgument(fmt::format(
+              "sparse split of {}: {} is read by selection in layer {} and whole in layer {}, which share a pool",
+              spec.name, CacheKindName(pool.spec.kind), l, pool.layers[0]));
+        }
+      }
+      continue;
+    }
+    for (uint32_t l : pool.layers) {
+      if (!selected(spec.layers[l], pool.spec)) {
+        return Status::InvalidArgument(fmt::format(
+            "sparse split of {}: {} is read by selection in layer {} and whole in layer {}, which share a pool",
+            spec.name, CacheKindName(pool.spec.kind), pool.layers[0], l));
+      }
+    }
+    SparseRecordLayout layout = SparseRecordLayout::ForPool(pool);
+    SPARSEKV_RETURN_IF_ERROR(layout.Validate().WithContext(fmt::format("sparse split of {}", spec.name)));
+    out.kinds.push_back(pool.spec);
+    out.records.push_back(layout);
+  }
+  if (out.records.empty()) {
+    return Status::InvalidArgument(
+        fmt::format("sparse split of {}: no kind is read by selection (an MLA latent or CSA cache in a layer with "
+                    "an indexer)",
+                    spec.name));
+  }
+  SPARSEKV_RETURN_IF_ERROR(out.resident.Validate());
+  return out;
+}
+
+BundleKey SparseRecordKey(uint32_t namespace_id, const BlockDigest& digest, uint32_t kind_index) {
+  // The digest's hash with the kind folded into its high half: still unique per block and kind.
+  BundleKey key{namespace_id, digest.hash};
+  key.hash.hi ^= (uint64_t{kind_index} + 1) * 0x9e3779b97f4a7c15ull;
+  return key;
+}
+
 Status SparseRecordLayout::Validate() const {
   if (!KernelFormat(format)) {
     return Status::InvalidArgument(fmt::format("sparse record: {} is not a format the sparse kernel reads",

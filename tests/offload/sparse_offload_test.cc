@@ -14,6 +14,7 @@
 #include <numeric>
 #include <random>
 #include <unordered_map>
+#include <tuple>
 #include <vector>
 
 #include <fcntl.h>
@@ -26,7 +27,10 @@
 #include "sparsekv/host_tier.h"
 #include "sparsekv/lightning_indexer.h"
 #include "sparsekv/sparse_mla.h"
+#include "sparsekv/model_spec.h"
+#include "sparsekv/offloaded_cache.h"
 #include "sparsekv/ssd_tier.h"
+#include "sparsekv/tier_chain.h"
 #include "server/server.h"
 #include "server/tiered_store.h"
 #include "tests/attention/test_cache.h"
@@ -747,6 +751,290 @@ TEST(SsdEntryFetcher, ADamagedSectorRefusesItsEntriesOnly) {
   ASSERT_TRUE((*ws)->Map(gone, phys2, &misses).ok());
   ASSERT_EQ(misses.size(), 1u);
   EXPECT_EQ(misses[0].entry, 400u);
+}
+
+}  // namespace
+}  // namespace sparsekv
+
+namespace sparsekv {
+namespace {
+
+// Prefix caching with the sparse cache offloaded: an engine whose L1 keeps only the resident
+// kinds (SplitSparseModel) computes a prompt, storing the selection-read kinds as sparse
+// records under the blocks' digests; a second engine over the same tiers (an empty L1) finds the
+// prefix, restores only the resident kinds, and decodes from the records through a working set
+// with outputs bit-identical to reading the whole latent cache.
+struct PrefixCase {
+  const char* name;
+  const char* model;
+  uint32_t layers;        // the preset's first layers
+  uint32_t block_tokens;
+  uint32_t top_k;
+};
+
+class SparsePrefix : public ::testing::TestWithParam<PrefixCase> {};
+
+TEST_P(SparsePrefix, ARestoredPrefixBringsBackOnlyTheResidentKindsAndDecodesBitIdentical) {
+  const PrefixCase c = GetParam();
+  constexpr uint32_t kBlocks = 8, kSparseNs = 9, kHeads = 16, kIdxHeads = 8, kSteps = 24;
+  auto full = ModelPreset(c.model, KvPrecision::kFp8);
+  ASSERT_TRUE(full.ok());
+  full->layers.resize(c.layers);
+  auto split = SplitSparseModel(*full, c.block_tokens);
+  ASSERT_TRUE(split.ok()) << split.status().ToString();
+  ASSERT_EQ(split->records.size(), 1u);
+  const SparseRecordLayout& layout = split->records[0];
+  auto full_geometry = ComputeBlockGeometry(*full, c.block_tokens);
+  ASSERT_TRUE(full_geometry.ok());
+
+  HostTierOptions ho;
+  ho.capacity_bytes = 64ull << 20;
+  ho.max_record_bytes = 8ull << 20;
+  ho.huge_pages = false;
+  std::vector<std::unique_ptr<Tier>> tiers;
+  tiers.push_back(HostTier::Open(ho).value());
+  auto* host = dynamic_cast<HostTier*>(tiers[0].get());
+  TierChain chain(std::move(tiers), TierChainOptions{});
+  auto engine = [&] {
+    CacheManagerOptions mo;
+    mo.block_tokens = c.block_tokens;
+    mo.capacity_blocks = 2 * kBlocks;
+    mo.huge_pages = false;
+    auto m = CacheManager::Create(split->resident, mo);
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    return std::move(m).value();
+  };
+  std::vector<TokenId> prompt(kBlocks * c.block_tokens + 1);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<TokenId>(77 + 13 * i);
+  const int key_pool = [&] {
+    auto g = ComputeBlockGeometry(split->resident, c.block_tokens);
+    EXPECT_TRUE(g.ok());
+    for (size_t p = 0; g.ok() && p < g->pools.size(); ++p) {
+      if (g->pools[p].spec.kind == CacheKind::kIndexerKey) return static_cast<int>(p);
+    }
+    return -1;
+  }();
+  ASSERT_GE(key_pool, 0);
+
+  // The first engine computes the prompt: valid entries in every page it keeps (codec-written
+  // for the indexer keys, which the indexer reads), and the latent as sparse records.
+  std::vector<std::byte> latent(layout.pages_bytes() * kBlocks);  // block b at b * pages_bytes
+  std::vector<std::vector<std::byte>> keys_before;
+  std::vector<BlockDigest> digests;
+  std::mt19937 rng(21);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  {
+    auto m = engine();
+    OffloadedCache cache(*m, chain);
+    auto seq = cache.CreateSequence();
+    ASSERT_TRUE(seq.ok());
+    ASSERT_TRUE(cache.AppendTokens(*seq, prompt).ok());
+    ASSERT_TRUE(cache.AcquirePrefix(*seq).ok());
+    ASSERT_TRUE(m->AllocateSlots(*seq, prompt.size()).ok());
+    for (size_t p = 0; p < m->num_pools(); ++p) {
+      const PoolGeometry& g = m->geometry().pools[p];
+      std::vector<PageId> table;
+      ASSERT_TRUE(m->GetBlockTable(*seq, p, &table).ok());
+      auto codec = PageCodec::Create(g.spec.format, g.spec.dims, g.entries_per_block);
+      for (PageId page : table) {
+        std::byte* d = m->pool(p).PageData(page);
+        for (size_t l = 0; l < g.layers.size(); ++l) {
+          if (g.spec.kind == CacheKind::kIndexerKey && codec.ok()) {
+            std::vector<float> rows(uint64_t{g.entries_per_block} * g.spec.dims);
+            for (float& x : rows) x = normal(rng);
+            ASSERT_TRUE(codec->WriteTokens(d + l * g.layer_stride, 0,
+                                           RowsView::Fp32(rows.data(), g.entries_per_block, g.spec.dims))
+                            .ok());
+          } else {
+            for (uint64_t i = 0; i < g.layer_stride; ++i) d[l * g.layer_stride + i] = std::byte(rng());
+          }
+        }
+      }
+    }
+    digests = cache.BlockDigests(*seq).value();
+    ASSERT_EQ(digests.size(), kBlocks);
+    auto codec = PageCodec::Create(layout.format, layout.dims, layout.entries);
+    ASSERT_TRUE(codec.ok());
+    std::vector<float> rows(uint64_t{layout.entries} * layout.dims);
+    for (uint32_t b = 0; b < kBlocks; ++b) {
+      std::byte* pages = latent.data() + b * layout.pages_bytes();
+      for (uint32_t l = 0; l < layout.layers; ++l) {
+        for (float& x : rows) x = normal(rng);
+        ASSERT_TRUE(codec->WriteTokens(pages + l * layout.page_stride, 0,
+                                       RowsView::Fp32(rows.data(), layout.entries, layout.dims))
+                        .ok());
+      }
+      ASSERT_TRUE(StoreSparseRecord(*host, SparseRecordKey(kSparseNs, digests[b], 0), layout,
+                                    {pages, layout.pages_bytes()}, chain.NextSequence())
+                      .ok());
+    }
+    std::vector<PageId> table;
+    ASSERT_TRUE(m->GetBlockTable(*seq, key_pool, &table).ok());
+    for (uint32_t b = 0; b < kBlocks; ++b) {
+      const std::byte* d = m->pool(key_pool).PageData(table[b]);
+      keys_before.emplace_back(d, d + m->geometry().pools[key_pool].block_stride);
+    }
+    ASSERT_TRUE(cache.CommitComputed(*seq, prompt.size()).ok());
+    ASSERT_TRUE(cache.Free(*seq).ok());
+    cache.WaitIdle();
+    EXPECT_EQ(cache.Stats().demoted_blocks, kBlocks);
+  }
+
+  // The second engine: an empty L1 over the same tiers.
+  auto m = engine();
+  OffloadedCache cache(*m, chain);
+  auto seq = cache.CreateSequence();
+  ASSERT_TRUE(cache.AppendTokens(*seq, prompt).ok());
+  const uint64_t host_read0 = chain.tier(0).Stats().bytes_read;
+  auto hit = cache.AcquirePrefix(*seq);
+  ASSERT_TRUE(hit.ok()) << hit.status().ToString();
+  EXPECT_EQ(hit->lower_blocks, kBlocks);
+  EXPECT_EQ(cache.BlockDigests(*seq).value(), digests);
+  // Only the resident kinds came back: L1 holds no latent page, and the restore read the
+  // resident bundles' bytes, not the records'.
+  const uint64_t resident_block = m->geometry().BytesPerBlock();
+  EXPECT_EQ(resident_block + uint64_t{layout.layers} * layout.page_stride, full_geometry->BytesPerBlock());
+  for (const PoolGeometry& g : m->geometry().pools) {
+    EXPECT_NE(g.spec.kind, layout.format == StorageFormat::kFp8V4 ? CacheKind::kCsaCompressed : CacheKind::kMlaLatent);
+  }
+  const uint64_t restored = chain.tier(0).Stats().bytes_read - host_read0;
+  EXPECT_LE(restored, kBlocks * (resident_block + 4096)) << "more than the resident kinds were read";
+  std::printf("%s: restored %.1f KiB per block of %.1f KiB (%.3f of the full block)\n", c.name,
+              restored / 1024.0 / kBlocks, full_geometry->BytesPerBlock() / 1024.0,
+              static_cast<double>(resident_block) / static_cast<double>(full_geometry->BytesPerBlock()));
+  std::vector<PageId> key_table;
+  ASSERT_TRUE(m->GetBlockTable(*seq, key_pool, &key_table).ok());
+  const PoolGeometry& kg = m->geometry().pools[key_pool];
+  for (uint32_t b = 0; b < kBlocks; ++b) {
+    const std::byte* d = m->pool(key_pool).PageData(key_table[b]);
+    ASSERT_TRUE(std::equal(keys_before[b].begin(), keys_before[b].end(), d)) << "indexer keys of block " << b;
+  }
+  ASSERT_EQ(m->pool(key_pool).PageData(1) - m->pool(key_pool).PageData(0), static_cast<ptrdiff_t>(kg.block_stride));
+
+  // Decode: the indexer over the restored keys, the kernel over the working set filled from the
+  // records, against the kernel over the latent pages as computed.
+  LightningIndexerOptions io;
+  io.top_k = c.top_k;
+  auto indexer = LightningIndexer::Create(io);
+  auto mla = SparseMla::Create(SparseMlaOptions{});
+  ASSERT_TRUE(indexer.ok() && mla.ok());
+  std::vector<BundleKey> record_keys;
+  for (const BlockDigest& d : digests) record_keys.push_back(SparseRecordKey(kSparseNs, d, 0));
+  HostEntryFetcher fetch(*host, layout, record_keys);
+  std::vector<uint32_t> identity(kBlocks);
+  std::iota(identity.begin(), identity.end(), 0u);
+  const uint32_t key_ratio = c.block_tokens / kg.entries_per_block;
+  std::vector<float> qi(kIdxHeads * kg.spec.dims), weights(kIdxHeads);
+  for (float& x : qi) x = normal(rng);
+  for (float& w : weights) w = std::fabs(normal(rng)) + 0.1f;
+  std::vector<int32_t> logical(c.top_k), physical(c.top_k);
+  std::vector<float> out_a(kHeads * 512), lse_a(kHeads), out_b(kHeads * 512), lse_b(kHeads);
+  std::vector<SparseWorkingSet::Miss> misses;
+  for (uint32_t l = 0; l < layout.layers; ++l) {
+    auto ws = SparseWorkingSet::Create(Options(layout.format, layout.dims, 2 * c.top_k));
+    ASSERT_TRUE(ws.ok());
+    // The key pool's slot for the same model layer as the latent pool's slot l.
+    const PoolGeometry* latent_pool = nullptr;
+    for (const PoolGeometry& g : full_geometry->pools) {
+      if (g.spec.kind == CacheKind::kMlaLatent || g.spec.kind == CacheKind::kCsaCompressed) latent_pool = &g;
+    }
+    ASSERT_NE(latent_pool, nullptr);
+    const int key_slot = kg.LayerSlot(latent_pool->layers[l]);
+    ASSERT_GE(key_slot, 0);
+    PagedCacheView keys{m->pool(key_pool).PageData(0) + uint64_t(key_slot) * kg.layer_stride, kg.block_stride,
+                        m->pool(key_pool).capacity(), kg.entries_per_block, kg.spec.dims, kg.spec.format};
+    PagedCacheView resident{latent.data() + uint64_t{l} * layout.page_stride, layout.pages_bytes(), kBlocks,
+                            layout.entries, layout.dims, layout.format};
+    for (uint32_t step = 0; step < kSteps; ++step) {
+      for (float& x : qi) x = 0.98f * x + 0.2f * normal(rng);
+      IndexerSequence is{key_table, identity, layout.entries};
+      const uint64_t position = uint64_t{kBlocks} * c.block_tokens - 1;
+      IndexerBatch ib;
+      ib.q = qi.data();
+      ib.q_type = RowType::kFp32;
+      ib.weights = weights.data();
+      ib.tokens = 1;
+      ib.heads = kIdxHeads;
+      ib.sequences = std::span<const IndexerSequence>(&is, 1);
+      ib.positions = &position;
+      ib.key_ratio = key_ratio;
+      IndexerOutput iout;
+      iout.indices = logical.data();
+      ASSERT_TRUE((*indexer)->Run(keys, ib, iout).ok());
+      ASSERT_TRUE((*ws)->Map(logical, physical, &misses).ok());
+      Status st = fetch.Fetch(l, misses, **ws);
+      ASSERT_TRUE(st.ok()) << st.ToString();
+      const auto q = attention::testing::RandomBf16(uint64_t{kHeads} * layout.dims, step * 7 + l);
+      SparseMlaBatch mb;
+      mb.q = q.data();
+      mb.tokens = 1;
+      mb.heads = kHeads;
+      mb.softmax_scale = 1.0f / std::sqrt(static_cast<float>(layout.dims));
+      mb.main = Source(resident, logical.data(), c.top_k);
+      ASSERT_TRUE((*mla)->Run(mb, {out_a.data(), lse_a.data()}).ok());
+      mb.main = Source((*ws)->view(), physical.data(), c.top_k);
+      ASSERT_TRUE((*mla)->Run(mb, {out_b.data(), lse_b.data()}).ok());
+      ASSERT_EQ(std::memcmp(out_a.data(), out_b.data(), out_a.size() * 4), 0) << "layer " << l << " step " << step;
+      ASSERT_EQ(std::memcmp(lse_a.data(), lse_b.data(), lse_a.size() * 4), 0) << "layer " << l << " step " << step;
+    }
+  }
+  ASSERT_TRUE(cache.Free(*seq).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, SparsePrefix,
+                         ::testing::Values(PrefixCase{"v32", "deepseek-v3.2-exp", 2, 64, 256},
+                                           PrefixCase{"v4", "deepseek-v4-flash", 5, 128, 128}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// What the split keeps and refuses.
+TEST(SparseModelSplit, KeepsTheResidentKindsAndRefusesAModelWithNothingToOffload) {
+  auto v32 = ModelPreset("deepseek-v3.2-exp", KvPrecision::kFp8);
+  ASSERT_TRUE(v32.ok());
+  auto split = SplitSparseModel(*v32, 64);
+  ASSERT_TRUE(split.ok()) << split.status().ToString();
+  ASSERT_EQ(split->resident.layers.size(), v32->layers.size());
+  for (const LayerSpec& l : split->resident.layers) {
+    ASSERT_EQ(l.kinds.size(), 1u);
+    EXPECT_EQ(l.kinds[0].kind, CacheKind::kIndexerKey);
+  }
+  EXPECT_EQ(split->kinds[0].kind, CacheKind::kMlaLatent);
+  EXPECT_EQ(split->records[0].layers, v32->layers.size());
+  EXPECT_EQ(split->records[0].entry_bytes(), 656u);
+  auto v4 = ModelPreset("deepseek-v4-flash", KvPrecision::kFp8);
+  ASSERT_TRUE(v4.ok());
+  auto s4 = SplitSparseModel(*v4, 128);
+  ASSERT_TRUE(s4.ok()) << s4.status().ToString();
+  EXPECT_EQ(s4->kinds[0].kind, CacheKind::kCsaCompressed);
+  // What a prefix hit restores per block, whole models.
+  for (const auto& [spec, split_spec, bt] : {std::tuple{&*v32, &split->resident, 64u}, std::tuple{&*v4, &s4->resident, 128u}}) {
+    const uint64_t all = ComputeBlockGeometry(*spec, bt)->BytesPerBlock();
+    const uint64_t kept = ComputeBlockGeometry(*split_spec, bt)->BytesPerBlock();
+    EXPECT_LT(kept, all);
+    std::printf("%s, %u-token blocks: a prefix hit restores %llu of %llu bytes per block (%.3f)\n", spec->name.c_str(), bt,
+                static_cast<unsigned long long>(kept), static_cast<unsigned long long>(all),
+                static_cast<double>(kept) / static_cast<double>(all));
+  }
+  for (const LayerSpec& l : s4->resident.layers) {
+    for (const KindSpec& k : l.kinds) EXPECT_NE(k.kind, CacheKind::kCsaCompressed);
+  }
+  // The first two V4 layers keep only a window: nothing there is read by selection.
+  ModelSpec window_only = *v4;
+  window_only.layers.resize(2);
+  auto none = SplitSparseModel(window_only, 128);
+  EXPECT_EQ(none.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(none.status().ToString().find("no kind is read by selection"), std::string::npos);
+  // A latent in a layer without an indexer is read whole (dense MLA); one pool cannot be both
+  // in L1 and offloaded, so a model mixing the two in one pool is refused, by name.
+  ModelSpec mixed = *v32;
+  mixed.layers.resize(2);
+  std::erase_if(mixed.layers[1].kinds, [](const KindSpec& k) { return k.kind == CacheKind::kIndexerKey; });
+  auto sm = SplitSparseModel(mixed, 64);
+  EXPECT_EQ(sm.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(sm.status().ToString().find("layer 1"), std::string::npos) << sm.status().ToString();
+  // Distinct kinds of one block get distinct record keys, and the bundles' key is not one.
+  const BlockDigest d{{1, 2}, {3, 4}};
+  EXPECT_FALSE(SparseRecordKey(5, d, 0) == SparseRecordKey(5, d, 1));
+  EXPECT_FALSE(SparseRecordKey(5, d, 0).hash == d.hash);
 }
 
 }  // namespace

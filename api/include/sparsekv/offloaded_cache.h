@@ -127,6 +127,10 @@ class OffloadedCache {
   Status Free(SequenceId seq) SPARSEKV_EXCLUDES(mu_);
   // Read-only: how much of a prompt L1 and the chain hold.
   Result<OffloadedPrefix> LookupPrefix(const PrefixQuery& query);
+  // The digests of the sequence's full blocks so far, in order: what its bundles are filed
+  // under ({namespace_id, digest.hash}), and what an engine files other records of the same
+  // blocks under (sparse records, sparse_offload.h). Errors: NotFound (no such sequence).
+  Result<std::vector<BlockDigest>> BlockDigests(SequenceId seq) const SPARSEKV_EXCLUDES(mu_);
 
   // Blocks until background demotes and prefetches are done (those of evictions that happen
   // meanwhile too).

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "sparsekv/block_geometry.h"
+#include "sparsekv/block_hash.h"
 #include "sparsekv/bundle.h"
 #include "sparsekv/client.h"
 #include "sparsekv/paged_cache_view.h"
@@ -262,6 +263,28 @@ class SsdEntryFetcher {
   uint64_t staging_sectors_ = 0;
   uint64_t bytes_fetched_ = 0, sectors_read_ = 0;
 };
+
+// Prefix caching with the sparse cache offloaded. The engine's CacheManager (and the
+// OffloadedCache over it) keeps only the kinds every decode step reads whole: indexer keys, and
+// V4's window, HCA entries and compressor state. The kinds the sparse kernel reads by selection
+// (V3.2's MLA latent, V4's CSA entries, in layers with an indexer) live only in the tiers, as
+// sparse records, one per block and kind, filed under the block's digest in a namespace of
+// their own. A prefix hit then restores only the resident kinds (AcquirePrefix), and decode
+// brings in the selected entries through a working set (HostEntryFetcher, SsdEntryFetcher).
+struct SparseModelSplit {
+  ModelSpec resident;  // for the CacheManager: every layer without its selection-read kinds
+  // One per offloaded pool of the full geometry, in its order: the kind, and the layout of its
+  // sparse records (the pool's pages for one block, every layer that keeps the kind).
+  std::vector<KindSpec> kinds;
+  std::vector<SparseRecordLayout> records;
+};
+// Errors: a spec that fails Validate or ComputeBlockGeometry; no kind read by selection; a
+// selected kind in a format the sparse kernel cannot read.
+Result<SparseModelSplit> SplitSparseModel(const ModelSpec& spec, uint32_t block_tokens = kDefaultBlockTokens);
+// What sparse record `kind_index` (into SparseModelSplit::records) of the block with `digest`
+// is filed under, in namespace `namespace_id` (one not used by the OffloadedCache's bundles:
+// those are filed under the same digests). Distinct kinds get distinct keys.
+BundleKey SparseRecordKey(uint32_t namespace_id, const BlockDigest& digest, uint32_t kind_index);
 
 // Runs entry fetches on a thread of its own, so that they overlap the caller's compute: after a
 // step's Map and Fetch, the caller starts the fill of what Prefetch named (the indexer's
