@@ -311,6 +311,32 @@ void SparseWorkingSet::PushFront(uint32_t s) {
   next_[head] = s;
 }
 
+uint32_t SparseWorkingSet::TakeSlot(bool for_prefetch) {
+  uint32_t slot;
+  if (!free_.empty()) {
+    slot = free_.back();
+  } else {
+    slot = prev_[capacity_];  // the least recently used
+    // A prefetch leaves what the last Map named (the kernel may be reading it) and what it
+    // took itself. The Map's entries are all in front of any other (it moved them there), so
+    // once the tail is one of them, no other is left.
+    if (for_prefetch &&
+        (slot == capacity_ || (call_ > 0 && stamp_[slot] == call_) || prefetch_[slot] == 2)) {
+      return capacity_;
+    }
+    Release(slot);
+  }
+  free_.pop_back();
+  return slot;
+}
+
+void SparseWorkingSet::Assign(uint32_t slot, uint64_t entry, uint64_t stamp) {
+  slot_of_[entry] = static_cast<int32_t>(slot);
+  entry_of_[slot] = entry;
+  stamp_[slot] = stamp;
+  PushFront(slot);
+}
+
 void SparseWorkingSet::Release(uint32_t s) {
   Unlink(s);
   prefetch_[s] = 0;
@@ -371,22 +397,11 @@ Status SparseWorkingSet::Map(std::span<const int32_t> logical, std::span<int32_t
     }
     int32_t s = slot_of_[static_cast<uint64_t>(e)];
     if (s < 0) {
-      uint32_t slot;
-      if (!free_.empty()) {
-        slot = free_.back();
-        free_.pop_back();
-      } else {
-        // The least recently used: never one this call named, as the selection has at most
-        // capacity_ distinct entries (checked above) and those are all in front of it.
-        slot = prev_[capacity_];
-        Release(slot);
-        free_.pop_back();
-      }
+      // The least recently used, when none is free, is never one this call named: the
+      // selection has at most capacity_ distinct entries (checked above), all in front of it.
+      const uint32_t slot = TakeSlot(/*for_prefetch=*/false);
       s = static_cast<int32_t>(slot);
-      slot_of_[static_cast<uint64_t>(e)] = s;
-      entry_of_[slot] = static_cast<uint64_t>(e);
-      stamp_[slot] = call_;
-      PushFront(slot);
+      Assign(slot, static_cast<uint64_t>(e), call_);
       misses->push_back({static_cast<uint64_t>(e), slot});
     }
     physical[i] = s;
@@ -402,23 +417,10 @@ void SparseWorkingSet::Prefetch(std::span<const int32_t> logical, std::vector<Mi
     if (e < 0 || static_cast<uint64_t>(e) >= max_entries_) continue;
     if (static_cast<uint64_t>(e) >= slot_of_.size()) slot_of_.resize(uint64_t(e) + 1, -1);
     if (slot_of_[static_cast<uint64_t>(e)] >= 0) continue;  // held (or named earlier in this call)
-    uint32_t slot;
-    if (!free_.empty()) {
-      slot = free_.back();
-      free_.pop_back();
-    } else {
-      // The least recently used, unless the last Map named it: the Map's entries are all in
-      // front of any other (it moved them there), so once the tail is one, none is left.
-      slot = prev_[capacity_];
-      if (slot == capacity_ || (call_ > 0 && stamp_[slot] == call_) || prefetch_[slot] == 2) break;
-      Release(slot);
-      free_.pop_back();
-    }
-    slot_of_[static_cast<uint64_t>(e)] = static_cast<int32_t>(slot);
-    entry_of_[slot] = static_cast<uint64_t>(e);
-    stamp_[slot] = 0;
-    prefetch_[slot] = 2;  // named by this call: not taken back by it
-    PushFront(slot);
+    const uint32_t slot = TakeSlot(/*for_prefetch=*/true);
+    if (slot == capacity_) break;  // only what the last Map named (or this call took) is left
+    Assign(slot, static_cast<uint64_t>(e), /*stamp=*/0);
+    prefetch_[slot] = 2;  // taken by this call: not taken back by it
     misses->push_back({static_cast<uint64_t>(e), slot});
   }
   for (const Miss& m : *misses) prefetch_[m.slot] = 1;

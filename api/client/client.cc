@@ -1119,31 +1119,41 @@ Result<std::vector<GetResult>> Client::GetRanges(std::span<const RangesRequest> 
   const uint64_t max_reply = max_payload_bytes();
   size_t next = 0;
   while (next < items.size()) {
-    // One request: as many items as keep the reply within the maximum payload.
+    // One request: as many items as keep both it and its reply within the maximum payload
+    // (the daemon closes the connection on a request it must refuse whole, so every such case
+    // is answered here, per item).
     w::GetRangesRequest req;
     std::vector<size_t> index;
-    uint64_t bound = 4, ranges = 0;
+    uint64_t bound = 4, request_bytes = 4, ranges = 0;
     for (; next < items.size(); ++next) {
       const RangesRequest& it = items[next];
       uint64_t bytes = 0;
-      bool empty_range = it.ranges.empty();
+      bool bad_range = it.ranges.empty();
       for (const ValueRange& r : it.ranges) {
         bytes += r.bytes;
-        empty_range |= r.bytes == 0;
+        bad_range |= r.bytes == 0 || r.offset > UINT64_MAX - r.bytes;
       }
       const uint64_t cost = 5 + std::max<uint64_t>(bytes, w::kMaxRangesMessageBytes);
-      if (empty_range || 4 + cost > max_reply || it.ranges.size() > w::kMaxRangesPerRequest) {
-        out[next].status = Status::InvalidArgument(
-            empty_range ? "GET_RANGES: an item with no range or a range of 0 bytes"
-                        : fmt::format("GET_RANGES: {} bytes in {} ranges of one value exceed one reply of {} bytes",
-                                      bytes, it.ranges.size(), max_reply));
+      const uint64_t item_bytes = 20 + 12 * uint64_t{it.ranges.size()};
+      if (bad_range) {
+        out[next].status =
+            Status::InvalidArgument("GET_RANGES: an item with no range, a range of 0 bytes or one past 2^64");
         continue;
       }
-      if (!req.items.empty() && (bound + cost > max_reply || ranges + it.ranges.size() > w::kMaxRangesPerRequest ||
-                                 req.items.size() == w::kMaxBatchItems)) {
+      if (4 + cost > max_reply || 4 + item_bytes > max_reply || it.ranges.size() > w::kMaxRangesPerRequest) {
+        out[next].status = Status::InvalidArgument(
+            fmt::format("GET_RANGES: {} ranges of {} bytes in all do not fit one request and its reply within {} "
+                        "bytes, or exceed {} ranges",
+                        it.ranges.size(), bytes, max_reply, w::kMaxRangesPerRequest));
+        continue;
+      }
+      if (!req.items.empty() &&
+          (bound + cost > max_reply || request_bytes + item_bytes > max_reply ||
+           ranges + it.ranges.size() > w::kMaxRangesPerRequest || req.items.size() == w::kMaxBatchItems)) {
         break;
       }
       bound += cost;
+      request_bytes += item_bytes;
       ranges += it.ranges.size();
       w::RangeItem ri;
       ri.hash = it.hash;

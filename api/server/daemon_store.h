@@ -59,11 +59,12 @@ class DaemonStore {
   // reported as removed) and Corruption returned.
   virtual Status Recheck(uint32_t ns, const wire::WireHash& hash, const Keep& keep) { return Status::OK(); }
   // GET_RANGES: calls `sink(i, status, bytes)` once per item, in order, `bytes` being the
-  // item's ranges of its value back to back (valid during the call). Reads no more of a value
-  // than its ranges need (the SSD tier: the 4 KiB sectors holding them) and does not check the
-  // whole value's checksum, which would read all of it: ranges carry their own checks (sparse
-  // records, api/PROTOCOL.md). Per item: NotFound, InvalidArgument (a range past the value's
-  // end), IOError. The default serves the ranges from Get.
+  // item's ranges of its value back to back (valid during the call). A store may read no more
+  // of a value than its ranges need (TieredStore's SSD tier: the 4 KiB sectors holding them),
+  // and then does not check the whole value's checksum, which would read all of it: ranges
+  // carry their own checks (sparse records, api/PROTOCOL.md). Per item: NotFound,
+  // InvalidArgument (a range past the value's end), IOError. The default reads each value
+  // whole with Get.
   using RangesSink = std::function<void(size_t, const Status&, std::span<const std::byte>)>;
   virtual void GetRanges(uint32_t ns, std::span<const wire::RangeItem> items, const RangesSink& sink);
   // Memory the store's GET bytes may lie in, with a memfd another process can map (the

@@ -1375,6 +1375,12 @@ class Session : public std::enable_shared_from_this<Session> {
       const uint64_t room = srv_.budget_.limit() - std::min(srv_.budget_.limit(), srv_.budget_.used());
       reply_limit = std::clamp<uint64_t>(room, kConnectionAllowance, srv_.options_.max_frame_bytes);
       reserved.Add(reply_limit);
+    } else if (h.opcode == wire::Opcode::kGetRanges) {
+      // The most its reply can take (HandleFrame decoded it already), reserved for the worker
+      // that builds it, and counted in flight, so pipelined requests cannot pass the budget.
+      auto req = wire::DecodeGetRangesRequest(payload.span(), srv_.options_.max_frame_bytes);
+      reply_limit = req.ok() ? wire::GetRangesReplyBound(*req) : 0;
+      reserved.Add(reply_limit);
     }
     const uint64_t bytes = payload.size() + reply_limit;
     inflight_bytes_ += bytes;

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <future>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "sparsekv/host_tier.h"
 #include "sparsekv/ssd_tier.h"
@@ -314,15 +315,20 @@ void TieredStore::GetRanges(uint32_t ns, std::span<const wire::RangeItem> items,
   std::vector<Item> out(n);
   std::vector<BundleKey> keys(n);
   for (size_t i = 0; i < n; ++i) keys[i] = {ns, FromWire(items[i].hash)};
-  // Pinned blocks, then the host tier, in place (not checked whole: see DaemonStore).
+  // Pinned blocks, then the host tier, in place (not checked whole: see DaemonStore). A pinned
+  // bundle is shared out under the lock and copied from after it.
+  std::vector<BundlePtr> pinned(n);
   {
     MutexLock l(mu_);
     for (size_t i = 0; i < n; ++i) {
       auto it = pinned_.find(keys[i]);
-      if (it == pinned_.end()) continue;
-      out[i].st = GatherRanges(it->second.bundle->segment(0), items[i].ranges, out[i].bytes);
-      out[i].done = true;
+      if (it != pinned_.end()) pinned[i] = it->second.bundle;
     }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (!pinned[i]) continue;
+    out[i].st = GatherRanges(pinned[i]->segment(0), items[i].ranges, out[i].bytes);
+    out[i].done = true;
   }
   HostTier* host = nullptr;
   SsdTier* ssd = nullptr;
@@ -344,26 +350,29 @@ void TieredStore::GetRanges(uint32_t ns, std::span<const wire::RangeItem> items,
   if (ssd != nullptr) {
     struct Want {
       size_t item;
-      std::vector<uint64_t> sectors;  // record offsets, sorted, distinct
+      std::vector<uint64_t> sectors;  // record offsets, sorted, distinct: every one the ranges touch
     };
     std::vector<Want> wants;
     for (size_t i = 0; i < n; ++i) {
       if (out[i].done) continue;
-      Want w{i, {}};
+      // Its distinct sectors, up to kMaxRangeSectors; an item needing more (or naming a range
+      // past any value, which the general path answers) is left to the general path.
+      std::set<uint64_t> sectors;
+      bool general = false;
       for (const wire::ByteRange& r : items[i].ranges) {
         if (r.offset + r.bytes > kBeyondAnyValue) {
-          out[i].st = CheckRanges(std::span(&r, 1), kBeyondAnyValue);
-          out[i].done = true;
+          general = true;
           break;
         }
         const uint64_t first = (kValueInRecord + r.offset) / kSector;
         const uint64_t last = (kValueInRecord + r.offset + r.bytes - 1) / kSector;
-        for (uint64_t s = first; s <= last && w.sectors.size() <= kMaxRangeSectors; ++s) w.sectors.push_back(s * kSector);
+        for (uint64_t s = first; s <= last && !general; ++s) {
+          sectors.insert(s * kSector);
+          general = sectors.size() > kMaxRangeSectors;
+        }
+        if (general) break;
       }
-      if (out[i].done) continue;
-      std::sort(w.sectors.begin(), w.sectors.end());
-      w.sectors.erase(std::unique(w.sectors.begin(), w.sectors.end()), w.sectors.end());
-      if (w.sectors.size() <= kMaxRangeSectors) wants.push_back(std::move(w));
+      if (!general) wants.push_back({i, std::vector<uint64_t>(sectors.begin(), sectors.end())});
     }
     auto* staging = static_cast<std::byte*>(std::aligned_alloc(kSector, kMaxRangeSectors * kSector));
     size_t next = 0;
@@ -421,14 +430,19 @@ void TieredStore::GetRanges(uint32_t ns, std::span<const wire::RangeItem> items,
           uint64_t left = r.bytes;
           while (left > 0) {
             const uint64_t sector = pos / kSector * kSector;
-            const size_t k = first + (std::lower_bound(want.sectors.begin(), want.sectors.end(), sector) -
-                                      want.sectors.begin());
+            const auto at_sector = std::lower_bound(want.sectors.begin(), want.sectors.end(), sector);
+            if (at_sector == want.sectors.end() || *at_sector != sector) {  // cannot happen: all were listed
+              it.st = Status::Internal(fmt::format("GET_RANGES: sector {} was not read", sector));
+              break;
+            }
+            const size_t k = first + static_cast<size_t>(at_sector - want.sectors.begin());
             const uint64_t take = std::min(left, sector + kSector - pos);
             std::memcpy(p, staging + k * kSector + (pos - sector), take);
             p += take;
             pos += take;
             left -= take;
           }
+          if (!it.st.ok()) break;
         }
       }
       next = end;

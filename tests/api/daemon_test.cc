@@ -841,11 +841,12 @@ TEST_F(DaemonTest, GetRangesReadsPartsOfTheNewestValueAndNothingPastIt) {
   got = c->GetRanges(std::vector<RangesRequest>{{H(1), {{0, 1}}}});
   ASSERT_TRUE(got.ok());
   EXPECT_EQ((*got)[0].status.code(), StatusCode::kNotFound);
-  // What the client refuses without asking.
-  got = c->GetRanges(std::vector<RangesRequest>{{H(1), {}}, {H(1), {{0, 0}}}});
+  // What the client refuses without asking (the daemon would close the connection on it).
+  got = c->GetRanges(std::vector<RangesRequest>{{H(1), {}}, {H(1), {{0, 0}}}, {H(1), {{UINT64_MAX - 1, 2}}}});
   ASSERT_TRUE(got.ok());
   EXPECT_EQ((*got)[0].status.code(), StatusCode::kInvalidArgument);
   EXPECT_EQ((*got)[1].status.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*got)[2].status.code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(c->Ping().ok());
 }
 
@@ -867,6 +868,10 @@ TEST_F(DaemonSmallFrameTest, GetRangesIsSplitWithinTheMaximumPayload) {
     items.push_back({H(k), {{0, 150000}, {150000, 50000}}});
   }
   items.push_back({H(0), {{0, 200000}, {0, 100000}}});  // 300,000 bytes: more than one reply
+  // Requests too are bounded: 12 bytes a range, so 30,000 ranges do not fit one; 3 items of
+  // 10,000 ranges each go in separate requests.
+  items.push_back({H(1), std::vector<ValueRange>(30000, ValueRange{7, 1})});
+  for (uint64_t k = 0; k < 3; ++k) items.push_back({H(k), std::vector<ValueRange>(10000, ValueRange{k, 1})});
   auto got = c->GetRanges(items);
   ASSERT_TRUE(got.ok()) << got.status().ToString();
   for (uint64_t k = 0; k < 6; ++k) {
@@ -874,6 +879,12 @@ TEST_F(DaemonSmallFrameTest, GetRangesIsSplitWithinTheMaximumPayload) {
     EXPECT_EQ((*got)[k].bytes, values[k]) << k;
   }
   EXPECT_EQ((*got)[6].status.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*got)[7].status.code(), StatusCode::kInvalidArgument) << "a request of 360,020 bytes";
+  for (uint64_t k = 0; k < 3; ++k) {
+    ASSERT_TRUE((*got)[8 + k].status.ok()) << (*got)[8 + k].status.ToString();
+    EXPECT_EQ((*got)[8 + k].bytes, std::vector<std::byte>(10000, values[k][k])) << k;
+  }
+  EXPECT_TRUE(c->Ping().ok());
 }
 
 class DaemonLimitsTest : public DaemonTest {
@@ -1125,6 +1136,10 @@ TEST_P(DaemonSsdTest, GetRangesReadsSectorsOfTheNewestVersion) {
       items.push_back({H(k), {{0, 1}, {4031, 2}, {n - 100, 100}}});
     }
     items.push_back({H(down[0]), {{value(down[0], 1).size() - 1, 2}}});  // one byte past the end
+    // 258 ranges in one sector, then one in another: what counts is distinct sectors (2).
+    RangesRequest repeated{H(down[1]), std::vector<ValueRange>(258, ValueRange{0, 1})};
+    repeated.ranges.push_back({8192, 3});
+    items.push_back(repeated);
     auto got = reader->GetRanges(items);
     ASSERT_TRUE(got.ok()) << got.status().ToString();
     for (size_t i = 0; i < down.size(); ++i) {
@@ -1134,10 +1149,18 @@ TEST_P(DaemonSsdTest, GetRangesReadsSectorsOfTheNewestVersion) {
       ASSERT_TRUE((*got)[i].status.ok()) << when << ": key " << down[i] << ": " << (*got)[i].status.ToString();
       EXPECT_EQ((*got)[i].bytes, want) << when << ": key " << down[i] << " is not its newest value";
     }
-    EXPECT_EQ(got->back().status.code(), StatusCode::kInvalidArgument) << got->back().status.ToString();
+    const GetResult& past_end = (*got)[down.size()];
+    EXPECT_EQ(past_end.status.code(), StatusCode::kInvalidArgument) << past_end.status.ToString();
+    {
+      const std::vector<std::byte> v = value(down[1], 1);
+      std::vector<std::byte> want(258, v[0]);
+      want.insert(want.end(), v.begin() + 8192, v.begin() + 8195);
+      ASSERT_TRUE(got->back().status.ok()) << got->back().status.ToString();
+      EXPECT_EQ(got->back().bytes, want) << when << ": repeated ranges";
+    }
     const uint64_t read = store_->chain().tier(1).Stats().bytes_read - read0;
     EXPECT_GT(read, 0u) << when;
-    EXPECT_LE(read, (4 * down.size() + 1) * 4096) << when << ": more than the sectors the ranges lie in";
+    EXPECT_LE(read, (4 * down.size() + 1 + 2) * 4096) << when << ": more than the sectors the ranges lie in";
     auto after = reader->Lookup(all);
     ASSERT_TRUE(after.ok());
     for (uint64_t k : down) EXPECT_EQ(after->tiers[k], BlockTier::kSsd) << when << ": key " << k << " moved";

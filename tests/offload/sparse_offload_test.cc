@@ -55,6 +55,23 @@ SparseMlaSource Source(const PagedCacheView& view, const int32_t* indices, uint3
   return s;
 }
 
+// One token's selection by the indexer over `keys`, for a sequence at `position`.
+Status Select(LightningIndexer& indexer, const PagedCacheView& keys, const IndexerSequence& is, const float* q,
+              const float* weights, uint32_t heads, uint64_t position, uint32_t key_ratio, int32_t* out) {
+  IndexerBatch ib;
+  ib.q = q;
+  ib.q_type = RowType::kFp32;
+  ib.weights = weights;
+  ib.tokens = 1;
+  ib.heads = heads;
+  ib.sequences = std::span<const IndexerSequence>(&is, 1);
+  ib.positions = &position;
+  ib.key_ratio = key_ratio;
+  IndexerOutput iout;
+  iout.indices = out;
+  return indexer.Run(keys, ib, iout);
+}
+
 BundleKey Key(uint64_t block) { return {7, BlockHash{block * 0x9e3779b97f4a7c15ull + 1, block}}; }
 
 // Writes a pattern naming `entry` into slot `slot` of the working set (what a fetch brings).
@@ -176,10 +193,7 @@ TEST(SparseWorkingSet, RefusesWhatCannotBeMappedAndChangesNothing) {
 // (the kernel may be reading those meanwhile); it stops when only those are left; what it
 // brought is a hit when a Map names it, and counted as used.
 TEST(SparseWorkingSet, PrefetchNeverTakesWhatTheLastMapNamed) {
-  SparseWorkingSetOptions o;
-  o.format = StorageFormat::kFp8DsMla;
-  o.dims = 576;
-  o.capacity_entries = 10;
+  SparseWorkingSetOptions o = Options(StorageFormat::kFp8DsMla, 576, 10);
   o.page_entries = 4;
   auto ws = SparseWorkingSet::Create(o);
   ASSERT_TRUE(ws.ok());
@@ -528,19 +542,9 @@ TEST_P(SparseDecode, BitIdenticalToTheResidentCacheOver256Steps) {
     for (uint32_t l = 0; l < kLayers; ++l) {
       const auto& keys = seq.keys[l];
       IndexerSequence is{keys.table, identity, c.entries};
-      const uint64_t position = context_entries * c.key_ratio - 1;
-      IndexerBatch ib;
-      ib.q = qi.data();
-      ib.q_type = RowType::kFp32;
-      ib.weights = weights.data();
-      ib.tokens = 1;
-      ib.heads = kIdxHeads;
-      ib.sequences = std::span<const IndexerSequence>(&is, 1);
-      ib.positions = &position;
-      ib.key_ratio = c.key_ratio;
-      IndexerOutput iout;
-      iout.indices = logical.data();
-      ASSERT_TRUE((*indexer)->Run(keys.view, ib, iout).ok());
+      ASSERT_TRUE(Select(**indexer, keys.view, is, qi.data(), weights.data(), kIdxHeads,
+                         context_entries * c.key_ratio - 1, c.key_ratio, logical.data())
+                      .ok());
       if (!last[l].empty()) {
         std::vector<int32_t> a = last[l], b = logical;
         std::sort(a.begin(), a.end());
@@ -948,19 +952,9 @@ TEST_P(SparsePrefix, ARestoredPrefixBringsBackOnlyTheResidentKindsAndDecodesBitI
     for (uint32_t step = 0; step < kSteps; ++step) {
       for (float& x : qi) x = 0.98f * x + 0.2f * normal(rng);
       IndexerSequence is{key_table, identity, layout.entries};
-      const uint64_t position = uint64_t{kBlocks} * c.block_tokens - 1;
-      IndexerBatch ib;
-      ib.q = qi.data();
-      ib.q_type = RowType::kFp32;
-      ib.weights = weights.data();
-      ib.tokens = 1;
-      ib.heads = kIdxHeads;
-      ib.sequences = std::span<const IndexerSequence>(&is, 1);
-      ib.positions = &position;
-      ib.key_ratio = key_ratio;
-      IndexerOutput iout;
-      iout.indices = logical.data();
-      ASSERT_TRUE((*indexer)->Run(keys, ib, iout).ok());
+      ASSERT_TRUE(Select(**indexer, keys, is, qi.data(), weights.data(), kIdxHeads,
+                         uint64_t{kBlocks} * c.block_tokens - 1, key_ratio, logical.data())
+                      .ok());
       ASSERT_TRUE((*ws)->Map(logical, physical, &misses).ok());
       Status st = fetch.Fetch(l, misses, **ws);
       ASSERT_TRUE(st.ok()) << st.ToString();

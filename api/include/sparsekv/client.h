@@ -97,9 +97,9 @@ class Client {
   // Per item, its ranges' bytes back to back, in order (api/PROTOCOL.md, GET_RANGES). The
   // daemon does not check a value's checksum for this (it would read all of it): check what
   // the ranges carry (sparse records carry a checksum per entry). Items are sent in as many
-  // requests as the daemon's maximum payload needs. Per item: NotFound, InvalidArgument (a
-  // range of 0 bytes, past the value's end, or an item whose reply alone could exceed the
-  // maximum payload), IOError.
+  // requests as the daemon's maximum payload needs. Per item: NotFound, InvalidArgument (no
+  // range, a range of 0 bytes, reaching past 2^64 or past the value's end, an item whose
+  // request or reply alone could exceed the maximum payload), IOError.
   Result<std::vector<GetResult>> GetRanges(std::span<const RangesRequest> items);
   Result<std::vector<Status>> Pin(std::span<const WireBlockHash> hashes, uint8_t priority);
   Result<std::vector<Status>> Unpin(std::span<const WireBlockHash> hashes);

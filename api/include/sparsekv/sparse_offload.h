@@ -161,8 +161,11 @@ class SparseWorkingSet {
   // filled (Fetch) while the kernel reads what the last Map named: no slot the last Map named
   // changes hands, so the kernel's reads and the fill touch different bytes. Each is placed
   // as the most recently used; at most as many as there are slots the last Map did not name,
-  // the rest left out. Until the fill completes the caller must not Map again (a Map names a
-  // prefetched entry as held). Entries below 0 or past max_entries are skipped, repeats once.
+  // the rest left out. Until the fill completes the caller must neither Map nor Prefetch again
+  // (a Map names a prefetched entry as held; a Prefetch may take a slot being filled). After a
+  // failed Fetch the caller must Map again before a kernel reads the working set: a forgotten
+  // slot is free for a Prefetch to take. Entries below 0 or past max_entries are skipped,
+  // repeats once.
   void Prefetch(std::span<const int32_t> logical, std::vector<Miss>* misses);
 
   // Where slot `slot` lies: its page, and its entry index inside the page.
@@ -189,6 +192,11 @@ class SparseWorkingSet {
   void Unlink(uint32_t slot);
   void PushFront(uint32_t slot);
   void Release(uint32_t slot);
+  // A slot for a new entry: a free one, else the least recently used, released; for a
+  // prefetch, capacity_ when only slots it must leave are left.
+  uint32_t TakeSlot(bool for_prefetch);
+  // Gives `slot` to `entry` as the most recently used.
+  void Assign(uint32_t slot, uint64_t entry, uint64_t stamp);
 
   StorageFormat format_ = StorageFormat::kFp8DsMla;
   uint32_t dims_ = 0;
@@ -270,7 +278,8 @@ class SsdEntryFetcher {
 // (V3.2's MLA latent, V4's CSA entries, in layers with an indexer) live only in the tiers, as
 // sparse records, one per block and kind, filed under the block's digest in a namespace of
 // their own. A prefix hit then restores only the resident kinds (AcquirePrefix), and decode
-// brings in the selected entries through a working set (HostEntryFetcher, SsdEntryFetcher).
+// brings in the selected entries through a working set (HostEntryFetcher, SsdEntryFetcher; from
+// sparsekvd, DaemonEntryFetcher over values made with MakeSparseValue).
 struct SparseModelSplit {
   ModelSpec resident;  // for the CacheManager: every layer without its selection-read kinds
   // One per offloaded pool of the full geometry, in its order: the kind, and the layout of its
