@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")"
 ./scripts/setup.sh
 ./scripts/configure.sh build/release Release
-cmake --build build/release -j2 --target sparsekvd sparsekv_cli
+cmake --build build/release -j2 --target sparsekvd sparsekv_cli sparsekv_python
 mkdir -p var
 exec build/release/api/sparsekvd --data-dir ./var "$@"

@@ -10,6 +10,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev
   fio redis-server redis-tools
+  python3 python3-dev pybind11-dev python3-pytest python3-numpy
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -907,27 +907,36 @@ class Client::Impl {
     return out;
   }
 
-  // PUTs over the socket, as many frames as the daemon's maximum payload needs (a bundle too
-  // large for any frame goes alone, and the daemon answers it with an error).
+  // PUTs over the socket, as many frames as the daemon's maximum payload needs. A bundle too
+  // large for any frame is answered ResourceExhausted here, without sending it: the daemon
+  // would close the connection on a frame past its maximum.
   Result<std::vector<Status>> PutSocket(std::span<const BundleRef> bundles) {
     const uint64_t limit = hello_.max_payload_bytes;
+    auto alone = [&](size_t i) { return 4 + 16 + 4 + uint64_t{bundles[i].bytes.size()}; };
     std::vector<Status> out;
     out.reserve(bundles.size());
     size_t i = 0;
     while (i < bundles.size()) {
       w::PutRequest req;
       uint64_t size = 4;
-      while (i < bundles.size() && req.items.size() < w::kMaxBatchItems) {
+      while (i < bundles.size() && req.items.size() < w::kMaxBatchItems && alone(i) <= limit) {
         const uint64_t item = 16 + 4 + bundles[i].bytes.size();
         if (!req.items.empty() && size + item > limit) break;
         req.items.push_back({bundles[i].hash, bundles[i].bytes});
         size += item;
         ++i;
       }
-      std::vector<std::byte> framing;
-      const auto pieces = w::EncodePieces(req, framing);
-      SPARSEKV_ASSIGN_OR_RETURN(auto part, ParseStatusList(Call(w::Opcode::kPut, pieces), req.items.size()));
-      out.insert(out.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
+      if (!req.items.empty()) {
+        std::vector<std::byte> framing;
+        const auto pieces = w::EncodePieces(req, framing);
+        SPARSEKV_ASSIGN_OR_RETURN(auto part, ParseStatusList(Call(w::Opcode::kPut, pieces), req.items.size()));
+        out.insert(out.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
+      }
+      if (i < bundles.size() && alone(i) > limit) {
+        out.push_back(Status::ResourceExhausted(fmt::format(
+            "a value of {} bytes does not fit sparsekvd's largest frame of {} bytes", bundles[i].bytes.size(), limit)));
+        ++i;
+      }
     }
     return out;
   }
@@ -1235,7 +1244,19 @@ std::future<Result<LookupResult>> Client::LookupAsync(std::vector<WireBlockHash>
 
 std::future<Result<std::vector<Status>>> Client::PutAsync(std::vector<BundleRef> bundles) {
   w::PutRequest req;
-  for (const BundleRef& b : bundles) req.items.push_back({b.hash, b.bytes});
+  uint64_t size = 4;
+  for (const BundleRef& b : bundles) {
+    req.items.push_back({b.hash, b.bytes});
+    size += 16 + 4 + b.bytes.size();
+  }
+  if (size > max_payload_bytes()) {  // one frame: the daemon would close the connection on it
+    std::promise<Result<std::vector<Status>>> refused;
+    refused.set_value(Status::ResourceExhausted(fmt::format(
+        "an asynchronous PUT of {} bytes exceeds sparsekvd's largest frame of {} bytes (Put splits; PutAsync "
+        "sends one frame)",
+        size, max_payload_bytes())));
+    return refused.get_future();
+  }
   std::vector<std::byte> framing;
   auto fut = impl_->Send(w::Opcode::kPut, w::EncodePieces(req, framing));
   const size_t n = bundles.size();

@@ -115,7 +115,9 @@ class Client {
   //
   // Every GET returns all its items: a reply never exceeds the daemon's maximum frame
   // (max_payload_bytes()), so the items it defers are asked for again, transparently. A
-  // synchronous PUT over the socket is split into frames within that maximum too.
+  // synchronous PUT over the socket is split into frames within that maximum too, and a value
+  // too large for any frame is answered ResourceExhausted without being sent; PutAsync sends
+  // one frame, and refuses (ResourceExhausted, nothing sent) a batch larger than the maximum.
   std::future<Result<LookupResult>> LookupAsync(std::vector<WireBlockHash> hashes);
   std::future<Result<std::vector<Status>>> PutAsync(std::vector<BundleRef> bundles);
   std::future<Result<std::vector<GetResult>>> GetAsync(std::vector<WireBlockHash> hashes);

@@ -1,0 +1,177 @@
+"""sparsekv.Client against a real sparsekvd: values round-trip over TCP and the Unix socket
+(shared memory), memoryviews outlive their client, errors are the status codes' exceptions,
+namespaces are kept apart, and threads share one client."""
+
+import asyncio
+import gc
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import sparsekv
+
+
+def key(i, tag=b"k"):
+    return i.to_bytes(8, "little") + tag.ljust(8, b"\0")
+
+
+def test_version():
+    assert sparsekv.__version__ == "0.1.0"
+
+
+@pytest.mark.parametrize("where", ["tcp", "unix"])
+def test_values_round_trip(daemon, where):
+    address = daemon.tcp if where == "tcp" else daemon.unix
+    with sparsekv.Client(address, "alpha", "alpha-token") as c:
+        assert c.shared_memory == (where == "unix")
+        sizes = [1, 100, 4096, 65536, 300000, c.max_payload_bytes // 4]
+        values = [os.urandom(n) for n in sizes]
+        keys = [key(i, where.encode()) for i in range(len(sizes))]
+        assert c.put(keys, values) == [None] * len(keys)
+        got = c.get(keys + [key(999, b"absent")])
+        assert got[-1] is None
+        for v, g in zip(values, got):
+            assert isinstance(g, memoryview)
+            assert g.readonly
+            assert g.nbytes == len(v)
+            assert g.tobytes() == v
+        # Any contiguous bytes-like value: bytearray, memoryview, numpy.
+        arr = np.arange(1000, dtype=np.float32)
+        assert c.put([key(50, where.encode()), key(51, where.encode()), key(52, where.encode())],
+                     [bytearray(b"xyz"), memoryview(b"abcd"), arr]) == [None] * 3
+        a, b, n = c.get([key(50, where.encode()), key(51, where.encode()), key(52, where.encode())])
+        assert bytes(a) == b"xyz" and bytes(b) == b"abcd"
+        assert np.array_equal(np.frombuffer(n, dtype=np.float32), arr)
+
+
+def test_overwrite_reads_the_newest(daemon):
+    with sparsekv.Client(daemon.unix, "alpha", "alpha-token") as c:
+        k = key(7, b"over")
+        for round_ in range(5):
+            v = bytes([round_]) * (1000 + round_)
+            assert c.put([k], [v]) == [None]
+            [g] = c.get([k])
+            assert bytes(g) == v
+
+
+def test_a_value_outlives_its_client(daemon):
+    c = sparsekv.Client(daemon.tcp, "alpha", "alpha-token")
+    v = os.urandom(70000)
+    c.put([key(1, b"life")], [v])
+    [view] = c.get([key(1, b"life")])
+    c.close()
+    del c
+    gc.collect()
+    assert view.tobytes() == v  # the view owns its bytes
+    with pytest.raises(TypeError):
+        view[0] = 1  # read-only
+    # Lent on without a copy: two numpy arrays over the view share its memory.
+    a1 = np.frombuffer(view, dtype=np.uint8)
+    a2 = np.frombuffer(view, dtype=np.uint8)
+    assert a1.ctypes.data == a2.ctypes.data
+    assert not a1.flags.writeable
+    del view, a2
+    gc.collect()
+    assert a1.tobytes() == v  # numpy keeps the buffer alive in turn
+
+
+def test_lookup_delete_stats(daemon):
+    with sparsekv.Client(daemon.tcp, "alpha", "alpha-token") as c:
+        keys = [key(i, b"prefix") for i in range(4)]
+        c.put(keys[:3], [b"a", b"b", b"c"])
+        blocks, tiers = c.lookup(keys)
+        assert blocks == 3
+        assert tiers == ["host", "host", "host", "absent"]
+        assert c.delete(keys[1:2]) == [None]
+        assert c.lookup(keys)[0] == 1
+        assert c.get(keys[1:2]) == [None]
+        stats = c.stats()
+        assert isinstance(stats, dict) and stats
+        c.ping()
+
+
+def test_errors_are_the_status_codes(daemon):
+    with pytest.raises(sparsekv.PermissionDenied) as e:
+        sparsekv.Client(daemon.tcp, "alpha", "wrong-token")
+    assert isinstance(e.value, sparsekv.Error) and str(e.value)
+    with pytest.raises(sparsekv.PermissionDenied):
+        sparsekv.Client(daemon.tcp, "no-such-namespace", "")
+    with pytest.raises(sparsekv.Error):
+        sparsekv.Client("127.0.0.1:1", "alpha", "alpha-token", timeout=2)
+    c = sparsekv.Client(daemon.tcp, "alpha", "alpha-token")
+    with pytest.raises(ValueError):
+        c.get([b"short"])
+    with pytest.raises(ValueError):
+        c.put([key(1)], [])
+    with pytest.raises(TypeError):
+        c.get([12345])
+    # A value past the daemon's largest frame is refused for that item only.
+    too_big = bytes(c.max_payload_bytes + 1)
+    out = c.put([key(2, b"big"), key(3, b"small")], [too_big, b"fine"])
+    assert isinstance(out[0], sparsekv.Error), out
+    assert out[1] is None
+    assert c.get([key(2, b"big")]) == [None]
+    c.close()
+    with pytest.raises(sparsekv.FailedPrecondition):
+        c.get([key(1)])
+    assert issubclass(sparsekv.NotFound, sparsekv.Error)
+    assert sparsekv.NotFound.code == "NotFound"
+
+
+def test_namespaces_are_kept_apart(daemon):
+    with sparsekv.Client(daemon.tcp, "alpha", "alpha-token") as a, \
+            sparsekv.Client(daemon.unix, "beta", "beta-token") as b:
+        a.put([key(5, b"ns")], [b"alpha's"])
+        assert b.get([key(5, b"ns")]) == [None]
+        assert b.lookup([key(5, b"ns")]) == (0, ["absent"])
+        b.put([key(5, b"ns")], [b"beta's"])
+        assert bytes(a.get([key(5, b"ns")])[0]) == b"alpha's"
+        assert bytes(b.get([key(5, b"ns")])[0]) == b"beta's"
+
+
+@pytest.mark.parametrize("where", ["tcp", "unix"])
+def test_threads_share_one_client(daemon, where):
+    address = daemon.tcp if where == "tcp" else daemon.unix
+    errors = []
+    with sparsekv.Client(address, "alpha", "alpha-token") as c:
+        def work(t):
+            try:
+                for i in range(40):
+                    k = key(t * 1000 + i, b"thr" + where.encode())
+                    v = os.urandom(1000 + (i * 997 + t) % 60000)
+                    assert c.put([k], [v]) == [None]
+                    [g] = c.get([k])
+                    assert g is not None and g.tobytes() == v
+            except Exception as e:  # noqa: BLE001 (reported below)
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
+
+
+def test_asyncio(daemon):
+    async def main():
+        with sparsekv.Client(daemon.tcp, "alpha", "alpha-token") as c:
+            keys = [key(i, b"aio") for i in range(16)]
+            assert await c.put_async(keys, [bytes([i]) * 100 for i in range(16)]) == [None] * 16
+            results = await asyncio.gather(*(c.get_async([k]) for k in keys))
+            return [bytes(r[0]) for r in results]
+
+    got = asyncio.run(main())
+    assert got == [bytes([i]) * 100 for i in range(16)]
+
+
+def test_bench_script_runs(daemon):
+    import client_bench
+    out = client_bench.run(daemon.tcp, daemon.unix, "alpha", "alpha-token", values=8, value_bytes=4096, rounds=2,
+                           iterations=3)
+    for where in ("tcp", "unix_shm"):
+        assert out[where]["python_get_seconds"] > 0
+        assert out[where]["cpp_get_seconds"] > 0
+    assert out["unix_shm"]["shared_memory"] is True
