@@ -8,6 +8,7 @@
 //   client is thread-safe) and the interpreter runs while a call waits for the daemon.
 // - A GET's bytes are not copied into Python: each value is a read-only memoryview of a buffer
 //   object that owns the client's vector, alive as long as the view.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -19,7 +20,10 @@
 #include <string>
 #include <vector>
 
+#include "sparsekv/block_hash.h"
+#include "sparsekv/cache_manager.h"
 #include "sparsekv/client.h"
+#include "sparsekv/model_spec.h"
 #include "sparsekv/status.h"
 
 namespace py = pybind11;
@@ -273,6 +277,209 @@ class CppBaseline {
   std::unique_ptr<Client> client_;
 };
 
+
+// ---- cache side ----
+
+// A CacheManager shared with every array lent out of its pools: an array keeps it alive.
+class PyCacheManager {
+ public:
+  PyCacheManager(const ModelSpec& spec, uint32_t block_tokens, uint32_t capacity_blocks,
+                 uint32_t window_capacity_blocks, uint32_t state_capacity_blocks, bool huge_pages,
+                 const std::string& hash_mode, bool enable_prefix_caching) {
+    CacheManagerOptions o;
+    o.block_tokens = block_tokens;
+    o.capacity_blocks = capacity_blocks;
+    o.window_capacity_blocks = window_capacity_blocks;
+    o.state_capacity_blocks = state_capacity_blocks;
+    o.huge_pages = huge_pages;
+    o.hash_mode = Take(ParseHashMode(hash_mode));
+    o.enable_prefix_caching = enable_prefix_caching;
+    m_ = std::shared_ptr<CacheManager>(Take(CacheManager::Create(spec, o)));
+  }
+
+  size_t num_pools() const { return m_->num_pools(); }
+  uint32_t block_tokens() const { return m_->geometry().block_tokens; }
+
+  py::dict PoolInfo(size_t i) const {
+    CheckPool(i);
+    const PoolGeometry& g = m_->geometry().pools[i];
+    py::dict d;
+    d["kind"] = std::string(CacheKindName(g.spec.kind));
+    d["format"] = std::string(StorageFormatName(g.spec.format));
+    d["dims"] = g.spec.dims;
+    d["ratio"] = g.spec.ratio;
+    d["layers"] = g.layers;
+    d["entries_per_block"] = g.entries_per_block;
+    d["bytes_per_entry"] = g.bytes_per_entry;
+    d["page_bytes"] = g.page_bytes;
+    d["layer_stride"] = g.layer_stride;
+    d["block_stride"] = g.block_stride;
+    d["capacity"] = m_->pool(i).capacity();
+    return d;
+  }
+
+  // Pool i's arena in place: uint8 [capacity, page bytes], page p at row p (block_stride bytes:
+  // every layer of one block). Writable; the array keeps the manager alive.
+  py::array PoolArray(size_t i) const {
+    CheckPool(i);
+    const PagePool& pool = m_->pool(i);
+    std::byte* base = pool.PageData(0);
+    if (base == nullptr) Raise(Status::FailedPrecondition("the pool has no arena (metadata only)"));
+    auto* keep = new std::shared_ptr<CacheManager>(m_);
+    py::capsule owner(keep, [](void* p) { delete static_cast<std::shared_ptr<CacheManager>*>(p); });
+    const py::ssize_t rows = pool.capacity(), cols = static_cast<py::ssize_t>(pool.page_bytes());
+    return py::array(py::dtype::of<uint8_t>(), {rows, cols}, {cols, py::ssize_t{1}},
+                     reinterpret_cast<uint8_t*>(base), owner);
+  }
+
+  uint64_t CreateSequence(const std::string& salt, const std::string& extra_keys, bool cache_blocks) {
+    SequenceOptions o;
+    o.namespace_salt = salt;
+    o.extra_keys = extra_keys;
+    o.cache_blocks = cache_blocks;
+    return Take(m_->CreateSequence(o));
+  }
+
+  void AppendTokens(uint64_t seq, const std::vector<TokenId>& tokens) {
+    const Status st = m_->AppendTokens(seq, tokens);
+    if (!st.ok()) Raise(st);
+  }
+
+  py::dict AcquireCachedPrefix(uint64_t seq) { return Match(Take(m_->AcquireCachedPrefix(seq))); }
+
+  py::dict LookupPrefix(const std::vector<TokenId>& tokens, const std::string& salt, const std::string& extra_keys,
+                        bool leave_last_token) const {
+    PrefixQuery q;
+    q.namespace_salt = salt;
+    q.extra_keys = extra_keys;
+    q.tokens = tokens;
+    q.leave_last_token = leave_last_token;
+    return Match(Take(m_->LookupPrefix(q)));
+  }
+
+  py::dict AllocateSlots(uint64_t seq, uint64_t num_tokens) {
+    SlotAllocation a = Take(m_->AllocateSlots(seq, num_tokens));
+    py::dict d;
+    d["first_new_block"] = a.first_new_block;
+    d["new_blocks"] = a.new_blocks;
+    py::list copies;
+    for (const PageCopy& c : a.copies) {
+      copies.append(py::make_tuple(c.pool, c.src, c.dst,
+                                   c.reason == CopyReason::kCopyOnWrite ? "copy_on_write" : "carry_state"));
+    }
+    d["copies"] = copies;
+    return d;
+  }
+
+  void CommitComputed(uint64_t seq, uint64_t num_tokens) {
+    const Status st = m_->CommitComputed(seq, num_tokens);
+    if (!st.ok()) Raise(st);
+  }
+
+  void Free(uint64_t seq) {
+    const Status st = m_->Free(seq);
+    if (!st.ok()) Raise(st);
+  }
+
+  std::vector<PageId> BlockTable(uint64_t seq, size_t pool) const {
+    std::vector<PageId> out;
+    const Status st = m_->GetBlockTable(seq, pool, &out);
+    if (!st.ok()) Raise(st);
+    return out;
+  }
+
+  py::dict SequenceInfo(uint64_t seq) const {
+    const sparsekv::SequenceInfo i = Take(m_->GetSequenceInfo(seq));
+    py::dict d;
+    d["tokens"] = i.tokens;
+    d["computed_tokens"] = i.computed_tokens;
+    d["slot_tokens"] = i.slot_tokens;
+    d["blocks"] = i.blocks;
+    d["cached_blocks"] = i.cached_blocks;
+    return d;
+  }
+
+  void Reset() {
+    const Status st = m_->Reset();
+    if (!st.ok()) Raise(st);
+  }
+
+  py::dict Stats() const {
+    const CacheStats s = m_->Stats();
+    py::dict d;
+    d["lookups"] = s.lookups;
+    d["hits"] = s.hits;
+    d["misses"] = s.misses;
+    d["lookup_tokens"] = s.lookup_tokens;
+    d["hit_tokens"] = s.hit_tokens;
+    d["hit_blocks"] = s.hit_blocks;
+    d["stored_blocks"] = s.stored_blocks;
+    d["evicted_blocks"] = s.evicted_blocks;
+    d["failed_allocations"] = s.failed_allocations;
+    d["cached_blocks"] = s.cached_blocks;
+    d["sequences"] = s.sequences;
+    d["internal_errors"] = s.internal_errors;
+    return d;
+  }
+
+  // For tests: a page's bytes as C++ reads them (copied), and a page filled from C++.
+  py::bytes PageBytes(size_t pool, uint32_t page) const {
+    CheckPage(pool, page);
+    const PagePool& p = m_->pool(pool);
+    return py::bytes(reinterpret_cast<const char*>(p.PageData(page)), p.page_bytes());
+  }
+  void FillPage(size_t pool, uint32_t page, uint8_t value) {
+    CheckPage(pool, page);
+    const PagePool& p = m_->pool(pool);
+    std::memset(p.PageData(page), value, p.page_bytes());
+  }
+
+ private:
+  static py::dict Match(const PrefixMatch& pm) {
+    py::dict d;
+    d["blocks"] = pm.blocks;
+    d["tokens"] = pm.tokens;
+    d["chain_blocks"] = pm.chain_blocks;
+    return d;
+  }
+  void CheckPool(size_t i) const {
+    if (i >= m_->num_pools()) {
+      Raise(Status::OutOfRange("pool " + std::to_string(i) + " of " + std::to_string(m_->num_pools())));
+    }
+  }
+  void CheckPage(size_t pool, uint32_t page) const {
+    CheckPool(pool);
+    if (page >= m_->pool(pool).capacity() || m_->pool(pool).PageData(0) == nullptr) {
+      Raise(Status::OutOfRange("page " + std::to_string(page) + " of pool " + std::to_string(pool)));
+    }
+  }
+
+  std::shared_ptr<CacheManager> m_;
+};
+
+// The prefix-hash chain of a prompt's full blocks (block_hash.h), each as the 16 bytes the
+// daemon files it under (lo, then hi, little-endian).
+std::vector<py::bytes> BlockHashes(const std::vector<TokenId>& tokens, uint32_t block_tokens, const std::string& salt,
+                                   const std::string& extra_keys, const std::string& mode) {
+  if (block_tokens == 0) Raise(Status::InvalidArgument("block_tokens must be at least 1"));
+  const BlockHasher hasher(Take(ParseHashMode(mode)), block_tokens);
+  std::vector<BlockDigest> digests;
+  hasher.HashFullBlocks(hasher.Root(salt), tokens, extra_keys, &digests);
+  std::vector<py::bytes> out;
+  out.reserve(digests.size());
+  for (const BlockDigest& d : digests) {
+    char b[16];
+    std::memcpy(b, &d.hash.lo, 8);
+    std::memcpy(b + 8, &d.hash.hi, 8);
+    out.emplace_back(b, 16);
+  }
+  return out;
+}
+
+ModelSpec Preset(const std::string& name, const std::string& precision) {
+  return Take(ModelPreset(name, Take(ParseKvPrecision(precision))));
+}
+
 }  // namespace
 }  // namespace sparsekv::python
 
@@ -312,6 +519,44 @@ PYBIND11_MODULE(_sparsekv, m) {
       .def_property_readonly("block_tokens", &PyClient::block_tokens)
       .def_property_readonly("session_id", &PyClient::session_id);
 
+
+  py::class_<sparsekv::ModelSpec>(m, "ModelSpec")
+      .def_readonly("name", &sparsekv::ModelSpec::name)
+      .def_property_readonly("num_layers", [](const sparsekv::ModelSpec& s) { return s.layers.size(); })
+      .def("to_json", [](const sparsekv::ModelSpec& s) { return sparsekv::ModelSpecToJson(s); })
+      .def("__repr__", [](const sparsekv::ModelSpec& s) {
+        return "sparsekv.ModelSpec(" + s.name + ", " + std::to_string(s.layers.size()) + " layers)";
+      });
+  m.def("model_preset", &Preset, py::arg("name"), py::arg("precision") = "bf16");
+  m.def("model_presets", &sparsekv::ModelPresetNames);
+  m.def("block_hashes", &BlockHashes, py::arg("tokens"), py::arg("block_tokens"), py::arg("namespace_salt") = "",
+        py::arg("extra_keys") = "", py::arg("mode") = "xxh3");
+  m.def("model_spec_from_json", [](const std::string& text) { return Take(sparsekv::ParseModelSpecJson(text)); },
+        py::arg("text"));
+
+  py::class_<PyCacheManager>(m, "_CacheManager")
+      .def(py::init<const sparsekv::ModelSpec&, uint32_t, uint32_t, uint32_t, uint32_t, bool, const std::string&,
+                    bool>(),
+           py::arg("spec"), py::arg("block_tokens"), py::arg("capacity_blocks"), py::arg("window_capacity_blocks"),
+           py::arg("state_capacity_blocks"), py::arg("huge_pages"), py::arg("hash_mode"),
+           py::arg("enable_prefix_caching"))
+      .def_property_readonly("num_pools", &PyCacheManager::num_pools)
+      .def_property_readonly("block_tokens", &PyCacheManager::block_tokens)
+      .def("pool_info", &PyCacheManager::PoolInfo)
+      .def("pool_array", &PyCacheManager::PoolArray)
+      .def("create_sequence", &PyCacheManager::CreateSequence)
+      .def("append_tokens", &PyCacheManager::AppendTokens)
+      .def("acquire_cached_prefix", &PyCacheManager::AcquireCachedPrefix)
+      .def("lookup_prefix", &PyCacheManager::LookupPrefix)
+      .def("allocate_slots", &PyCacheManager::AllocateSlots)
+      .def("commit_computed", &PyCacheManager::CommitComputed)
+      .def("free", &PyCacheManager::Free)
+      .def("block_table", &PyCacheManager::BlockTable)
+      .def("sequence_info", &PyCacheManager::SequenceInfo)
+      .def("reset", &PyCacheManager::Reset)
+      .def("stats", &PyCacheManager::Stats)
+      .def("_page_bytes", &PyCacheManager::PageBytes)
+      .def("_fill_page", &PyCacheManager::FillPage);
   py::class_<CppBaseline>(m, "_CppBaseline")
       .def(py::init<const std::string&, const std::string&, const std::string&, bool>(), py::arg("address"),
            py::arg("namespace"), py::arg("token"), py::arg("shared_memory"))

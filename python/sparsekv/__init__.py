@@ -1,4 +1,5 @@
-"""sparsekv from Python: a client of the sparsekvd daemon.
+"""sparsekv from Python: a client of the sparsekvd daemon, and the cache manager with its page
+pools lent to numpy (and through it to torch) in place.
 
     import sparsekv
     with sparsekv.Client("unix:./var/sparsekvd.sock") as c:
@@ -18,7 +19,33 @@ from . import _sparsekv
 
 __version__ = _sparsekv.__version__
 
-__all__ = ["Client", "Error", "__version__"]
+__all__ = ["CacheManager", "Client", "Error", "ModelSpec", "__version__", "block_hashes", "model_preset",
+           "model_presets", "model_spec_from_json"]
+
+ModelSpec = _sparsekv.ModelSpec
+
+
+def model_preset(name, precision="bf16"):
+    """A built-in model spec ("deepseek-v3.2-exp", "deepseek-v4-flash", ...) with its kinds
+    stored at `precision` ("bf16", "fp8", "c8")."""
+    return _sparsekv.model_preset(name, precision)
+
+
+def block_hashes(tokens, block_tokens, namespace_salt="", extra_keys="", mode="xxh3"):
+    """The prefix-hash chain of a prompt's full blocks, each 16 bytes: the keys its blocks are
+    stored under in sparsekvd (a trailing partial block has none). The same chain the cache
+    manager computes for the same salt, extra keys and mode ("xxh3" or "sha256")."""
+    return _sparsekv.block_hashes([int(t) for t in tokens], block_tokens, namespace_salt, extra_keys, mode)
+
+
+def model_presets():
+    """The names of the built-in model specs."""
+    return _sparsekv.model_presets()
+
+
+def model_spec_from_json(text):
+    """A model spec from its JSON text (the shape of ModelSpec.to_json())."""
+    return _sparsekv.model_spec_from_json(text)
 
 
 class Error(Exception):
@@ -148,3 +175,85 @@ class Client:
 
     def __repr__(self):
         return f"sparsekv.Client({self.address!r}, namespace={self.namespace!r})"
+
+
+class CacheManager:
+    """The L1 KV cache of one model: page pools with compression-rate-aligned blocks for every
+    cache kind, block tables per sequence, and the prefix cache (cache_manager.h).
+
+    ``pool_array(i)`` lends pool i's memory in place as a writable numpy uint8 array of shape
+    [capacity, page bytes]: page p is row p, every layer of one block (``pool_info(i)`` gives
+    the layer stride and format). Nothing is copied; what the engine writes there is what the
+    cache keeps, offloads and shares, and the reverse. ``torch.from_numpy(array)`` gives a
+    tensor over the same memory. An array keeps the manager's memory alive after the
+    manager object is gone.
+
+    The call sequence of an engine: create_sequence, append_tokens (the prompt),
+    acquire_cached_prefix (blocks already cached), allocate_slots, write the new tokens' KV
+    into the pages of block_table, commit_computed, and free when the request ends.
+    """
+
+    def __init__(self, spec, *, capacity_blocks, block_tokens=128, window_capacity_blocks=0,
+                 state_capacity_blocks=0, huge_pages=False, hash_mode="xxh3", enable_prefix_caching=True):
+        self._m = _sparsekv._CacheManager(spec, block_tokens, capacity_blocks, window_capacity_blocks,
+                                          state_capacity_blocks, huge_pages, hash_mode, enable_prefix_caching)
+
+    @property
+    def num_pools(self):
+        """Page pools: one per distinct cache kind and layout of the model."""
+        return self._m.num_pools
+
+    @property
+    def block_tokens(self):
+        return self._m.block_tokens
+
+    def pool_info(self, pool):
+        """Pool `pool`'s kind, format, dims, ratio, layers, entries per block, strides, capacity."""
+        return self._m.pool_info(pool)
+
+    def pool_array(self, pool):
+        """Pool `pool`'s memory in place, as described in the class docstring."""
+        return self._m.pool_array(pool)
+
+    def create_sequence(self, namespace_salt="", extra_keys="", cache_blocks=True):
+        """A new sequence; returns its id."""
+        return self._m.create_sequence(namespace_salt, extra_keys, cache_blocks)
+
+    def append_tokens(self, seq, tokens):
+        """Appends token ids (ints) to the sequence."""
+        self._m.append_tokens(seq, [int(t) for t in tokens])
+
+    def acquire_cached_prefix(self, seq):
+        """Attaches the longest cached prefix of the sequence's tokens: {blocks, tokens, chain_blocks}."""
+        return self._m.acquire_cached_prefix(seq)
+
+    def lookup_prefix(self, tokens, namespace_salt="", extra_keys="", leave_last_token=True):
+        """How much of a prompt is cached, without changing anything."""
+        return self._m.lookup_prefix([int(t) for t in tokens], namespace_salt, extra_keys, leave_last_token)
+
+    def allocate_slots(self, seq, num_tokens):
+        """Pages for the sequence's first `num_tokens` tokens: {first_new_block, new_blocks,
+        copies}; each copy (pool, src, dst, reason) is a page copy the engine makes first.
+        Raises sparsekv.ResourceExhausted when the pools cannot hold them."""
+        return self._m.allocate_slots(seq, num_tokens)
+
+    def commit_computed(self, seq, num_tokens):
+        """Marks the first `num_tokens` tokens computed; full blocks enter the prefix cache."""
+        self._m.commit_computed(seq, num_tokens)
+
+    def free(self, seq):
+        self._m.free(seq)
+
+    def block_table(self, seq, pool):
+        """The sequence's pages in pool `pool`, in block order."""
+        return self._m.block_table(seq, pool)
+
+    def sequence_info(self, seq):
+        return self._m.sequence_info(seq)
+
+    def reset(self):
+        """Forgets every sequence and cached block."""
+        self._m.reset()
+
+    def stats(self):
+        return self._m.stats()

@@ -5,6 +5,7 @@ namespaces are kept apart, and threads share one client."""
 import asyncio
 import gc
 import os
+import sys
 import threading
 
 import numpy as np
@@ -175,3 +176,21 @@ def test_bench_script_runs(daemon):
         assert out[where]["python_get_seconds"] > 0
         assert out[where]["cpp_get_seconds"] > 0
     assert out["unix_shm"]["shared_memory"] is True
+
+
+def test_block_hashes_are_the_managers_chain():
+    tokens = list(range(300))
+    h = sparsekv.block_hashes(tokens, 64)
+    assert len(h) == 4 and all(len(x) == 16 for x in h)  # full blocks only
+    assert sparsekv.block_hashes(tokens[:128], 64) == h[:2]  # a prefix hashes alike
+    assert sparsekv.block_hashes(tokens, 64, namespace_salt="other")[0] != h[0]
+    assert sparsekv.block_hashes([1] + tokens[1:], 64)[3] != h[3]  # the chain carries the past
+
+
+def test_connector_example(daemon):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+    import kv_connector
+    r1, r2 = kv_connector.run(daemon.unix, "alpha", "alpha-token")
+    assert r1 == {"loaded_blocks": 0, "computed_blocks": 6, "saved_blocks": 6}
+    # The second engine loads the shared prompt's 6 blocks and computes only the question's 2.
+    assert r2 == {"loaded_blocks": 6, "computed_blocks": 2, "saved_blocks": 2}
