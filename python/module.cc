@@ -23,6 +23,11 @@
 #include "sparsekv/block_hash.h"
 #include "sparsekv/cache_manager.h"
 #include "sparsekv/client.h"
+#include "sparsekv/codec.h"
+#include "sparsekv/lightning_indexer.h"
+#include "sparsekv/paged_cache_view.h"
+#include "sparsekv/sparse_mla.h"
+#include "sparsekv/storage_format.h"
 #include "sparsekv/model_spec.h"
 #include "sparsekv/status.h"
 
@@ -422,6 +427,87 @@ class PyCacheManager {
     return d;
   }
 
+  // The Lightning Indexer over model layer `layer` of key pool `pool`, read in place: per token
+  // the top_k entries of the target cache (its pages `target_table`, target_block_entries each;
+  // empty: the key pages), as indices into that cache's pool (page * entries + slot).
+  py::array Indexer(size_t pool, uint32_t layer, const py::array_t<float, py::array::c_style | py::array::forcecast>& q,
+                    const py::array_t<float, py::array::c_style | py::array::forcecast>& weights,
+                    const std::vector<uint32_t>& key_table, const std::vector<uint32_t>& target_table,
+                    uint32_t target_block_entries, const std::vector<uint64_t>& positions, uint32_t top_k,
+                    uint32_t key_ratio, uint32_t threads) const {
+    CheckPool(pool);
+    const PagedCacheView view = Take(PagedCacheView::ForLayer(m_->pool(pool), m_->geometry().pools[pool], layer));
+    if (q.ndim() != 3 || weights.ndim() != 2 || q.shape(0) != weights.shape(0) || q.shape(1) != weights.shape(1) ||
+        q.shape(2) != view.dims || positions.size() != static_cast<size_t>(q.shape(0))) {
+      throw py::value_error("indexer: q is [tokens, heads, key dims], weights [tokens, heads], one position per token");
+    }
+    LightningIndexerOptions o;
+    o.top_k = top_k;
+    o.threads = threads;
+    auto indexer = Take(LightningIndexer::Create(o));
+    IndexerSequence is{key_table, target_table, target_block_entries};
+    IndexerBatch b;
+    b.q = q.data();
+    b.q_type = RowType::kFp32;
+    b.weights = weights.data();
+    b.tokens = static_cast<uint32_t>(q.shape(0));
+    b.heads = static_cast<uint32_t>(q.shape(1));
+    b.sequences = std::span<const IndexerSequence>(&is, 1);
+    b.positions = positions.data();
+    b.key_ratio = key_ratio;
+    py::array_t<int32_t> out({static_cast<py::ssize_t>(b.tokens), static_cast<py::ssize_t>(top_k)});
+    IndexerOutput io;
+    io.indices = out.mutable_data();
+    Status st;
+    {
+      py::gil_scoped_release unlocked;
+      st = indexer->Run(view, b, io);
+    }
+    if (!st.ok()) Raise(st);
+    return out;
+  }
+
+  // Sparse MLA over model layer `layer` of pool `pool`, read in place: q [tokens, heads, D]
+  // (float32, or uint16 holding bf16), indices [tokens, top_k] into the pool (page * entries +
+  // slot, -1 for none). Returns (out [tokens, heads, 512] float32, lse [tokens, heads]).
+  py::tuple Mla(size_t pool, uint32_t layer, const py::array& q,
+                const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& indices, float softmax_scale,
+                uint32_t threads) const {
+    CheckPool(pool);
+    const PagedCacheView view = Take(PagedCacheView::ForLayer(m_->pool(pool), m_->geometry().pools[pool], layer));
+    if (q.ndim() != 3 || !(q.flags() & py::array::c_style) || q.shape(2) != view.dims || indices.ndim() != 2 ||
+        indices.shape(0) != q.shape(0)) {
+      throw py::value_error("sparse_mla: q is C-contiguous [tokens, heads, dims], indices [tokens, top_k]");
+    }
+    SparseMlaOptions o;
+    o.threads = threads;
+    auto mla = Take(SparseMla::Create(o));
+    SparseMlaBatch b;
+    b.q = q.data();
+    if (q.dtype().is(py::dtype::of<float>())) {
+      b.q_type = RowType::kFp32;
+    } else if (q.dtype().is(py::dtype::of<uint16_t>())) {
+      b.q_type = RowType::kBf16;
+    } else {
+      throw py::type_error("sparse_mla: q is float32, or uint16 holding bf16");
+    }
+    b.tokens = static_cast<uint32_t>(q.shape(0));
+    b.heads = static_cast<uint32_t>(q.shape(1));
+    b.softmax_scale = softmax_scale;
+    b.main.view = view;
+    b.main.indices = indices.data();
+    b.main.top_k = static_cast<uint32_t>(indices.shape(1));
+    py::array_t<float> out({static_cast<py::ssize_t>(b.tokens), static_cast<py::ssize_t>(b.heads), py::ssize_t{512}});
+    py::array_t<float> lse({static_cast<py::ssize_t>(b.tokens), static_cast<py::ssize_t>(b.heads)});
+    Status st;
+    {
+      py::gil_scoped_release unlocked;
+      st = mla->Run(b, {out.mutable_data(), lse.mutable_data()});
+    }
+    if (!st.ok()) Raise(st);
+    return py::make_tuple(out, lse);
+  }
+
   // For tests: a page's bytes as C++ reads them (copied), and a page filled from C++.
   py::bytes PageBytes(size_t pool, uint32_t page) const {
     CheckPage(pool, page);
@@ -475,6 +561,74 @@ std::vector<py::bytes> BlockHashes(const std::vector<TokenId>& tokens, uint32_t 
   }
   return out;
 }
+
+// A page codec on numpy: rows (float32, or bf16 as uint16) into slots of a page (any writable
+// contiguous buffer of at least page_bytes: a numpy slice of a pool array, in place) and back.
+// The SIMD path is chosen as in C++ (ActiveSimdPath).
+class PyCodec {
+ public:
+  PyCodec(const std::string& format, uint32_t dims, uint32_t entries)
+      : codec_(Take(PageCodec::Create(Take(ParseStorageFormat(format)), dims, entries))) {}
+
+  uint64_t page_bytes() const { return codec_.page_bytes(); }
+  uint32_t dims() const { return codec_.dims(); }
+  uint32_t entries() const { return codec_.entries(); }
+  std::string format() const { return std::string(StorageFormatName(codec_.format())); }
+
+  void Write(const py::buffer& page, uint32_t first_slot, const py::array& rows) {
+    py::buffer_info p = PageOf(page, /*writable=*/true);
+    if (rows.ndim() != 2) throw py::value_error("rows must be 2-D [count, dims]");
+    if (!(rows.flags() & py::array::c_style)) throw py::value_error("rows must be C-contiguous");
+    const auto count = static_cast<uint32_t>(rows.shape(0));
+    const auto dims = static_cast<uint32_t>(rows.shape(1));
+    RowsView v;
+    if (rows.dtype().is(py::dtype::of<float>())) {
+      v = RowsView::Fp32(static_cast<const float*>(rows.data()), count, dims);
+    } else if (rows.dtype().is(py::dtype::of<uint16_t>())) {
+      v = RowsView::Bf16(static_cast<const uint16_t*>(rows.data()), count, dims);
+    } else {
+      throw py::type_error("rows must be float32, or uint16 holding bf16");
+    }
+    Status st;
+    {
+      py::gil_scoped_release unlocked;
+      st = codec_.WriteTokens(p.ptr, first_slot, v);
+    }
+    if (!st.ok()) Raise(st);
+  }
+
+  py::array Read(const py::buffer& page, uint32_t first_slot, uint32_t count, const std::string& dtype) {
+    py::buffer_info p = PageOf(page, /*writable=*/false);
+    const bool bf16 = dtype == "bfloat16" || dtype == "bf16";
+    if (!bf16 && dtype != "float32") throw py::value_error("dtype is float32 or bfloat16");
+    py::array out = bf16 ? py::array(py::dtype::of<uint16_t>(), {count, codec_.dims()})
+                         : py::array(py::dtype::of<float>(), {count, codec_.dims()});
+    const MutableRowsView v = bf16 ? MutableRowsView::Bf16(static_cast<uint16_t*>(out.mutable_data()), count, codec_.dims())
+                                   : MutableRowsView::Fp32(static_cast<float*>(out.mutable_data()), count, codec_.dims());
+    Status st;
+    {
+      py::gil_scoped_release unlocked;
+      st = codec_.ReadTokens(p.ptr, first_slot, v);
+    }
+    if (!st.ok()) Raise(st);
+    return out;
+  }
+
+ private:
+  py::buffer_info PageOf(const py::buffer& page, bool writable) const {
+    py::buffer_info p = page.request(writable);
+    if (p.ndim != 1 || p.itemsize != 1 || (p.ndim == 1 && p.strides[0] != 1)) {
+      throw py::value_error("a page is a contiguous 1-D buffer of bytes (a slice of a pool array)");
+    }
+    if (static_cast<uint64_t>(p.size) < codec_.page_bytes()) {
+      Raise(Status::InvalidArgument("a page of " + std::to_string(p.size) + " bytes; the codec's pages are " +
+                                    std::to_string(codec_.page_bytes())));
+    }
+    return p;
+  }
+
+  PageCodec codec_;
+};
 
 ModelSpec Preset(const std::string& name, const std::string& precision) {
   return Take(ModelPreset(name, Take(ParseKvPrecision(precision))));
@@ -555,8 +709,26 @@ PYBIND11_MODULE(_sparsekv, m) {
       .def("sequence_info", &PyCacheManager::SequenceInfo)
       .def("reset", &PyCacheManager::Reset)
       .def("stats", &PyCacheManager::Stats)
+      .def("lightning_indexer", &PyCacheManager::Indexer, py::arg("pool"), py::arg("layer"), py::arg("q"),
+           py::arg("weights"), py::arg("key_table"), py::arg("target_table"), py::arg("target_block_entries"),
+           py::arg("positions"), py::arg("top_k"), py::arg("key_ratio"), py::arg("threads"))
+      .def("sparse_mla", &PyCacheManager::Mla, py::arg("pool"), py::arg("layer"), py::arg("q"), py::arg("indices"),
+           py::arg("softmax_scale"), py::arg("threads"))
       .def("_page_bytes", &PyCacheManager::PageBytes)
       .def("_fill_page", &PyCacheManager::FillPage);
+  py::class_<PyCodec>(m, "Codec")
+      .def(py::init<const std::string&, uint32_t, uint32_t>(), py::arg("format"), py::arg("dims"),
+           py::arg("entries"))
+      .def_property_readonly("page_bytes", &PyCodec::page_bytes)
+      .def_property_readonly("dims", &PyCodec::dims)
+      .def_property_readonly("entries", &PyCodec::entries)
+      .def_property_readonly("format", &PyCodec::format)
+      .def("write", &PyCodec::Write, py::arg("page"), py::arg("first_slot"), py::arg("rows"),
+           "Encodes rows (float32, or uint16 holding bf16) [count, dims] into slots first_slot.. of the page "
+           "(a writable contiguous uint8 buffer, e.g. a slice of a pool array), in place.")
+      .def("read", &PyCodec::Read, py::arg("page"), py::arg("first_slot"), py::arg("count"),
+           py::arg("dtype") = "float32",
+           "Decodes slots first_slot.. of the page into a new array [count, dims] of float32 (or uint16 bf16).");
   py::class_<CppBaseline>(m, "_CppBaseline")
       .def(py::init<const std::string&, const std::string&, const std::string&, bool>(), py::arg("address"),
            py::arg("namespace"), py::arg("token"), py::arg("shared_memory"))

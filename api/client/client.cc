@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -217,6 +218,8 @@ class Client::Impl {
     if (reader_.joinable()) reader_.join();
     if (fd_ >= 0) ::close(fd_);
     fd_ = -1;
+    if (wake_fd_ >= 0) ::close(wake_fd_);
+    wake_fd_ = -1;
     if (staging_) ::munmap(staging_, staging_bytes_);
     staging_ = nullptr;
     if (arena_) ::munmap(const_cast<std::byte*>(arena_), arena_bytes_);
@@ -390,14 +393,22 @@ class Client::Impl {
       // Wait with poll, never asleep inside recv: on a Unix socket the daemon's reading of our
       // request wakes every task asleep on the socket (a write-space wakeup, which recv's wait
       // does not filter), which costs a context switch per call; poll waits for input only.
-      pollfd pfd{fd_, POLLIN, 0};
+      // Between frames the wait also ends when another thread changes what the reader may be
+      // waiting for without a frame arriving (a staging area released: Wake).
+      pollfd pfd[2] = {{fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+      const nfds_t nfds = at_boundary && wake_fd_ >= 0 ? 2 : 1;
       const auto now = Clock::now();
       int64_t wait_ms = 500;
       if (until != Clock::time_point::max()) {
         wait_ms = std::min<int64_t>(
             wait_ms, std::chrono::ceil<std::chrono::milliseconds>(std::max(until - now, Clock::duration{})).count());
       }
-      const int pr = ::poll(&pfd, 1, static_cast<int>(wait_ms));
+      const int pr = ::poll(pfd, nfds, static_cast<int>(wait_ms));
+      if (pr > 0 && nfds == 2 && (pfd[1].revents & POLLIN)) {
+        uint64_t v;
+        (void)!::read(wake_fd_, &v, sizeof(v));  // drained; the caller looks again
+        if (!(pfd[0].revents & POLLIN)) return ReadOutcome::kIdle;
+      }
       if (pr < 0 && errno != EINTR) {
         *why = Errno("waiting for sparsekvd");
         return ReadOutcome::kBroken;
@@ -790,7 +801,13 @@ class Client::Impl {
   void Release(Area a) {
     std::lock_guard<std::mutex> l(mu_);
     area_busy_[a] = false;
-    cv_.notify_all();
+    cv_.notify_all();  // threads waiting for the role
+    Wake();            // and the one holding it, asleep in poll, may be waiting for this area
+  }
+  void Wake() {
+    if (wake_fd_ < 0) return;
+    const uint64_t one = 1;
+    (void)!::write(wake_fd_, &one, sizeof(one));
   }
 
   static Result<LookupResult> ParseLookup(Result<Frame> f) {
@@ -1074,6 +1091,7 @@ class Client::Impl {
   bool shared() const { return staging_ != nullptr; }
 
   int fd_ = -1;
+  int wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);  // -1 if none: waits then end at their deadline
   bool is_unix_ = false;
   std::chrono::milliseconds timeout_{30000};
   w::HelloReply hello_;

@@ -19,10 +19,17 @@ from . import _sparsekv
 
 __version__ = _sparsekv.__version__
 
-__all__ = ["CacheManager", "Client", "Error", "ModelSpec", "__version__", "block_hashes", "model_preset",
+__all__ = ["CacheManager", "Client", "Codec", "Error", "ModelSpec", "__version__", "block_hashes", "model_preset",
            "model_presets", "model_spec_from_json"]
 
 ModelSpec = _sparsekv.ModelSpec
+Codec = _sparsekv.Codec
+Codec.__doc__ = """A page codec: Codec(format, dims, entries) for one layer's page of a pool
+(format as pool_info gives it: "bf16", "fp8_ds_mla", "c8_mla", "fp8_v4", "idx_fp8", ...).
+write(page, first_slot, rows) encodes float32 (or bf16 as uint16) rows into the page in place;
+read(page, first_slot, count) decodes them. A page is a contiguous uint8 buffer, such as
+pool_array(i)[page, l * layer_stride : l * layer_stride + page_bytes]. Torch tensors pass as
+tensor.numpy() (no copy on the CPU)."""
 
 
 def model_preset(name, precision="bf16"):
@@ -257,3 +264,21 @@ class CacheManager:
 
     def stats(self):
         return self._m.stats()
+
+    def lightning_indexer(self, pool, layer, q, weights, key_table, positions, top_k, *, target_table=(),
+                          target_block_entries=0, key_ratio=1, threads=1):
+        """The Lightning Indexer over model layer `layer` of key pool `pool`, reading its pages in
+        place (CPU, exact top-k). q: float32 [tokens, heads, key dims]; weights: [tokens,
+        heads]; key_table: the sequence's key pages; positions: each token's position. Returns
+        int32 [tokens, top_k]: entries of the target cache (target_table's pages,
+        target_block_entries each; by default the key pages) as page * entries + slot, -1 for
+        none, in ascending order."""
+        return self._m.lightning_indexer(pool, layer, q, weights, list(key_table), list(target_table),
+                                         target_block_entries, [int(p) for p in positions], top_k, key_ratio, threads)
+
+    def sparse_mla(self, pool, layer, q, indices, softmax_scale, *, threads=1):
+        """Sparse MLA over model layer `layer` of pool `pool`, reading its pages in place (CPU).
+        q: [tokens, heads, dims], float32 or uint16 holding bf16; indices: int32 [tokens, top_k]
+        (page * entries + slot, -1 for none). Returns (out float32 [tokens, heads, 512], lse
+        float32 [tokens, heads])."""
+        return self._m.sparse_mla(pool, layer, q, indices, softmax_scale, threads)

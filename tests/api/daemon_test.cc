@@ -850,6 +850,50 @@ TEST_F(DaemonTest, GetRangesReadsPartsOfTheNewestValueAndNothingPastIt) {
   EXPECT_TRUE(c->Ping().ok());
 }
 
+// Threads sharing one shared-memory client take turns with its staging areas. A thread waiting
+// for an area may hold the reading role, asleep in poll: releasing the area must wake it, or
+// it sleeps until its deadline (found from Python: calls of 30 s, the default timeout).
+TEST_F(DaemonTest, ThreadsSharingASharedMemoryClientNeverWaitForTheirDeadline) {
+  ClientOptions o;
+  o.address = "unix:" + unix_;
+  o.namespace_name = "alpha";
+  o.token = "alpha-token";
+  o.timeout = std::chrono::milliseconds(20000);
+  auto c = Client::Connect(o);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ASSERT_TRUE((*c)->shared_memory());
+  std::vector<std::vector<std::byte>> values;
+  for (int k = 0; k < 8; ++k) {
+    values.push_back(Value(7000 + k, 200000));
+    const BundleRef ref{H(7000 + k), values.back()};
+    ASSERT_TRUE((*c)->Put(std::span<const BundleRef>(&ref, 1)).ok());
+  }
+  // GETs only: while one thread holds the GET area, the others wait for it, and no other
+  // reply comes to wake a waiter asleep in poll.
+  std::atomic<int> wrong{0};
+  std::atomic<int64_t> slowest_ms{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 30; ++i) {
+        const int k = (t + i) % 8;
+        const WireBlockHash h = H(7000 + k);
+        const auto t0 = std::chrono::steady_clock::now();
+        auto got = (*c)->Get(std::span<const WireBlockHash>(&h, 1));
+        const int64_t ms =
+            std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+        int64_t prev = slowest_ms.load();
+        while (ms > prev && !slowest_ms.compare_exchange_weak(prev, ms)) {
+        }
+        if (!got.ok() || !(*got)[0].status.ok() || (*got)[0].bytes != values[k]) ++wrong;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_LT(slowest_ms.load(), 5000) << "a call waited for its deadline";
+}
+
 // Replies bounded by a small maximum payload: the client splits a large GET_RANGES over several
 // requests and gets every byte; an item whose ranges alone exceed it is refused.
 class DaemonSmallFrameTest : public DaemonTest {
