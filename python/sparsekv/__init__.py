@@ -15,6 +15,8 @@ import asyncio as _asyncio
 import functools as _functools
 import json as _json
 
+import numpy as _np
+
 from . import _sparsekv
 
 __version__ = _sparsekv.__version__
@@ -282,3 +284,57 @@ class CacheManager:
         (page * entries + slot, -1 for none). Returns (out float32 [tokens, heads, 512], lse
         float32 [tokens, heads])."""
         return self._m.sparse_mla(pool, layer, q, indices, softmax_scale, threads)
+
+    def engine_view(self, pool):
+        """Pool `pool`'s pages as the per-format arrays an engine hands its kernels, all views of
+        the pool's memory (no copy), indexed [page, layer slot, entry, ...]:
+
+        - bf16: ``values`` uint16 (bf16 bits) [..., dims]
+        - fp8_ds_mla: ``nope`` uint8 (fp8 e4m3 bits) [..., 512], ``scales`` float32 [..., 4]
+          (one per 128-value tile), ``rope`` uint16 (bf16 bits) [..., 64]: FlashMLA's 656-byte
+          token
+        - c8_mla: ``nope`` int8 [..., 512], ``rope`` uint16 [..., 64], ``scales`` float32 [..., 4]:
+          CANN's order
+        - fp8_v4: ``nope`` uint8 (e4m3) [..., 448], ``rope`` uint16 [..., 64], ``scales`` uint8
+          (ue8m0 exponents) [..., 7]
+        - idx_fp8 / idx_c8: ``values`` uint8 (e4m3) / int8 [..., dims], ``scales`` float32 [...]
+        - fp32 (compressor state): ``values`` float32 [page, layer slot, floats per layer]
+
+        numpy has no fp8 or bf16 type, so those come as their bits. For torch:
+        ``torch.from_numpy(v.view(numpy.int16)).view(torch.bfloat16)``, and the same with int8
+        and ``torch.float8_e4m3fn`` where torch has it.
+        """
+        info = self.pool_info(pool)
+        arr = self.pool_array(pool)
+        fmt, dims, n = info["format"], info["dims"], info["entries_per_block"]
+        pages, layers, ls = arr.shape[0], len(info["layers"]), info["layer_stride"]
+
+        def field(offset, dtype, shape, strides):
+            # A view of the pool's bytes (numpy checks it stays inside them): a page, then a
+            # layer slot, then the format's own axes.
+            return _np.ndarray(buffer=arr, dtype=dtype, offset=offset, shape=(pages, layers) + shape,
+                               strides=(arr.strides[0], ls) + strides)
+
+        if fmt == "bf16":
+            return {"values": field(0, _np.uint16, (n, dims), (2 * dims, 2))}
+        if fmt in ("fp8_ds_mla", "c8_mla"):
+            e = 656
+            if fmt == "fp8_ds_mla":
+                return {"nope": field(0, _np.uint8, (n, 512), (e, 1)),
+                        "scales": field(512, _np.float32, (n, 4), (e, 4)),
+                        "rope": field(528, _np.uint16, (n, 64), (e, 2))}
+            return {"nope": field(0, _np.int8, (n, 512), (e, 1)),
+                    "rope": field(512, _np.uint16, (n, 64), (e, 2)),
+                    "scales": field(640, _np.float32, (n, 4), (e, 4))}
+        if fmt == "fp8_v4":
+            return {"nope": field(0, _np.uint8, (n, 448), (576, 1)),
+                    "rope": field(448, _np.uint16, (n, 64), (576, 2)),
+                    "scales": field(n * 576, _np.uint8, (n, 7), (8, 1))}
+        if fmt in ("idx_fp8", "idx_c8"):
+            vt = _np.uint8 if fmt == "idx_fp8" else _np.int8
+            return {"values": field(0, vt, (n, dims), (dims, 1)),
+                    "scales": field(n * dims, _np.float32, (n,), (4,))}
+        if fmt == "fp32":
+            floats = info["page_bytes"] // 4
+            return {"values": field(0, _np.float32, (floats,), (4,))}
+        raise NotSupported(f"no engine view for format {fmt}")
