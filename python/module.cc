@@ -123,6 +123,18 @@ class PyClient {
     client_ = std::shared_ptr<Client>(Take(std::move(c)));
   }
 
+  // Runs `call` on the client with the GIL released (other Python threads go on meanwhile);
+  // its value, or its error raised.
+  template <typename F>
+  auto Unlocked(F&& call) -> decltype(Take(call(std::declval<Client&>()))) {
+    std::shared_ptr<Client> c = client();
+    auto r = [&] {
+      py::gil_scoped_release unlocked;
+      return call(*c);
+    }();
+    return Take(std::move(r));
+  }
+
   std::vector<py::object> Put(const py::sequence& keys, const py::sequence& values) {
     if (py::len(keys) != py::len(values)) {
       throw py::value_error("put: " + std::to_string(py::len(keys)) + " keys and " + std::to_string(py::len(values)) +
@@ -139,24 +151,14 @@ class PyClient {
       if (v.ndim > 1 && v.strides.back() != v.itemsize) throw py::value_error("put: a value must be contiguous");
       refs.push_back({hashes[i], {static_cast<const std::byte*>(v.ptr), static_cast<size_t>(v.size * v.itemsize)}});
     }
-    std::shared_ptr<Client> c = client();
-    Result<std::vector<Status>> r = [&] {
-      py::gil_scoped_release unlocked;
-      return c->Put(refs);
-    }();
     std::vector<py::object> out;
-    for (const Status& st : Take(std::move(r))) out.push_back(ErrorObject(st));
+    for (const Status& st : Unlocked([&](Client& c) { return c.Put(refs); })) out.push_back(ErrorObject(st));
     return out;
   }
 
   std::vector<py::object> Get(const py::sequence& keys) {
     std::vector<WireBlockHash> hashes = KeysOf(keys);
-    std::shared_ptr<Client> c = client();
-    Result<std::vector<GetResult>> r = [&] {
-      py::gil_scoped_release unlocked;
-      return c->Get(hashes);
-    }();
-    std::vector<GetResult> got = Take(std::move(r));
+    std::vector<GetResult> got = Unlocked([&](Client& c) { return c.Get(hashes); });
     std::vector<py::object> out;
     out.reserve(got.size());
     for (GetResult& g : got) {
@@ -173,12 +175,7 @@ class PyClient {
 
   py::tuple Lookup(const py::sequence& keys) {
     std::vector<WireBlockHash> hashes = KeysOf(keys);
-    std::shared_ptr<Client> c = client();
-    Result<LookupResult> r = [&] {
-      py::gil_scoped_release unlocked;
-      return c->Lookup(hashes);
-    }();
-    LookupResult l = Take(std::move(r));
+    const LookupResult l = Unlocked([&](Client& c) { return c.Lookup(hashes); });
     py::list tiers;
     for (BlockTier t : l.tiers) tiers.append(TierName(t));
     return py::make_tuple(l.prefix_blocks, tiers);
@@ -186,13 +183,8 @@ class PyClient {
 
   std::vector<py::object> Delete(const py::sequence& keys) {
     std::vector<WireBlockHash> hashes = KeysOf(keys);
-    std::shared_ptr<Client> c = client();
-    Result<std::vector<Status>> r = [&] {
-      py::gil_scoped_release unlocked;
-      return c->Delete(hashes);
-    }();
     std::vector<py::object> out;
-    for (const Status& st : Take(std::move(r))) out.push_back(ErrorObject(st));
+    for (const Status& st : Unlocked([&](Client& c) { return c.Delete(hashes); })) out.push_back(ErrorObject(st));
     return out;
   }
 
