@@ -105,17 +105,23 @@ const char* TierName(BlockTier t) {
   return "absent";
 }
 
+ClientOptions OptionsOf(const std::string& address, const std::string& ns, const std::string& token,
+                        const std::string& client_name, bool shared_memory, double timeout_seconds) {
+  ClientOptions o;
+  o.address = address;
+  o.namespace_name = ns;
+  o.token = token;
+  o.client_name = client_name;
+  o.shared_memory = shared_memory;
+  o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+  return o;
+}
+
 class PyClient {
  public:
   PyClient(const std::string& address, const std::string& ns, const std::string& token,
            const std::string& client_name, bool shared_memory, double timeout_seconds) {
-    ClientOptions o;
-    o.address = address;
-    o.namespace_name = ns;
-    o.token = token;
-    o.client_name = client_name;
-    o.shared_memory = shared_memory;
-    o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+    const ClientOptions o = OptionsOf(address, ns, token, client_name, shared_memory, timeout_seconds);
     Result<std::unique_ptr<Client>> c = [&] {
       py::gil_scoped_release unlocked;
       return Client::Connect(o);
@@ -243,12 +249,7 @@ class PyClient {
 class CppBaseline {
  public:
   CppBaseline(const std::string& address, const std::string& ns, const std::string& token, bool shared_memory) {
-    ClientOptions o;
-    o.address = address;
-    o.namespace_name = ns;
-    o.token = token;
-    o.shared_memory = shared_memory;
-    o.client_name = "sparsekv-python-baseline";
+    const ClientOptions o = OptionsOf(address, ns, token, "sparsekv-python-baseline", shared_memory, 30.0);
     py::gil_scoped_release unlocked;
     client_ = Take(Client::Connect(o));
   }
