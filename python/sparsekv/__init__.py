@@ -15,8 +15,6 @@ import asyncio as _asyncio
 import functools as _functools
 import json as _json
 
-import numpy as _np
-
 from . import _sparsekv
 
 __version__ = _sparsekv.__version__
@@ -304,6 +302,8 @@ class CacheManager:
         ``torch.from_numpy(v.view(numpy.int16)).view(torch.bfloat16)``, and the same with int8
         and ``torch.float8_e4m3fn`` where torch has it.
         """
+        import numpy as _np  # only the cache side needs numpy; the client does not
+
         info = self.pool_info(pool)
         arr = self.pool_array(pool)
         fmt, dims, n = info["format"], info["dims"], info["entries_per_block"]
