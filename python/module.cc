@@ -25,6 +25,7 @@
 #include "sparsekv/client.h"
 #include "sparsekv/codec.h"
 #include "sparsekv/lightning_indexer.h"
+#include "sparsekv/memory_planner.h"
 #include "sparsekv/paged_cache_view.h"
 #include "sparsekv/sparse_mla.h"
 #include "sparsekv/storage_format.h"
@@ -676,6 +677,18 @@ PYBIND11_MODULE(_sparsekv, m) {
       });
   m.def("model_preset", &Preset, py::arg("name"), py::arg("precision") = "bf16");
   m.def("model_presets", &sparsekv::ModelPresetNames);
+  m.def(
+      "_plan_for_sequences",
+      [](const sparsekv::ModelSpec& spec, uint32_t block_tokens, uint64_t batch, uint64_t seq_len) {
+        return sparsekv::MemoryPlanToJson(Take(sparsekv::PlanForSequences(spec, block_tokens, batch, seq_len)));
+      },
+      py::arg("spec"), py::arg("block_tokens"), py::arg("batch"), py::arg("seq_len"));
+  m.def(
+      "_plan_for_budget",
+      [](const sparsekv::ModelSpec& spec, uint32_t block_tokens, uint64_t budget_bytes, uint64_t batch) {
+        return sparsekv::MemoryPlanToJson(Take(sparsekv::PlanForBudget(spec, block_tokens, budget_bytes, batch)));
+      },
+      py::arg("spec"), py::arg("block_tokens"), py::arg("budget_bytes"), py::arg("batch"));
   m.def("block_hashes", &BlockHashes, py::arg("tokens"), py::arg("block_tokens"), py::arg("namespace_salt") = "",
         py::arg("extra_keys") = "", py::arg("mode") = "xxh3");
   m.def("model_spec_from_json", [](const std::string& text) { return Take(sparsekv::ParseModelSpecJson(text)); },

@@ -20,7 +20,7 @@ from . import _sparsekv
 __version__ = _sparsekv.__version__
 
 __all__ = ["CacheManager", "Client", "Codec", "Error", "ModelSpec", "__version__", "block_hashes", "model_preset",
-           "model_presets", "model_spec_from_json"]
+           "model_presets", "model_spec_from_json", "plan_for_budget", "plan_for_sequences"]
 
 ModelSpec = _sparsekv.ModelSpec
 Codec = _sparsekv.Codec
@@ -43,6 +43,18 @@ def block_hashes(tokens, block_tokens, namespace_salt="", extra_keys="", mode="x
     stored under in sparsekvd (a trailing partial block has none). The same chain the cache
     manager computes for the same salt, extra keys and mode ("xxh3" or "sha256")."""
     return _sparsekv.block_hashes([int(t) for t in tokens], block_tokens, namespace_salt, extra_keys, mode)
+
+
+def plan_for_sequences(spec, batch, seq_len, block_tokens=128):
+    """The memory a batch of `batch` sequences of `seq_len` tokens keeps resident to decode, per
+    kind (a dict: total_bytes and one row per kind; memory_planner.h)."""
+    return _json.loads(_sparsekv._plan_for_sequences(spec, block_tokens, batch, seq_len))
+
+
+def plan_for_budget(spec, budget_bytes, batch=1, block_tokens=128):
+    """The longest seq_len (whole blocks) such that `batch` sequences fit `budget_bytes`, with
+    its plan (a dict, as plan_for_sequences)."""
+    return _json.loads(_sparsekv._plan_for_budget(spec, block_tokens, budget_bytes, batch))
 
 
 def model_presets():

@@ -110,3 +110,15 @@ def test_errors():
         sparsekv.model_preset("deepseek-v3.2-exp", "fp4")
     with pytest.raises(sparsekv.InvalidArgument):
         sparsekv.CacheManager(sparsekv.model_preset("deepseek-v3.2-exp"), capacity_blocks=0)
+
+
+def test_memory_planner():
+    spec = sparsekv.model_preset("deepseek-v3.2-exp", "fp8")
+    plan = sparsekv.plan_for_sequences(spec, batch=4, seq_len=8192, block_tokens=64)
+    assert plan["total_bytes"] > 0
+    # V3.2 fp8: 656 + 132 bytes per token per layer, 61 layers, 4 x 8192 tokens.
+    assert plan["total_bytes"] == 4 * 8192 * 61 * (656 + 132)
+    fit = sparsekv.plan_for_budget(spec, plan["total_bytes"], batch=4, block_tokens=64)
+    assert fit["seq_len"] == 8192
+    with pytest.raises(sparsekv.Error):
+        sparsekv.plan_for_budget(spec, 1000, batch=4, block_tokens=64)
