@@ -452,17 +452,20 @@ uint64_t SparseWorkingSet::memory_bytes() const {
 // ---------------------------------------------------------------------------------------------
 
 namespace {
-// What both fetchers check before they read: the records' layout, a working set of its format,
-// a layer the records hold.
-Status CheckFetch(const SparseRecordLayout& layout, const PagedCacheView& ws, uint32_t layer, const char* what) {
-  SPARSEKV_RETURN_IF_ERROR(layout.Validate());
-  if (ws.format != layout.format || ws.dims != layout.dims) {
-    return Status::InvalidArgument(fmt::format("{}: the working set holds another format than the records", what));
+// What every fetcher checks before it reads: the records' layout, a working set of its format,
+// a layer the records hold. On failure every miss is forgotten (the next Map names it again).
+Status CheckFetch(const SparseRecordLayout& layout, SparseWorkingSet& ws, uint32_t layer,
+                  std::span<const SparseWorkingSet::Miss> misses, const char* what) {
+  const PagedCacheView v = ws.view();
+  Status st = layout.Validate();
+  if (st.ok() && (v.format != layout.format || v.dims != layout.dims)) {
+    st = Status::InvalidArgument(fmt::format("{}: the working set holds another format than the records", what));
   }
-  if (layer >= layout.layers) {
-    return Status::InvalidArgument(fmt::format("{}: layer {} of a record of {}", what, layer, layout.layers));
+  if (st.ok() && layer >= layout.layers) {
+    st = Status::InvalidArgument(fmt::format("{}: layer {} of a record of {}", what, layer, layout.layers));
   }
-  return Status::OK();
+  if (!st.ok()) ws.Forget(misses);
+  return st;
 }
 }  // namespace
 
@@ -471,12 +474,9 @@ HostEntryFetcher::HostEntryFetcher(HostTier& host, SparseRecordLayout layout, st
 
 Status HostEntryFetcher::Fetch(uint32_t layer, std::span<const SparseWorkingSet::Miss> misses, SparseWorkingSet& ws) {
   if (misses.empty()) return Status::OK();
+  Status st = CheckFetch(layout_, ws, layer, misses, "host entry fetch");
+  if (!st.ok()) return st;
   const PagedCacheView wv = ws.view();
-  Status st = CheckFetch(layout_, wv, layer, "host entry fetch");
-  if (!st.ok()) {
-    ws.Forget(misses);
-    return st;
-  }
   // By block, so that each record is pinned once.
   sorted_.assign(misses.begin(), misses.end());
   std::sort(sorted_.begin(), sorted_.end(), [](const auto& a, const auto& b) { return a.entry < b.entry; });
@@ -544,12 +544,9 @@ SsdEntryFetcher::~SsdEntryFetcher() { std::free(staging_); }
 
 Status SsdEntryFetcher::Fetch(uint32_t layer, std::span<const SparseWorkingSet::Miss> misses, SparseWorkingSet& ws) {
   if (misses.empty()) return Status::OK();
+  Status st = CheckFetch(layout_, ws, layer, misses, "ssd entry fetch");
+  if (!st.ok()) return st;
   const PagedCacheView wv = ws.view();
-  Status st = CheckFetch(layout_, wv, layer, "ssd entry fetch");
-  if (!st.ok()) {
-    ws.Forget(misses);
-    return st;
-  }
   // One read per distinct (block, sector), in the order of the entries.
   struct Want {
     SparseWorkingSet::Miss miss;
@@ -648,12 +645,9 @@ DaemonEntryFetcher::DaemonEntryFetcher(Client& client, SparseRecordLayout layout
 Status DaemonEntryFetcher::Fetch(uint32_t layer, std::span<const SparseWorkingSet::Miss> misses,
                                  SparseWorkingSet& ws) {
   if (misses.empty()) return Status::OK();
+  Status st = CheckFetch(layout_, ws, layer, misses, "daemon entry fetch");
+  if (!st.ok()) return st;
   const PagedCacheView wv = ws.view();
-  Status st = CheckFetch(layout_, wv, layer, "daemon entry fetch");
-  if (!st.ok()) {
-    ws.Forget(misses);
-    return st;
-  }
   std::vector<SparseWorkingSet::Miss> sorted(misses.begin(), misses.end());
   std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.entry < b.entry; });
   std::vector<SparseWorkingSet::Miss> failed;

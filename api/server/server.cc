@@ -1140,6 +1140,10 @@ class Session : public std::enable_shared_from_this<Session> {
       auto req = wire::DecodeShmPutRequest(payload_.span());
       valid = req.status();
       if (req.ok()) decoded.shm_put = std::move(*req);
+    } else if (op == wire::Opcode::kGetRanges) {
+      auto req = wire::DecodeGetRangesRequest(payload_.span(), srv_.options_.max_frame_bytes);
+      valid = req.status();
+      if (req.ok()) decoded.ranges = std::move(*req);
     } else {
       valid = ValidateRequest(op, payload_.span());
     }
@@ -1162,7 +1166,6 @@ class Session : public std::enable_shared_from_this<Session> {
       case wire::Opcode::kDelete:
       case wire::Opcode::kShmRelease: return wire::DecodeHashList(p).status();
       case wire::Opcode::kPin: return wire::DecodePinRequest(p).status();
-      case wire::Opcode::kGetRanges: return wire::DecodeGetRangesRequest(p, srv_.options_.max_frame_bytes).status();
       case wire::Opcode::kStats:
       case wire::Opcode::kSubscribe:
         return p.empty() ? Status::OK()
@@ -1341,9 +1344,10 @@ class Session : public std::enable_shared_from_this<Session> {
     std::optional<wire::HashList> get;          // GET, SHM_GET
     std::optional<wire::PutRequest> put;        // PUT
     std::optional<wire::ShmPutRequest> shm_put;  // SHM_PUT
+    std::optional<wire::GetRangesRequest> ranges;  // GET_RANGES (owns its lists)
   };
 
-  void Dispatch(const wire::FrameHeader& h, Payload payload, const Decoded& decoded) {
+  void Dispatch(const wire::FrameHeader& h, Payload payload, Decoded& decoded) {
     const std::vector<wire::WireHash>* get_hashes = decoded.get ? &decoded.get->hashes : nullptr;
     // The client is done with what its previous SHM_GET lent it (api/PROTOCOL.md).
     if (h.opcode == wire::Opcode::kShmGet || h.opcode == wire::Opcode::kShmRelease) {
@@ -1375,11 +1379,10 @@ class Session : public std::enable_shared_from_this<Session> {
       const uint64_t room = srv_.budget_.limit() - std::min(srv_.budget_.limit(), srv_.budget_.used());
       reply_limit = std::clamp<uint64_t>(room, kConnectionAllowance, srv_.options_.max_frame_bytes);
       reserved.Add(reply_limit);
-    } else if (h.opcode == wire::Opcode::kGetRanges) {
-      // The most its reply can take (HandleFrame decoded it already), reserved for the worker
-      // that builds it, and counted in flight, so pipelined requests cannot pass the budget.
-      auto req = wire::DecodeGetRangesRequest(payload.span(), srv_.options_.max_frame_bytes);
-      reply_limit = req.ok() ? wire::GetRangesReplyBound(*req) : 0;
+    } else if (decoded.ranges) {
+      // The most its reply can take, reserved for the worker that builds it, and counted in
+      // flight, so pipelined requests cannot pass the budget.
+      reply_limit = wire::GetRangesReplyBound(*decoded.ranges);
       reserved.Add(reply_limit);
     }
     const uint64_t bytes = payload.size() + reply_limit;
@@ -1406,6 +1409,13 @@ class Session : public std::enable_shared_from_this<Session> {
       payload.Reset();
       srv_.SubmitWork(id_, [self, job, complete = std::move(complete)]() mutable {
         self->StepGet(job, [complete = std::move(complete)](Reply r) mutable { complete(std::move(r)); });
+      });
+      return;
+    }
+    if (decoded.ranges) {  // served from the request HandleFrame decoded, moved to the worker
+      payload.Reset();
+      srv_.SubmitWork(id_, [self, req = std::move(*decoded.ranges), complete = std::move(complete)]() mutable {
+        complete(self->HandleGetRanges(req));
       });
       return;
     }
@@ -1453,7 +1463,6 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       case wire::Opcode::kShmPut: return HandleShmPut(p);
       case wire::Opcode::kShmGet: return HandleShmGet(p);
-      case wire::Opcode::kGetRanges: return HandleGetRanges(p);
       case wire::Opcode::kShmRelease: {
         SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
         return wire::Encode(wire::StatusListReply{std::vector<wire::ItemStatus>(req.hashes.size())});
@@ -1846,9 +1855,8 @@ class Session : public std::enable_shared_from_this<Session> {
     return taken;
   }
 
-  Result<Reply> HandleGetRanges(std::span<const std::byte> p) {
-    SPARSEKV_ASSIGN_OR_RETURN(wire::GetRangesRequest req,
-                              wire::DecodeGetRangesRequest(p, srv_.options_.max_frame_bytes));
+  // Runs on a worker thread, from the request HandleFrame decoded.
+  Result<Reply> HandleGetRanges(const wire::GetRangesRequest& req) {
     // Written as the store answers: u32 count, then per item its status and, when OK, a blob.
     wire::PayloadWriter w;
     w.Reserve(wire::GetRangesReplyBound(req));
