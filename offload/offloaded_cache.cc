@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <future>
+#include <limits>
 
 #include "sparsekv/host_tier.h"
 #include "worker_pool.h"
@@ -303,21 +304,40 @@ void OffloadedCache::ScheduleEvictAhead() {
   demoter_->Submit([this](size_t) { EvictAhead(); });
 }
 
+uint32_t OffloadedCache::Evict(uint32_t free_pages, uint32_t max_blocks) {
+  if (options_.write_policy == WritePolicy::kWriteBack) {
+    MutexLock lock(evict_mu_);
+    return EvictBlocks(free_pages, max_blocks);
+  }
+  // Write-through: every committed block was handed to the chain when it was committed.
+  return manager_.EvictAhead(free_pages, max_blocks, [this](HeldBlock b) { manager_.ReleaseHeldBlock(b); });
+}
+
 void OffloadedCache::EvictAhead() {
-  for (;;) {
+  {
+    MutexLock lock(evict_mu_);
+    EvictBlocks(evict_ahead_target_, std::numeric_limits<uint32_t>::max());
+  }
+  FinishEvictAhead();
+}
+
+uint32_t OffloadedCache::EvictBlocks(uint32_t free_target, uint32_t max_blocks) {
+  uint32_t evicted = 0;
+  while (evicted < max_blocks) {
     uint32_t batch = 0;
     {
       MutexLock lock(shared_->mu);
       const uint64_t waiting = shared_->stats.pending_demote_bytes;
       const uint64_t room = options_.max_pending_demote_bytes > waiting ? options_.max_pending_demote_bytes - waiting : 0;
-      batch = static_cast<uint32_t>(std::min<uint64_t>(kEvictAheadBatch, room / block_record_bytes_));
+      batch = static_cast<uint32_t>(
+          std::min<uint64_t>({kEvictAheadBatch, room / block_record_bytes_, max_blocks - evicted}));
     }
     if (batch == 0) break;  // the backlog is full: evictions in AllocateSlots drop, as before
     std::vector<std::shared_ptr<Held>> taken;
     // Under the manager's lock: registered as pending before the block leaves the index is
     // visible, so a lookup finds it all along.
     const auto t0 = std::chrono::steady_clock::now();
-    manager_.EvictAhead(evict_ahead_target_, batch, [&](HeldBlock b) {
+    evicted += manager_.EvictAhead(free_target, batch, [&](HeldBlock b) {
       auto held = std::make_shared<Held>(&manager_, std::move(b));
       MutexLock lock(shared_->mu);
       if (!held->complete()) {
@@ -369,6 +389,10 @@ void OffloadedCache::EvictAhead() {
     taken.clear();  // the pages go back to their pools unless a lookup still reads them
     if (!bundles.empty()) Demote(std::move(bundles), /*evicted=*/true);
   }
+  return evicted;
+}
+
+void OffloadedCache::FinishEvictAhead() {
   {
     MutexLock lock(shared_->mu);
     if (shared_->evict_ahead_again) {  // asked again while this run went: go round once more

@@ -503,6 +503,60 @@ TEST(OffloadedCacheWriteBack, EvictingAheadKeepsPagesFreeAndItsBlocksComeBackIde
   EXPECT_EQ(s.cache->Stats().evicted_demoted, s.cache->Stats().evicted_ahead);
 }
 
+// Evict on the caller's request: blocks leave L1 until the pools have the pages asked for,
+// each reaching the chain first (write-back: copied out then; write-through: at commit), and
+// come back identical. Blocks a sequence holds are never taken.
+class OffloadedCacheEvict : public ::testing::TestWithParam<WritePolicy> {};
+
+TEST_P(OffloadedCacheEvict, EvictsToTheFreePagesAskedForAndTheBlocksComeBackIdentical) {
+  StackOptions o;
+  o.l1_blocks = 16;
+  o.cache.write_policy = GetParam();
+  Stack s = Build(o);
+  const auto p = Prompt(10 * kBt + 1, 1);
+  ASSERT_TRUE(Request(s, p).allocated);
+  s.cache->WaitIdle();
+  for (size_t pool = 0; pool < s.manager->num_pools(); ++pool) EXPECT_EQ(s.manager->pool(pool).FreeCount(), 6u);
+
+  // A second request holds its 2 pages while the rest is evicted: 16 - 2 held = at most 14 free.
+  const auto held_prompt = Prompt(2 * kBt, 2);
+  auto held = s.cache->CreateSequence();
+  ASSERT_TRUE(held.ok());
+  ASSERT_TRUE(s.cache->AppendTokens(*held, held_prompt).ok());
+  ASSERT_TRUE(s.manager->AllocateSlots(*held, held_prompt.size()).ok());
+
+  EXPECT_EQ(s.cache->Evict(8, 1), 1u);  // max_blocks bounds it
+  EXPECT_EQ(s.cache->Evict(8), 3u);     // 4 free after the allocation + 1 + 3 = 8
+  for (size_t pool = 0; pool < s.manager->num_pools(); ++pool) EXPECT_EQ(s.manager->pool(pool).FreeCount(), 8u);
+  EXPECT_EQ(s.cache->Evict(8), 0u);  // already there
+  EXPECT_EQ(s.cache->Evict(16), 6u);  // every cached block, and no held page
+  for (size_t pool = 0; pool < s.manager->num_pools(); ++pool) EXPECT_EQ(s.manager->pool(pool).FreeCount(), 14u);
+  EXPECT_EQ(s.manager->Stats().evicted_blocks, 10u);
+  s.cache->WaitIdle();
+  const OffloadedCacheStats st = s.cache->Stats();
+  EXPECT_EQ(st.demoted_blocks, 10u);
+  EXPECT_EQ(st.demote_failures, 0u);
+  if (GetParam() == WritePolicy::kWriteBack) {
+    EXPECT_EQ(st.evicted_demoted, 10u);
+    EXPECT_EQ(st.evicted_ahead, 10u);  // copied off the manager's lock
+  }
+  const OffloadedPrefix look = Lookup(s, p);
+  EXPECT_EQ(look.l1_blocks, 0u);
+  EXPECT_EQ(look.lower_blocks, 10u);
+  ASSERT_TRUE(s.cache->Free(*held).ok());
+  const RequestResult again = Request(s, p);
+  ASSERT_TRUE(again.allocated);
+  EXPECT_EQ(again.hit.lower_blocks, 10u);
+  EXPECT_EQ(again.bad_pages, 0u);
+  EXPECT_EQ(s.manager->Stats().internal_errors, 0u) << s.manager->Stats().first_internal_error;
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, OffloadedCacheEvict,
+                         ::testing::Values(WritePolicy::kWriteBack, WritePolicy::kWriteThrough),
+                         [](const auto& info) {
+                           return info.param == WritePolicy::kWriteBack ? "WriteBack" : "WriteThrough";
+                         });
+
 // Four threads run requests over shared prefixes through a small L1, so blocks are evicted,
 // demoted, cascaded from the host tier to the SSD and restored all the time, while an observer
 // looks prefixes up. Every page a request is given must hold its block. The parameter is

@@ -132,6 +132,13 @@ class OffloadedCache {
   // blocks under (sparse records, sparse_offload.h). Errors: NotFound (no such sequence).
   Result<std::vector<BlockDigest>> BlockDigests(SequenceId seq) const SPARSEKV_EXCLUDES(mu_);
 
+  // Evicts cached blocks no sequence holds, least recently used first, until every
+  // full-history pool has `free_pages` free pages or `max_blocks` have gone; returns how many
+  // left L1. Under write-back each is copied out for the chain first, off the manager's lock
+  // (stopping early while max_pending_demote_bytes are waiting); under write-through the chain
+  // was handed it when it was committed. Events and statistics are those of an eviction.
+  uint32_t Evict(uint32_t free_pages, uint32_t max_blocks = UINT32_MAX) SPARSEKV_EXCLUDES(evict_mu_);
+
   // Blocks until background demotes and prefetches are done (those of evictions that happen
   // meanwhile too).
   void WaitIdle();
@@ -170,7 +177,12 @@ class OffloadedCache {
   void ScheduleEvictAhead();
   // Write-back (demote thread): evicts blocks ahead of need until every full-history pool has
   // evict_ahead_blocks free pages, storing each from its pages into the chain.
-  void EvictAhead();
+  void EvictAhead() SPARSEKV_EXCLUDES(evict_mu_);
+  // Write-back: EvictAhead's work for any target (the demote thread's, or Evict's); returns
+  // the blocks evicted.
+  uint32_t EvictBlocks(uint32_t free_target, uint32_t max_blocks) SPARSEKV_REQUIRES(evict_mu_);
+  // Write-back: ends a scheduled EvictAhead run (runs it again if asked meanwhile).
+  void FinishEvictAhead();
   // Hands bundles to the chain; the caller has counted them in flight.
   void Demote(std::vector<BundlePtr> bundles, bool evicted);
   // Per key: the bundle on its way to the chain (write-back), or nullptr.
@@ -196,6 +208,9 @@ class OffloadedCache {
   std::unique_ptr<offload::WorkerPool> demoter_;  // write-back only
   std::unique_ptr<offload::WorkerPool> restorers_;  // restore_threads - 1 threads, or none
   mutable Mutex mu_;
+  // Write-back: one EvictBlocks at a time (the demote thread's and Evict's callers'). Taken
+  // before the manager's lock.
+  Mutex evict_mu_;
   std::unordered_map<SequenceId, std::shared_ptr<SequenceState>> sequences_
       SPARSEKV_GUARDED_BY(mu_);
 };
