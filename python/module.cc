@@ -8,12 +8,16 @@
 //   client is thread-safe) and the interpreter runs while a call waits for the daemon.
 // - A GET's bytes are not copied into Python: each value is a read-only memoryview of a buffer
 //   object that owns the client's vector, alive as long as the view.
+#include <dlpack/dlpack.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <atomic>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -24,12 +28,15 @@
 #include "sparsekv/cache_manager.h"
 #include "sparsekv/client.h"
 #include "sparsekv/codec.h"
+#include "sparsekv/kv_events.h"
 #include "sparsekv/lightning_indexer.h"
 #include "sparsekv/memory_planner.h"
 #include "sparsekv/paged_cache_view.h"
 #include "sparsekv/sparse_mla.h"
 #include "sparsekv/storage_format.h"
 #include "sparsekv/model_spec.h"
+#include "sparsekv/offload_options.h"
+#include "sparsekv/offloaded_cache.h"
 #include "sparsekv/status.h"
 
 namespace py = pybind11;
@@ -279,6 +286,226 @@ class CppBaseline {
 
 // ---- cache side ----
 
+// A block hash as the 16 bytes the daemon files it under (lo, then hi, little-endian).
+py::bytes HashBytes(const BlockHash& h) {
+  char b[16];
+  std::memcpy(b, &h.lo, 8);
+  std::memcpy(b + 8, &h.hi, 8);
+  return py::bytes(b, 16);
+}
+
+// An element type of a pool view: its DLPack type and size.
+struct ElementType {
+  const char* name;
+  DLDataType dl;
+};
+constexpr ElementType kElementTypes[] = {
+    {"uint8", {kDLUInt, 8, 1}},    {"int8", {kDLInt, 8, 1}},         {"uint16", {kDLUInt, 16, 1}},
+    {"int16", {kDLInt, 16, 1}},    {"bfloat16", {kDLBfloat, 16, 1}}, {"float32", {kDLFloat, 32, 1}},
+    {"int32", {kDLInt, 32, 1}},    {"uint32", {kDLUInt, 32, 1}},
+};
+
+const ElementType& ElementTypeOf(const std::string& name) {
+  for (const ElementType& t : kElementTypes) {
+    if (name == t.name) return t;
+  }
+  Raise(Status::InvalidArgument("no pool view element type " + name));
+}
+
+// A strided view of a pool's memory, lent to other frameworks through DLPack
+// (`__dlpack__`): torch.from_dlpack and numpy.from_dlpack take it without a copy. The view
+// and every tensor made from it keep the manager (and so the pool) alive.
+class PoolRegion {
+ public:
+  PoolRegion(std::shared_ptr<CacheManager> keep, std::byte* base, uint64_t arena_bytes, uint64_t offset,
+             const std::string& dtype, std::vector<int64_t> shape, const std::vector<int64_t>& byte_strides)
+      : keep_(std::move(keep)), type_(ElementTypeOf(dtype)), shape_(std::move(shape)) {
+    const int64_t item = type_.dl.bits / 8;
+    if (shape_.size() != byte_strides.size() || shape_.empty()) {
+      Raise(Status::InvalidArgument("a pool view needs one stride per axis"));
+    }
+    // Every byte the view can reach lies in the arena: [offset, offset + span).
+    uint64_t span = static_cast<uint64_t>(item);
+    bool empty = false;
+    for (size_t i = 0; i < shape_.size(); ++i) {
+      if (shape_[i] < 0 || byte_strides[i] < 0 || byte_strides[i] % item != 0) {
+        Raise(Status::InvalidArgument("a pool view's shape and strides are non-negative, strides a multiple of " +
+                                      std::to_string(item) + " bytes"));
+      }
+      empty = empty || shape_[i] == 0;
+      uint64_t reach = 0;
+      if (shape_[i] > 0 && (__builtin_mul_overflow(static_cast<uint64_t>(shape_[i] - 1),
+                                                   static_cast<uint64_t>(byte_strides[i]), &reach) ||
+                            __builtin_add_overflow(span, reach, &span))) {
+        span = UINT64_MAX;  // past any arena
+      }
+      strides_.push_back(byte_strides[i] / item);
+    }
+    if (offset > arena_bytes || (!empty && span > arena_bytes - offset)) {
+      Raise(Status::OutOfRange("a pool view of " + std::to_string(span) + " bytes at offset " +
+                               std::to_string(offset) + " reaches past the pool's " +
+                               std::to_string(arena_bytes) + " bytes"));
+    }
+    data_ = base + offset;
+  }
+
+  // A "dltensor" capsule (DLPack 0.6). Its DLManagedTensor owns copies of the shape and
+  // strides and a reference to the manager; the consumer calls its deleter when done.
+  py::capsule DlPack(const py::object& stream) const {
+    if (!stream.is_none()) throw py::value_error("a pool is host memory: __dlpack__ takes no stream");
+    struct Owned {
+      DLManagedTensor t{};
+      std::shared_ptr<CacheManager> keep;
+      std::vector<int64_t> shape, strides;
+    };
+    auto* o = new Owned;
+    o->keep = keep_;
+    o->shape = shape_;
+    o->strides = strides_;
+    o->t.dl_tensor.data = data_;
+    o->t.dl_tensor.device = {kDLCPU, 0};
+    o->t.dl_tensor.ndim = static_cast<int>(shape_.size());
+    o->t.dl_tensor.dtype = type_.dl;
+    o->t.dl_tensor.shape = o->shape.data();
+    o->t.dl_tensor.strides = o->strides.data();
+    o->t.dl_tensor.byte_offset = 0;
+    o->t.manager_ctx = o;
+    o->t.deleter = [](DLManagedTensor* t) { delete static_cast<Owned*>(t->manager_ctx); };
+    // A capsule no consumer took (still named "dltensor") frees it; a consumer renames it
+    // "used_dltensor" and calls the deleter itself.
+    PyObject* cap = PyCapsule_New(&o->t, "dltensor", [](PyObject* c) {
+      if (PyCapsule_IsValid(c, "dltensor")) {
+        auto* t = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(c, "dltensor"));
+        t->deleter(t);
+      }
+    });
+    if (cap == nullptr) {
+      delete o;
+      throw py::error_already_set();
+    }
+    return py::reinterpret_steal<py::capsule>(cap);
+  }
+
+  std::string dtype() const { return type_.name; }
+  std::vector<int64_t> shape() const { return shape_; }
+  std::vector<int64_t> strides() const { return strides_; }  // in elements, as DLPack's
+  uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(data_); }
+
+ private:
+  std::shared_ptr<CacheManager> keep_;
+  ElementType type_;
+  std::vector<int64_t> shape_, strides_;
+  std::byte* data_ = nullptr;
+};
+
+// One KV event as Python sees it (kv_events.h).
+struct PyKvEvent {
+  std::string type;
+  uint64_t sequence_number = 0;
+  std::vector<std::string> kinds;
+  std::vector<py::bytes> block_hashes;
+  py::object parent_hash;  // bytes, or None for "all cleared"
+  uint32_t block_tokens = 0;
+};
+
+// A subscription to a manager's KV events that Python drains: the listener only queues (it
+// may run on any thread, the offload threads included, and never touches Python), so no
+// thread ever waits for the GIL inside the manager. At most `max_events` wait; past that the
+// oldest are dropped and counted, and a router resynchronises from `dropped`.
+class PyEventQueue {
+ public:
+  PyEventQueue(std::shared_ptr<CacheManager> m, size_t max_events)
+      : m_(std::move(m)), state_(std::make_shared<State>()) {
+    if (max_events == 0) Raise(Status::InvalidArgument("max_events must be at least 1"));
+    state_->max_events = max_events;
+    std::weak_ptr<State> w = state_;
+    id_ = m_->Subscribe([w](const KvEvent& e) {
+      std::shared_ptr<State> st = w.lock();
+      if (!st) return;
+      {
+        std::lock_guard<std::mutex> l(st->mu);
+        if (st->events.size() == st->max_events) {
+          st->events.pop_front();
+          ++st->dropped;
+        }
+        st->events.push_back(e);
+      }
+      st->cv.notify_all();
+    });
+  }
+  ~PyEventQueue() { Close(); }
+
+  // The events waiting, oldest first (at most `max` when max > 0); with a timeout, waits up to
+  // that long for the first one (the GIL released).
+  std::vector<PyKvEvent> Drain(size_t max, double timeout_seconds) {
+    std::deque<KvEvent> got;
+    {
+      py::gil_scoped_release unlocked;
+      std::unique_lock<std::mutex> l(state_->mu);
+      if (timeout_seconds > 0) {
+        state_->cv.wait_for(l, std::chrono::duration<double>(timeout_seconds),
+                            [&] { return !state_->events.empty() || state_->closed; });
+      }
+      const size_t n = max == 0 ? state_->events.size() : std::min(max, state_->events.size());
+      for (size_t i = 0; i < n; ++i) {
+        got.push_back(std::move(state_->events.front()));
+        state_->events.pop_front();
+      }
+    }
+    std::vector<PyKvEvent> out;
+    for (const KvEvent& e : got) out.push_back(Convert(e));
+    return out;
+  }
+
+  uint64_t dropped() const {
+    std::lock_guard<std::mutex> l(state_->mu);
+    return state_->dropped;
+  }
+  size_t pending() const {
+    std::lock_guard<std::mutex> l(state_->mu);
+    return state_->events.size();
+  }
+
+  // Ends the subscription; what is queued can still be drained.
+  void Close() {
+    if (m_) {
+      m_->Unsubscribe(id_);
+      m_.reset();
+    }
+    {
+      std::lock_guard<std::mutex> l(state_->mu);
+      state_->closed = true;
+    }
+    state_->cv.notify_all();
+  }
+
+ private:
+  struct State {
+    mutable std::mutex mu;
+    std::condition_variable cv;
+    std::deque<KvEvent> events;
+    size_t max_events = 0;
+    uint64_t dropped = 0;
+    bool closed = false;
+  };
+
+  static PyKvEvent Convert(const KvEvent& e) {
+    PyKvEvent p;
+    p.type = std::string(KvEventTypeName(e.type));
+    p.sequence_number = e.sequence_number;
+    for (CacheKind k : e.kinds.Kinds()) p.kinds.emplace_back(CacheKindName(k));
+    for (const BlockHash& h : e.block_hashes) p.block_hashes.push_back(HashBytes(h));
+    p.parent_hash = e.type == KvEventType::kAllCleared ? py::none() : py::object(HashBytes(e.parent_hash));
+    p.block_tokens = e.block_tokens;
+    return p;
+  }
+
+  std::shared_ptr<CacheManager> m_;
+  SubscriptionId id_ = 0;
+  std::shared_ptr<State> state_;
+};
+
+
 // A CacheManager shared with every array lent out of its pools: an array keeps it alive.
 class PyCacheManager {
  public:
@@ -330,6 +557,40 @@ class PyCacheManager {
     return py::array(py::dtype::of<uint8_t>(), {rows, cols}, {cols, py::ssize_t{1}},
                      reinterpret_cast<uint8_t*>(base), owner);
   }
+
+  // A view of pool i's arena for DLPack: `offset` bytes in, `shape` elements of `dtype` at
+  // `byte_strides`, checked to stay inside the arena.
+  PoolRegion Region(size_t i, uint64_t offset, const std::string& dtype, const std::vector<int64_t>& shape,
+                    const std::vector<int64_t>& byte_strides) const {
+    CheckPool(i);
+    const PagePool& pool = m_->pool(i);
+    std::byte* base = pool.PageData(0);
+    if (base == nullptr) Raise(Status::FailedPrecondition("the pool has no arena (metadata only)"));
+    return PoolRegion(m_, base, static_cast<uint64_t>(pool.capacity()) * pool.page_bytes(), offset, dtype, shape,
+                      byte_strides);
+  }
+
+  // Evicts cached blocks no sequence holds (least recently used first) until every
+  // full-history pool has `free_pages` free pages, at most `max_blocks`; their pages are
+  // reused, their bytes dropped. Under a write-back OffloadedCache, its evict demotes them.
+  uint32_t Evict(uint32_t free_pages, uint32_t max_blocks) {
+    if (write_back_caches_->load() > 0) {
+      Raise(Status::FailedPrecondition(
+          "this manager has a write-back OffloadedCache: evict through it, so evicted blocks reach the tiers"));
+    }
+    CacheManager& m = *m_;
+    py::gil_scoped_release unlocked;
+    return m.EvictAhead(free_pages, max_blocks, [&m](HeldBlock b) { m.ReleaseHeldBlock(b); });
+  }
+
+  std::unique_ptr<PyEventQueue> Subscribe(size_t max_events) {
+    return std::make_unique<PyEventQueue>(m_, max_events);
+  }
+
+  const std::shared_ptr<CacheManager>& manager() const { return m_; }
+  // Write-back OffloadedCaches over this manager (at most one: it installs the eviction hook);
+  // shared, since an OffloadedCache may outlive this object.
+  const std::shared_ptr<std::atomic<int>>& write_back_caches() const { return write_back_caches_; }
 
   uint64_t CreateSequence(const std::string& salt, const std::string& extra_keys, bool cache_blocks) {
     SequenceOptions o;
@@ -535,6 +796,158 @@ class PyCacheManager {
   }
 
   std::shared_ptr<CacheManager> m_;
+  std::shared_ptr<std::atomic<int>> write_back_caches_ = std::make_shared<std::atomic<int>>(0);
+};
+
+// An OffloadedCache (offloaded_cache.h) over a CacheManager, with the tier chain it opens from
+// the daemon's "offload" options. It keeps the manager alive; destroyed before its chain.
+class PyOffloadedCache {
+ public:
+  PyOffloadedCache(PyCacheManager& manager, const std::string& offload_json, const std::string& data_dir,
+                   const std::string& write_policy, uint32_t namespace_id, uint64_t max_pending_demote_bytes,
+                   uint32_t evict_ahead_blocks, int prefetch_blocks, uint32_t restore_threads)
+      : m_(manager.manager()) {
+    OffloadedCacheOptions o;
+    o.namespace_id = namespace_id;
+    o.write_policy = Take(ParseWritePolicy(write_policy));
+    o.max_pending_demote_bytes = max_pending_demote_bytes;
+    o.evict_ahead_blocks = evict_ahead_blocks;
+    o.prefetch_blocks = prefetch_blocks;
+    o.restore_threads = restore_threads;
+    OffloadOptions oo = Take(ParseOffloadOptionsJson(offload_json));
+    ResolveOffloadPaths(oo, data_dir);
+    if (o.write_policy == WritePolicy::kWriteBack) {
+      write_back_ = manager.write_back_caches();
+      if (write_back_->fetch_add(1) != 0) {
+        write_back_->fetch_sub(1);
+        write_back_.reset();
+        Raise(Status::FailedPrecondition("the manager already has a write-back OffloadedCache (one eviction hook)"));
+      }
+    }
+    try {
+      py::gil_scoped_release unlocked;
+      chain_ = Take(OpenTierChain(oo));
+      cache_ = std::make_unique<OffloadedCache>(*m_, *chain_, o);
+    } catch (...) {
+      if (write_back_ != nullptr) write_back_->fetch_sub(1);
+      throw;
+    }
+  }
+
+  ~PyOffloadedCache() {
+    {
+      py::gil_scoped_release unlocked;  // waits for the demotes in flight
+      cache_.reset();
+      chain_.reset();
+    }
+    if (write_back_ != nullptr) write_back_->fetch_sub(1);
+  }
+
+  uint64_t CreateSequence(const std::string& salt, const std::string& extra_keys, bool cache_blocks) {
+    SequenceOptions o;
+    o.namespace_salt = salt;
+    o.extra_keys = extra_keys;
+    o.cache_blocks = cache_blocks;
+    return Take(cache_->CreateSequence(o));
+  }
+  void AppendTokens(uint64_t seq, const std::vector<TokenId>& tokens) { Check(cache_->AppendTokens(seq, tokens)); }
+  py::dict AcquirePrefix(uint64_t seq) {
+    Result<OffloadedPrefix> r = Status::Internal("");
+    {
+      py::gil_scoped_release unlocked;  // a restore reads the tiers
+      r = cache_->AcquirePrefix(seq);
+    }
+    return Prefix(Take(std::move(r)));
+  }
+  void CommitComputed(uint64_t seq, uint64_t num_tokens) {
+    Status st;
+    {
+      py::gil_scoped_release unlocked;  // write-through copies the new blocks out
+      st = cache_->CommitComputed(seq, num_tokens);
+    }
+    Check(st);
+  }
+  void Free(uint64_t seq) { Check(cache_->Free(seq)); }
+  py::dict LookupPrefix(const std::vector<TokenId>& tokens, const std::string& salt, const std::string& extra_keys,
+                        bool leave_last_token) {
+    PrefixQuery q;
+    q.namespace_salt = salt;
+    q.extra_keys = extra_keys;
+    q.tokens = tokens;
+    q.leave_last_token = leave_last_token;
+    Result<OffloadedPrefix> r = Status::Internal("");
+    {
+      py::gil_scoped_release unlocked;
+      r = cache_->LookupPrefix(q);
+    }
+    return Prefix(Take(std::move(r)));
+  }
+  std::vector<py::bytes> BlockDigests(uint64_t seq) const {
+    std::vector<py::bytes> out;
+    for (const BlockDigest& d : Take(cache_->BlockDigests(seq))) out.push_back(HashBytes(d.hash));
+    return out;
+  }
+  uint32_t Evict(uint32_t free_pages, uint32_t max_blocks) {
+    py::gil_scoped_release unlocked;
+    return cache_->Evict(free_pages, max_blocks);
+  }
+  void WaitIdle() {
+    py::gil_scoped_release unlocked;
+    cache_->WaitIdle();
+  }
+
+  py::dict Stats() const {
+    const OffloadedCacheStats s = cache_->Stats();
+    py::dict d;
+    d["demoted_blocks"] = s.demoted_blocks;
+    d["demote_failures"] = s.demote_failures;
+    d["evicted_demoted"] = s.evicted_demoted;
+    d["evicted_ahead"] = s.evicted_ahead;
+    d["evicted_incomplete"] = s.evicted_incomplete;
+    d["demote_backlog_drops"] = s.demote_backlog_drops;
+    d["pending_demote_bytes"] = s.pending_demote_bytes;
+    d["restored_blocks"] = s.restored_blocks;
+    d["restore_rejected"] = s.restore_rejected;
+    d["restore_no_room"] = s.restore_no_room;
+    py::list tiers;
+    for (size_t t = 0; t < chain_->tier_count(); ++t) {
+      const Tier& tier = chain_->tier(t);
+      const TierStats ts = tier.Stats();
+      py::dict td;
+      td["name"] = std::string(tier.name());
+      td["items"] = ts.items;
+      td["bytes"] = ts.bytes;
+      td["capacity_bytes"] = ts.capacity_bytes;
+      td["hits"] = ts.hits;
+      td["misses"] = ts.misses;
+      td["puts"] = ts.puts;
+      td["put_failures"] = ts.put_failures;
+      td["evictions"] = ts.evictions;
+      td["corrupt"] = ts.corrupt;
+      td["io_errors"] = ts.io_errors;
+      tiers.append(td);
+    }
+    d["tiers"] = tiers;
+    return d;
+  }
+
+ private:
+  static void Check(const Status& st) {
+    if (!st.ok()) Raise(st);
+  }
+  static py::dict Prefix(const OffloadedPrefix& p) {
+    py::dict d;
+    d["l1_blocks"] = p.l1_blocks;
+    d["lower_blocks"] = p.lower_blocks;
+    d["blocks"] = p.blocks;
+    d["tokens"] = p.tokens;
+    return d;
+  }
+
+  std::shared_ptr<CacheManager> m_;
+  std::shared_ptr<std::atomic<int>> write_back_;  // the manager's count, while this is one
+  std::unique_ptr<TierChain> chain_;
+  std::unique_ptr<OffloadedCache> cache_;
 };
 
 // The prefix-hash chain of a prompt's full blocks (block_hash.h), each as the 16 bytes the
@@ -547,12 +960,7 @@ std::vector<py::bytes> BlockHashes(const std::vector<TokenId>& tokens, uint32_t 
   hasher.HashFullBlocks(hasher.Root(salt), tokens, extra_keys, &digests);
   std::vector<py::bytes> out;
   out.reserve(digests.size());
-  for (const BlockDigest& d : digests) {
-    char b[16];
-    std::memcpy(b, &d.hash.lo, 8);
-    std::memcpy(b + 8, &d.hash.hi, 8);
-    out.emplace_back(b, 16);
-  }
+  for (const BlockDigest& d : digests) out.push_back(HashBytes(d.hash));
   return out;
 }
 
@@ -720,9 +1128,56 @@ PYBIND11_MODULE(_sparsekv, m) {
            py::arg("positions"), py::arg("top_k"), py::arg("key_ratio"), py::arg("threads"))
       .def("sparse_mla", &PyCacheManager::Mla, py::arg("pool"), py::arg("layer"), py::arg("q"), py::arg("indices"),
            py::arg("softmax_scale"), py::arg("threads"))
+      .def("region", &PyCacheManager::Region, py::arg("pool"), py::arg("offset"), py::arg("dtype"), py::arg("shape"),
+           py::arg("byte_strides"))
+      .def("evict", &PyCacheManager::Evict, py::arg("free_pages"), py::arg("max_blocks"))
+      .def("subscribe", &PyCacheManager::Subscribe, py::arg("max_events"))
       .def("_page_bytes", &PyCacheManager::PageBytes)
       .def("_fill_page", &PyCacheManager::FillPage);
-  py::class_<PyCodec>(m, "Codec")
+  py::class_<PoolRegion>(m, "PoolRegion",
+                         "A strided view of a pool's memory for DLPack consumers (torch.from_dlpack, "
+                         "numpy.from_dlpack): no copy, and what is made of it keeps the pool alive.")
+      .def("__dlpack__", &PoolRegion::DlPack, py::arg("stream") = py::none())
+      .def("__dlpack_device__", [](const PoolRegion&) { return py::make_tuple(static_cast<int>(kDLCPU), 0); })
+      .def_property_readonly("dtype", &PoolRegion::dtype)
+      .def_property_readonly("shape", &PoolRegion::shape)
+      .def_property_readonly("strides", &PoolRegion::strides, "In elements, as DLPack's.")
+      .def_property_readonly("data_ptr", &PoolRegion::data_ptr);
+  py::class_<PyKvEvent>(m, "KvEvent", "One change to the blocks a cache manager holds (kv_events.h).")
+      .def_readonly("type", &PyKvEvent::type, "\"blocks_stored\", \"blocks_removed\" or \"all_cleared\".")
+      .def_readonly("sequence_number", &PyKvEvent::sequence_number, "1, 2, 3, ... in the manager's stream.")
+      .def_readonly("kinds", &PyKvEvent::kinds, "Stored: the kinds written; removed: the kinds the blocks lost.")
+      .def_readonly("block_hashes", &PyKvEvent::block_hashes,
+                    "16 bytes each (the keys sparsekvd files the blocks under); stored: consecutive, in order.")
+      .def_readonly("parent_hash", &PyKvEvent::parent_hash,
+                    "Stored: the block before block_hashes[0] (the namespace root for block 0).")
+      .def_readonly("block_tokens", &PyKvEvent::block_tokens)
+      .def("__repr__", [](const PyKvEvent& e) {
+        return "sparsekv.KvEvent(" + e.type + ", #" + std::to_string(e.sequence_number) + ", " +
+               std::to_string(e.block_hashes.size()) + " blocks)";
+      });
+  py::class_<PyEventQueue>(m, "_EventQueue")
+      .def("drain", &PyEventQueue::Drain, py::arg("max") = 0, py::arg("timeout") = 0.0)
+      .def_property_readonly("dropped", &PyEventQueue::dropped)
+      .def_property_readonly("pending", &PyEventQueue::pending)
+      .def("close", &PyEventQueue::Close);
+  py::class_<PyOffloadedCache>(m, "_OffloadedCache")
+      .def(py::init<PyCacheManager&, const std::string&, const std::string&, const std::string&, uint32_t, uint64_t,
+                    uint32_t, int, uint32_t>(),
+           py::arg("manager"), py::arg("offload_json"), py::arg("data_dir"), py::arg("write_policy"),
+           py::arg("namespace_id"), py::arg("max_pending_demote_bytes"), py::arg("evict_ahead_blocks"),
+           py::arg("prefetch_blocks"), py::arg("restore_threads"))
+      .def("create_sequence", &PyOffloadedCache::CreateSequence)
+      .def("append_tokens", &PyOffloadedCache::AppendTokens)
+      .def("acquire_prefix", &PyOffloadedCache::AcquirePrefix)
+      .def("commit_computed", &PyOffloadedCache::CommitComputed)
+      .def("free", &PyOffloadedCache::Free)
+      .def("lookup_prefix", &PyOffloadedCache::LookupPrefix)
+      .def("block_digests", &PyOffloadedCache::BlockDigests)
+      .def("evict", &PyOffloadedCache::Evict)
+      .def("wait_idle", &PyOffloadedCache::WaitIdle)
+      .def("stats", &PyOffloadedCache::Stats);
+  py::class_<PyCodec>(m, "_Codec")
       .def(py::init<const std::string&, uint32_t, uint32_t>(), py::arg("format"), py::arg("dims"),
            py::arg("entries"))
       .def_property_readonly("page_bytes", &PyCodec::page_bytes)

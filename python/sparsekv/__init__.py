@@ -19,17 +19,81 @@ from . import _sparsekv
 
 __version__ = _sparsekv.__version__
 
-__all__ = ["CacheManager", "Client", "Codec", "Error", "ModelSpec", "__version__", "block_hashes", "model_preset",
-           "model_presets", "model_spec_from_json", "plan_for_budget", "plan_for_sequences"]
+__all__ = ["CacheManager", "Client", "Codec", "Error", "KvEvent", "KvEventQueue", "ModelSpec", "OffloadedCache",
+           "PoolRegion", "__version__", "block_hashes", "model_preset", "model_presets", "model_spec_from_json",
+           "plan_for_budget", "plan_for_sequences"]
 
 ModelSpec = _sparsekv.ModelSpec
-Codec = _sparsekv.Codec
-Codec.__doc__ = """A page codec: Codec(format, dims, entries) for one layer's page of a pool
-(format as pool_info gives it: "bf16", "fp8_ds_mla", "c8_mla", "fp8_v4", "idx_fp8", ...).
-write(page, first_slot, rows) encodes float32 (or bf16 as uint16) rows into the page in place;
-read(page, first_slot, count) decodes them. A page is a contiguous uint8 buffer, such as
-pool_array(i)[page, l * layer_stride : l * layer_stride + page_bytes]. Torch tensors pass as
-tensor.numpy() (no copy on the CPU)."""
+KvEvent = _sparsekv.KvEvent
+PoolRegion = _sparsekv.PoolRegion
+
+
+def _is_tensor(x):
+    return type(x).__module__.startswith("torch")
+
+
+def _as_numpy(x):
+    """A numpy array over the same memory as `x` (a numpy array, a CPU torch tensor, a buffer);
+    bf16 tensors come as their bits (uint16)."""
+    import numpy as _np
+
+    if _is_tensor(x):
+        import torch as _torch
+
+        if x.device.type != "cpu":
+            raise InvalidArgument(f"a tensor on {x.device}: sparsekv's codecs and kernels run on the CPU")
+        if x.dtype == _torch.bfloat16:
+            return x.view(_torch.int16).numpy().view(_np.uint16)
+        return x.numpy()
+    if isinstance(x, _np.ndarray):
+        return x
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return _np.frombuffer(x, dtype=_np.uint8)
+    return _np.asarray(x)
+
+
+class Codec:
+    """A page codec for one layer's page of a pool: Codec(format, dims, entries), with the
+    format as pool_info gives it ("bf16", "fp8_ds_mla", "c8_mla", "fp8_v4", "idx_fp8", ...).
+    The SIMD path is chosen as the C++ library chooses it.
+
+    A page is a contiguous uint8 numpy array or CPU torch tensor, such as
+    ``pool_array(i)[page, l * layer_stride : l * layer_stride + page_bytes]`` (or the same slice
+    of ``pool_tensor(i)``): written and read in place."""
+
+    def __init__(self, format, dims, entries):
+        self._c = _sparsekv._Codec(format, dims, entries)
+
+    page_bytes = property(lambda self: self._c.page_bytes, doc="Bytes of one page of `entries` entries.")
+    dims = property(lambda self: self._c.dims)
+    entries = property(lambda self: self._c.entries)
+    format = property(lambda self: self._c.format)
+
+    def write(self, page, first_slot, rows):
+        """Encodes rows [count, dims] into slots first_slot.. of the page, in place. Rows are
+        float32, or bf16 (a torch.bfloat16 tensor, or uint16 holding the bits)."""
+        import numpy as _np
+
+        r = _as_numpy(rows)
+        self._c.write(_as_numpy(page), first_slot, _np.ascontiguousarray(r))
+
+    def read(self, page, first_slot, count, dtype="float32"):
+        """Decodes slots first_slot.. into a new numpy array [count, dims]: float32, or bf16
+        bits as uint16 for dtype "bfloat16"."""
+        return self._c.read(_as_numpy(page), first_slot, count, dtype)
+
+    def read_tensor(self, page, first_slot, count, dtype="float32"):
+        """``read`` as a torch tensor: float32, or torch.bfloat16 for dtype "bfloat16"."""
+        import numpy as _np
+        import torch as _torch
+
+        out = self.read(page, first_slot, count, dtype)
+        if out.dtype == _np.uint16:
+            return _torch.from_numpy(out.view(_np.int16)).view(_torch.bfloat16)
+        return _torch.from_numpy(out)
+
+    def __repr__(self):
+        return f"sparsekv.Codec({self.format!r}, dims={self.dims}, entries={self.entries})"
 
 
 def model_preset(name, precision="bf16"):
@@ -296,8 +360,8 @@ class CacheManager:
         return self._m.sparse_mla(pool, layer, q, indices, softmax_scale, threads)
 
     def engine_view(self, pool):
-        """Pool `pool`'s pages as the per-format arrays an engine hands its kernels, all views of
-        the pool's memory (no copy), indexed [page, layer slot, entry, ...]:
+        """Pool `pool`'s pages as the per-format arrays an engine hands its kernels, all numpy
+        views of the pool's memory (no copy), indexed [page, layer slot, entry, ...]:
 
         - bf16: ``values`` uint16 (bf16 bits) [..., dims]
         - fp8_ds_mla: ``nope`` uint8 (fp8 e4m3 bits) [..., 512], ``scales`` float32 [..., 4]
@@ -310,43 +374,178 @@ class CacheManager:
         - idx_fp8 / idx_c8: ``values`` uint8 (e4m3) / int8 [..., dims], ``scales`` float32 [...]
         - fp32 (compressor state): ``values`` float32 [page, layer slot, floats per layer]
 
-        numpy has no fp8 or bf16 type, so those come as their bits. For torch:
-        ``torch.from_numpy(v.view(numpy.int16)).view(torch.bfloat16)``, and the same with int8
-        and ``torch.float8_e4m3fn`` where torch has it.
+        numpy has no fp8 or bf16 type, so those come as their bits; ``engine_tensors`` gives
+        the same views as torch tensors, bf16 fields as torch.bfloat16.
         """
         import numpy as _np  # only the cache side needs numpy; the client does not
 
-        info = self.pool_info(pool)
         arr = self.pool_array(pool)
-        fmt, dims, n = info["format"], info["dims"], info["entries_per_block"]
-        pages, layers, ls = arr.shape[0], len(info["layers"]), info["layer_stride"]
+        ls = self.pool_info(pool)["layer_stride"]
+        types = {"uint8": _np.uint8, "int8": _np.int8, "bfloat16": _np.uint16, "float32": _np.float32}
+        out = {}
+        for name, (offset, dtype, shape, strides) in _engine_fields(self.pool_info(pool)).items():
+            # numpy checks the view stays inside the pool's bytes.
+            out[name] = _np.ndarray(buffer=arr, dtype=types[dtype], offset=offset, shape=(arr.shape[0],) + shape,
+                                    strides=(arr.strides[0], ls) + strides[1:])
+        return out
 
-        def field(offset, dtype, shape, strides):
-            # A view of the pool's bytes (numpy checks it stays inside them): a page, then a
-            # layer slot, then the format's own axes.
-            return _np.ndarray(buffer=arr, dtype=dtype, offset=offset, shape=(pages, layers) + shape,
-                               strides=(arr.strides[0], ls) + strides)
+    def engine_tensors(self, pool):
+        """``engine_view`` as torch tensors over the same memory (DLPack, no copy), bf16 fields
+        as torch.bfloat16; fp8 fields stay uint8 (torch 1.13 has no float8 type). Each tensor
+        keeps the pool alive."""
+        import torch as _torch
 
-        if fmt == "bf16":
-            return {"values": field(0, _np.uint16, (n, dims), (2 * dims, 2))}
-        if fmt in ("fp8_ds_mla", "c8_mla"):
-            e = 656
-            if fmt == "fp8_ds_mla":
-                return {"nope": field(0, _np.uint8, (n, 512), (e, 1)),
-                        "scales": field(512, _np.float32, (n, 4), (e, 4)),
-                        "rope": field(528, _np.uint16, (n, 64), (e, 2))}
-            return {"nope": field(0, _np.int8, (n, 512), (e, 1)),
-                    "rope": field(512, _np.uint16, (n, 64), (e, 2)),
-                    "scales": field(640, _np.float32, (n, 4), (e, 4))}
-        if fmt == "fp8_v4":
-            return {"nope": field(0, _np.uint8, (n, 448), (576, 1)),
-                    "rope": field(448, _np.uint16, (n, 64), (576, 2)),
-                    "scales": field(n * 576, _np.uint8, (n, 7), (8, 1))}
-        if fmt in ("idx_fp8", "idx_c8"):
-            vt = _np.uint8 if fmt == "idx_fp8" else _np.int8
-            return {"values": field(0, vt, (n, dims), (dims, 1)),
-                    "scales": field(n * dims, _np.float32, (n,), (4,))}
-        if fmt == "fp32":
-            floats = info["page_bytes"] // 4
-            return {"values": field(0, _np.float32, (floats,), (4,))}
-        raise NotSupported(f"no engine view for format {fmt}")
+        info = self.pool_info(pool)
+        pages = info["capacity"]
+        return {name: _torch.from_dlpack(self._m.region(pool, offset, dtype, [pages, *shape],
+                                                        [info["block_stride"], *strides]))
+                for name, (offset, dtype, shape, strides) in _engine_fields(info).items()}
+
+    def pool_tensor(self, pool):
+        """Pool `pool`'s memory in place as a torch uint8 tensor [capacity, page bytes] (DLPack,
+        no copy): the memory of pool_array. It keeps the pool alive."""
+        import torch as _torch
+
+        return _torch.from_dlpack(self.pool_dlpack(pool))
+
+    def pool_dlpack(self, pool):
+        """Pool `pool`'s memory as a DLPack producer (``__dlpack__``, ``__dlpack_device__``) of
+        uint8 [capacity, page bytes], for any framework's ``from_dlpack``."""
+        info = self.pool_info(pool)
+        return self._m.region(pool, 0, "uint8", [info["capacity"], info["block_stride"]], [info["block_stride"], 1])
+
+    def evict(self, free_pages, max_blocks=0xFFFFFFFF):
+        """Evicts cached blocks no sequence holds, least recently used first, until every
+        full-history pool has `free_pages` free pages or `max_blocks` went; returns how many.
+        Their bytes are dropped (with a write-back OffloadedCache, evict through it: this raises
+        sparsekv.FailedPrecondition). Events are those of an eviction."""
+        return self._m.evict(free_pages, max_blocks)
+
+    def subscribe(self, max_events=65536):
+        """A KvEventQueue receiving this manager's KV events from now on."""
+        return KvEventQueue(self._m.subscribe(max_events))
+
+
+def _engine_fields(info):
+    """Per field of a pool's format: (byte offset in a page, element type, shape and byte strides
+    after the page axis), the layer slot first."""
+    fmt, dims, n, ls = info["format"], info["dims"], info["entries_per_block"], info["layer_stride"]
+    layers = len(info["layers"])
+
+    def f(offset, dtype, shape, strides):
+        return (offset, dtype, (layers,) + shape, (ls,) + strides)
+
+    if fmt == "bf16":
+        return {"values": f(0, "bfloat16", (n, dims), (2 * dims, 2))}
+    if fmt == "fp8_ds_mla":
+        return {"nope": f(0, "uint8", (n, 512), (656, 1)), "scales": f(512, "float32", (n, 4), (656, 4)),
+                "rope": f(528, "bfloat16", (n, 64), (656, 2))}
+    if fmt == "c8_mla":
+        return {"nope": f(0, "int8", (n, 512), (656, 1)), "rope": f(512, "bfloat16", (n, 64), (656, 2)),
+                "scales": f(640, "float32", (n, 4), (656, 4))}
+    if fmt == "fp8_v4":
+        return {"nope": f(0, "uint8", (n, 448), (576, 1)), "rope": f(448, "bfloat16", (n, 64), (576, 2)),
+                "scales": f(n * 576, "uint8", (n, 7), (8, 1))}
+    if fmt in ("idx_fp8", "idx_c8"):
+        return {"values": f(0, "uint8" if fmt == "idx_fp8" else "int8", (n, dims), (dims, 1)),
+                "scales": f(n * dims, "float32", (n,), (4,))}
+    if fmt == "fp32":
+        return {"values": f(0, "float32", (info["page_bytes"] // 4,), (4,))}
+    raise NotSupported(f"no engine view for format {fmt}")
+
+
+class KvEventQueue:
+    """KV events of a cache manager (``CacheManager.subscribe``), queued as they happen on any
+    thread and taken from Python with ``drain``: "blocks_stored" (consecutive blocks of one
+    sequence, with the parent hash and the kinds written), "blocks_removed" (with the kinds the
+    blocks lost) and "all_cleared". ``sequence_number`` goes 1, 2, 3, ... with no gaps; when
+    more than ``max_events`` wait, the oldest are dropped and counted in ``dropped`` (a router
+    then resynchronises)."""
+
+    def __init__(self, q):
+        self._q = q
+
+    def drain(self, max=0, timeout=0.0):
+        """The events waiting, oldest first (at most `max` when it is not 0); with a timeout in
+        seconds, waits that long for the first one (the GIL released)."""
+        return self._q.drain(max, float(timeout))
+
+    @property
+    def dropped(self):
+        return self._q.dropped
+
+    @property
+    def pending(self):
+        return self._q.pending
+
+    def close(self):
+        """Ends the subscription; events already queued can still be drained."""
+        self._q.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class OffloadedCache:
+    """A CacheManager (L1) with offload tiers under it (offloaded_cache.h): blocks go down to
+    host memory, an io_uring SSD tier and RocksDB, and a prefix found there is restored into
+    fresh L1 pages, every kind checked.
+
+    ``offload`` is the daemon's "offload" section as a dict (docs: offload_options.h), e.g.
+    ``{"host": {"capacity_bytes": "1GiB"}, "ssd": {"enabled": True, "capacity_bytes": "4GiB"}}``;
+    relative paths are under `data_dir`. ``write_policy``: "write-through" copies every block
+    at commit, "write-back" copies blocks when L1 evicts them.
+
+    Sequences are created, fed, committed and freed through this object; pages are allocated
+    and block tables read on ``manager``. It keeps the manager alive."""
+
+    def __init__(self, manager, offload=None, *, data_dir=".", write_policy="write-through", namespace_id=0,
+                 max_pending_demote_bytes=256 << 20, evict_ahead_blocks=8, prefetch_blocks=-1, restore_threads=2):
+        self.manager = manager
+        self._c = _sparsekv._OffloadedCache(manager._m, _json.dumps(offload or {}), str(data_dir), write_policy,
+                                            namespace_id, max_pending_demote_bytes, evict_ahead_blocks,
+                                            prefetch_blocks, restore_threads)
+
+    def create_sequence(self, namespace_salt="", extra_keys="", cache_blocks=True):
+        return self._c.create_sequence(namespace_salt, extra_keys, cache_blocks)
+
+    def append_tokens(self, seq, tokens):
+        self._c.append_tokens(seq, [int(t) for t in tokens])
+
+    def acquire_prefix(self, seq):
+        """Attaches the L1 prefix, then restores the following blocks from the tiers:
+        {l1_blocks, lower_blocks, blocks, tokens}."""
+        return self._c.acquire_prefix(seq)
+
+    def commit_computed(self, seq, num_tokens):
+        self._c.commit_computed(seq, num_tokens)
+
+    def free(self, seq):
+        self._c.free(seq)
+
+    def lookup_prefix(self, tokens, namespace_salt="", extra_keys="", leave_last_token=True):
+        """How much of a prompt L1 and the tiers hold, changing nothing."""
+        return self._c.lookup_prefix([int(t) for t in tokens], namespace_salt, extra_keys, leave_last_token)
+
+    def block_digests(self, seq):
+        """The hashes (16 bytes each) of the sequence's full blocks: what its bundles are filed
+        under."""
+        return self._c.block_digests(seq)
+
+    def evict(self, free_pages, max_blocks=0xFFFFFFFF):
+        """Evicts cached blocks no sequence holds until every full-history pool has
+        `free_pages` free pages (at most `max_blocks`), each reaching the tiers; returns how
+        many left L1."""
+        return self._c.evict(free_pages, max_blocks)
+
+    def wait_idle(self):
+        """Waits for the background demotes and prefetches."""
+        self._c.wait_idle()
+
+    def stats(self):
+        """Demote and restore counts, and each tier's items, bytes, hits and misses."""
+        return self._c.stats()

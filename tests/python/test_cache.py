@@ -43,14 +43,6 @@ def test_writes_are_shared_both_ways_without_a_copy():
     assert m._m._page_bytes(0, 3) == bytes([0x5A]) * arr.shape[1]
     m._m._fill_page(0, 4, 0x17)                 # C++ writes, Python reads
     assert np.all(arr[4] == 0x17)
-    try:
-        import torch  # python3-torch: the same memory as a tensor
-    except ImportError:
-        torch = None
-    if torch is not None:
-        t = torch.from_numpy(arr)
-        t[5, 0] = 99
-        assert m._m._page_bytes(0, 5)[0] == 99
 
 
 def test_an_array_outlives_its_manager():
