@@ -352,6 +352,24 @@ Status Bundle::VerifyRecord(std::span<const std::byte> record, const BundleKey& 
   return Status::OK();
 }
 
+Status Bundle::RestampNamespace(std::span<std::byte> record, const BundleKey& written, uint32_t namespace_id) {
+  SPARSEKV_RETURN_IF_ERROR(VerifyRecord(record, written));
+  Store<uint32_t>(record.data() + kNamespaceAt, namespace_id);
+  Store<uint64_t>(record.data() + kChecksumAt, RecordChecksum(record));
+  return Status::OK();
+}
+
+std::optional<Bundle::RecordHeader> Bundle::PeekHeader(std::span<const std::byte> record) {
+  if (record.size() < kBundleFixedHeaderBytes) return std::nullopt;
+  const std::byte* p = record.data();
+  RecordHeader h;
+  h.key.namespace_id = Load<uint32_t>(p + kNamespaceAt);
+  h.key.hash.lo = Load<uint64_t>(p + kHashLoAt);
+  h.key.hash.hi = Load<uint64_t>(p + kHashHiAt);
+  h.sequence = Load<uint64_t>(p + kSequenceAt);
+  return h;
+}
+
 Result<BundlePtr> Bundle::ParseRecord(std::span<const std::byte> record,
                                       const BundleKey& expected) {
   SPARSEKV_RETURN_IF_ERROR(VerifyRecord(record, expected));

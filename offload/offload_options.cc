@@ -144,6 +144,20 @@ class Section {
     return Status::OK();
   }
 
+  Status StringList(const char* key, std::vector<std::string>* out) const {
+    if (!j_.contains(key)) return Status::OK();
+    const json& v = j_.at(key);
+    bool ok = v.is_array();
+    for (size_t i = 0; ok && i < v.size(); ++i) ok = v[i].is_string();
+    if (!ok) {
+      return Status::InvalidArgument(
+          fmt::format("{}.{}: expected an array of strings, got {}", path_, key, Shown(v)));
+    }
+    out->clear();
+    for (const json& e : v) out->push_back(e.get<std::string>());
+    return Status::OK();
+  }
+
   bool Has(const char* key) const { return j_.contains(key); }
   Section Sub(const char* key) const { return Section(j_.at(key), path_ + "." + key); }
 
@@ -205,6 +219,44 @@ Status ParseRocksDb(const Section& s, OffloadOptions& o) {
   return s.Uint("worker_threads", 1, 64, &t.worker_threads);
 }
 
+Status ParseRemote(const Section& s, OffloadOptions& o) {
+  SPARSEKV_RETURN_IF_ERROR(s.IsObject());
+  SPARSEKV_RETURN_IF_ERROR(
+      s.OnlyKeys({"enabled", "nodes", "password", "key_prefix", "timeout_ms", "connections_per_node",
+                  "max_record_bytes", "max_pending_write_bytes", "writer_threads", "capacity_bytes"}));
+  RemoteTierOptions& t = o.remote;
+  SPARSEKV_RETURN_IF_ERROR(s.Bool("enabled", &o.remote_enabled));
+  SPARSEKV_RETURN_IF_ERROR(s.StringList("nodes", &t.nodes));
+  SPARSEKV_RETURN_IF_ERROR(s.String("password", &t.password));
+  SPARSEKV_RETURN_IF_ERROR(s.String("key_prefix", &t.key_prefix));
+  SPARSEKV_RETURN_IF_ERROR(s.Uint("timeout_ms", 1, 60000, &t.timeout_ms));
+  SPARSEKV_RETURN_IF_ERROR(s.Uint("connections_per_node", 1, 1024, &t.connections_per_node));
+  SPARSEKV_RETURN_IF_ERROR(s.Bytes("max_record_bytes", BundleHeaderBytes(0), &t.max_record_bytes));
+  // Redis refuses bulk strings over 512 MB (proto-max-bulk-len).
+  if (t.max_record_bytes > (512ull << 20)) {
+    return Status::InvalidArgument(fmt::format(
+        "offload.remote.max_record_bytes: expected at most 512 MiB (Redis's largest value), got {}",
+        t.max_record_bytes));
+  }
+  SPARSEKV_RETURN_IF_ERROR(s.Bytes("max_pending_write_bytes", 0, &t.max_pending_write_bytes));
+  SPARSEKV_RETURN_IF_ERROR(s.Uint("writer_threads", 1, 64, &t.writer_threads));
+  SPARSEKV_RETURN_IF_ERROR(s.Bytes("capacity_bytes", 0, &t.capacity_bytes));
+  if (o.remote_enabled && t.nodes.empty()) {
+    return Status::InvalidArgument("offload.remote.nodes: expected at least one \"host:port\" of the cluster");
+  }
+  for (const std::string& n : t.nodes) {
+    const size_t colon = n.rfind(':');
+    if (colon == std::string::npos || colon == 0 || colon + 1 == n.size() ||
+        n.find_first_not_of("0123456789", colon + 1) != std::string::npos) {
+      return Status::InvalidArgument(fmt::format("offload.remote.nodes: expected \"host:port\", got \"{}\"", n));
+    }
+  }
+  if (t.key_prefix.find_first_of("{}") != std::string::npos) {
+    return Status::InvalidArgument("offload.remote.key_prefix: must not hold '{' or '}' (a hash tag)");
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 Result<OffloadOptions> ParseOffloadOptionsJson(std::string_view json_text,
@@ -215,13 +267,14 @@ Result<OffloadOptions> ParseOffloadOptionsJson(std::string_view json_text,
   Section s(j, std::string(context));
   SPARSEKV_RETURN_IF_ERROR(s.IsObject());
   SPARSEKV_RETURN_IF_ERROR(s.OnlyKeys(
-      {"write_policy", "promote_into_first_tier", "prefetch_blocks", "host", "ssd", "rocksdb"}));
+      {"write_policy", "promote_into_first_tier", "prefetch_blocks", "host", "ssd", "rocksdb", "remote"}));
   SPARSEKV_RETURN_IF_ERROR(s.Enum("write_policy", &ParseWritePolicy, &o.chain.write_policy));
   SPARSEKV_RETURN_IF_ERROR(s.Bool("promote_into_first_tier", &o.chain.promote_into_first_tier));
   SPARSEKV_RETURN_IF_ERROR(s.Uint("prefetch_blocks", 0, 4096, &o.chain.prefetch_blocks));
   if (s.Has("host")) SPARSEKV_RETURN_IF_ERROR(ParseHost(s.Sub("host"), o));
   if (s.Has("ssd")) SPARSEKV_RETURN_IF_ERROR(ParseSsd(s.Sub("ssd"), o));
   if (s.Has("rocksdb")) SPARSEKV_RETURN_IF_ERROR(ParseRocksDb(s.Sub("rocksdb"), o));
+  if (s.Has("remote")) SPARSEKV_RETURN_IF_ERROR(ParseRemote(s.Sub("remote"), o));
   return o;
 }
 
@@ -254,6 +307,16 @@ std::string OffloadOptionsToJson(const OffloadOptions& o) {
                   {"durability", std::string(DurabilityName(o.rocksdb.durability))},
                   {"use_direct_io", o.rocksdb.use_direct_io},
                   {"worker_threads", o.rocksdb.worker_threads}};
+  j["remote"] = {{"enabled", o.remote_enabled},
+                 {"nodes", o.remote.nodes},
+                 {"password", o.remote.password.empty() ? "" : "(set)"},
+                 {"key_prefix", o.remote.key_prefix},
+                 {"timeout_ms", o.remote.timeout_ms},
+                 {"connections_per_node", o.remote.connections_per_node},
+                 {"max_record_bytes", o.remote.max_record_bytes},
+                 {"max_pending_write_bytes", o.remote.max_pending_write_bytes},
+                 {"writer_threads", o.remote.writer_threads},
+                 {"capacity_bytes", o.remote.capacity_bytes}};
   return j.dump();
 }
 
@@ -281,6 +344,15 @@ Result<std::unique_ptr<TierChain>> OpenTierChain(const OffloadOptions& o, FileSy
   if (o.rocksdb_enabled) {
     auto t = RocksDbTier::Open(o.rocksdb);
     if (!t.ok()) return t.status().WithContext("offload.rocksdb");
+    tiers.push_back(std::move(*t));
+  }
+  if (o.remote_enabled) {
+    if (tiers.empty()) {
+      return Status::InvalidArgument(
+          "offload.remote: a remote tier needs a local tier before it (host, ssd or rocksdb enabled)");
+    }
+    auto t = RemoteTier::Open(o.remote);
+    if (!t.ok()) return t.status().WithContext("offload.remote");
     tiers.push_back(std::move(*t));
   }
   if (tiers.empty()) return Status::InvalidArgument("offload: no tier is enabled");

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <optional>
@@ -133,8 +134,13 @@ TierChain::TierChain(std::vector<std::unique_ptr<Tier>> tiers, TierChainOptions 
   uint64_t held = 0;
   for (const auto& t : tiers_) held = std::max(held, t->max_sequence());
   shared_->next_sequence = held + 1;
+  local_ = 0;
+  while (local_ < tiers_.size() && !tiers_[local_]->remote()) ++local_;
+  // Versions written through other chains meet in a remote tier: numbered from the clock, they
+  // order as they were written across machines (to within the clocks' skew).
+  clock_sequences_ = local_ < tiers_.size();
   if (options_.write_policy != WritePolicy::kWriteBack) return;
-  for (size_t i = 0; i + 1 < tiers_.size(); ++i) {
+  for (size_t i = 0; i + 1 < local_; ++i) {
     const Status s = tiers_[i]->SetEvictionListener(
         [this, i](std::vector<BundlePtr> evicted) { Cascade(i, std::move(evicted)); });
     if (!s.ok())
@@ -150,7 +156,17 @@ TierChain::~TierChain() {
 }
 
 uint64_t TierChain::NextSequence() {
-  return shared_->next_sequence.fetch_add(1);
+  if (!clock_sequences_) return shared_->next_sequence.fetch_add(1);
+  // max(last + 1, microseconds since the epoch): increasing here, and comparable with other
+  // chains' sequences by when they were drawn.
+  const auto now = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count());
+  uint64_t cur = shared_->next_sequence.load();
+  for (;;) {
+    const uint64_t next = std::max(cur, now);
+    if (shared_->next_sequence.compare_exchange_weak(cur, next + 1)) return next;
+  }
 }
 
 bool TierChain::IsStale(const BundleKey& key, uint64_t sequence) const {
@@ -198,7 +214,7 @@ void TierChain::DemoteAsync(std::vector<BundlePtr> bundles, Tier::StatusesCallba
       if (b) shared_->RefLocked(b->key(), b->sequence());
     }
   }
-  const size_t targets = options_.write_policy == WritePolicy::kWriteThrough ? tiers_.size() : 1;
+  const size_t targets = options_.write_policy == WritePolicy::kWriteThrough ? local_ : 1;
   struct Combine {
     Mutex mu;
     std::vector<Status> first_error SPARSEKV_GUARDED_BY(mu);
@@ -212,6 +228,7 @@ void TierChain::DemoteAsync(std::vector<BundlePtr> bundles, Tier::StatusesCallba
     combine->stored.assign(n, std::vector<bool>(tiers_.size(), false));
     combine->waiting = targets;
   }
+  WriteBehind(bundles);
   for (size_t t = 0; t < targets; ++t) {
     tiers_[t]->PutAsync(bundles, [this, t, combine, bundles, done, n](std::vector<Status> st) {
       std::vector<Status> out;
@@ -286,7 +303,9 @@ void TierChain::Invalidate(std::vector<BundlePtr> bundles, std::vector<std::vect
     MutexLock lock(shared_->mu);
     for (const BundleKey& k : keys) needed |= shared_->moving.count(k) != 0;
   }
-  for (size_t t = 0; t < tiers_.size() && !needed && !keys.empty(); ++t) {
+  // Remote tiers are left out: the write behind this demote replaces an older copy there, and
+  // until it lands reads skip that copy (WriteBehind).
+  for (size_t t = 0; t < local_ && !needed && !keys.empty(); ++t) {
     const std::vector<bool> has = ContainsNow(*tiers_[t], keys);
     for (size_t j = 0; j < keys.size(); ++j) needed |= has[j] && !stored[items[j]][t];
   }
@@ -329,7 +348,7 @@ void TierChain::DrainInvalidations() {
     std::vector<std::vector<bool>> poisoned(batch.size());
     std::vector<uint64_t> invalidated(batch.size(), 0);
     for (size_t b = 0; b < batch.size(); ++b) poisoned[b].assign(batch[b].bundles.size(), false);
-    for (size_t t = 0; t < tiers_.size(); ++t) {
+    for (size_t t = 0; t < local_; ++t) {
       // Fastest tier first, as Erase: a tier erased cannot start moving an older copy down.
       if (t > 0) WaitNotMoving(all);
       std::vector<BundleKey> ask;
@@ -379,6 +398,48 @@ std::future<std::vector<Status>> TierChain::Demote(std::vector<BundlePtr> bundle
   auto [cb, f] = PromiseCallback<std::vector<Status>>();
   DemoteAsync(std::move(bundles), std::move(cb));
   return std::move(f);
+}
+
+void TierChain::WriteBehind(const std::vector<BundlePtr>& bundles) {
+  std::vector<BundlePtr> send;
+  for (const BundlePtr& b : bundles) {
+    if (b) send.push_back(b);
+  }
+  for (size_t t = local_; t < tiers_.size() && !send.empty(); ++t) {
+    {
+      // Held until the copy lands: a read of this tier meanwhile skips an older copy there.
+      MutexLock lock(shared_->mu);
+      ++shared_->in_flight;
+      for (const BundlePtr& b : send) shared_->RefLocked(b->key(), b->sequence());
+    }
+    tiers_[t]->PutAsync(send, [this, t, send](std::vector<Status> st) {
+      std::vector<BundlePtr> landed;
+      std::vector<Status> landed_st;
+      uint64_t failed = 0;
+      {
+        MutexLock lock(shared_->mu);
+        for (size_t i = 0; i < send.size(); ++i) {
+          if (st[i].ok()) {
+            landed.push_back(send[i]);
+            landed_st.push_back(Status::OK());
+            continue;
+          }
+          // The tier may keep an older copy of the key: its reference stays, so that reads go
+          // on skipping that copy (an unversioned bundle orders nothing and lets go).
+          ++failed;
+          if (send[i]->sequence() == 0) shared_->UnrefLocked(send[i]->key());
+        }
+        shared_->stats.written_behind += landed.size();
+        shared_->stats.write_behind_failures += failed;
+      }
+      if (failed > 0) {
+        spdlog::debug("tier chain: {} of {} bundles not written to {}: {}", failed, send.size(), tiers_[t]->name(),
+                      std::find_if(st.begin(), st.end(), [](const Status& x) { return !x.ok(); })->ToString());
+      }
+      SettleBackground(t, landed, landed_st);
+      EndBackground();
+    });
+  }
 }
 
 void TierChain::Cascade(size_t from_tier, std::vector<BundlePtr> evicted) {
@@ -451,7 +512,9 @@ void TierChain::SettleBackground(size_t tier, const std::vector<BundlePtr>& land
   });
 }
 
-std::vector<int> TierChain::Locate(std::span<const BundleKey> keys) {
+std::vector<int> TierChain::Locate(std::span<const BundleKey> keys) { return LocateIn(keys, tiers_.size()); }
+
+std::vector<int> TierChain::LocateIn(std::span<const BundleKey> keys, size_t tier_end) {
   std::vector<int> out(keys.size(), -1);
   {
     MutexLock lock(shared_->mu);
@@ -460,7 +523,7 @@ std::vector<int> TierChain::Locate(std::span<const BundleKey> keys) {
       if (it != shared_->moving.end()) out[i] = static_cast<int>(it->second.to);
     }
   }
-  for (size_t t = 0; t < tiers_.size(); ++t) {
+  for (size_t t = 0; t < tier_end; ++t) {
     std::vector<BundleKey> ask;
     std::vector<size_t> at;
     for (size_t i = 0; i < keys.size(); ++i) {
@@ -531,7 +594,9 @@ void TierChain::PromoteImpl(std::vector<BundleKey> keys, bool onload, bool prefe
   }
   std::vector<std::vector<size_t>> by_tier(tiers_.size());
   std::vector<BundlePtr> moving_hits;
-  const std::vector<int> where = Locate(state->keys);
+  // Only the local tiers are asked: a key none holds is read from the remote tier straight
+  // away (a miss there answers as one), rather than asked about first.
+  const std::vector<int> where = LocateIn(state->keys, local_);
   {
     MutexLock lock(state->mu);
     state->results.resize(n);
@@ -545,9 +610,12 @@ void TierChain::PromoteImpl(std::vector<BundleKey> keys, bool onload, bool prefe
         state->results[i] = m->second.bundle;
         moving_hits.push_back(m->second.bundle);
         ++shared_->stats.promoted;
-      } else if (where[i] < 0) {
+      } else if (where[i] < 0 && local_ == tiers_.size()) {
         state->results[i] = Status::NotFound("tier chain: no tier holds " + k.ToString());
         ++shared_->stats.promote_misses;
+      } else if (where[i] < 0) {
+        by_tier[local_].push_back(i);
+        ++state->unresolved;
       } else {
         by_tier[static_cast<size_t>(where[i])].push_back(i);
         ++state->unresolved;
@@ -598,10 +666,16 @@ void TierChain::GetFrom(size_t tier, std::vector<size_t> slots,
       if (!got[j].ok() || stale[j]) failed_keys.push_back(state->keys[slots[j]]);
     }
     std::vector<int> lower(failed_keys.size(), -1);
-    for (size_t t = tier + 1; t < tiers_.size() && !failed_keys.empty(); ++t) {
+    for (size_t t = tier + 1; t < local_ && !failed_keys.empty(); ++t) {
       const std::vector<bool> has = ContainsNow(*tiers_[t], failed_keys);
       for (size_t j = 0; j < has.size(); ++j) {
         if (has[j] && lower[j] < 0) lower[j] = static_cast<int>(t);
+      }
+    }
+    // Below the local tiers, the remote tier is tried without asking first.
+    if (tier < local_ && local_ < tiers_.size()) {
+      for (int& l : lower) {
+        if (l < 0) l = static_cast<int>(local_);
       }
     }
     bool finished = false;
@@ -622,7 +696,7 @@ void TierChain::GetFrom(size_t tier, std::vector<size_t> slots,
         if (next >= 0) {
           retry[static_cast<size_t>(next)].push_back(i);
           ++fallbacks;
-          if (!stale[j]) {
+          if (!stale[j] && !got[j].status().Is(StatusCode::kNotFound)) {
             spdlog::warn("tier chain: {} failed in {} ({}); reading the copy in {}",
                          state->keys[i].ToString(), tiers_[tier]->name(),
                          got[j].status().ToString(), tiers_[static_cast<size_t>(next)]->name());
@@ -696,11 +770,19 @@ std::future<std::vector<Status>> TierChain::Erase(std::vector<BundleKey> keys) {
   // (where a crash before its own settling would bring the key back).
   const std::vector<uint64_t> below(keys.size(), version);
   std::vector<Status> out(keys.size());
+  // A remote tier that fails is not the caller's error (its nodes fail as misses): the key's
+  // reference stays, so reads here go on skipping the copy left there.
+  std::vector<bool> kept(keys.size(), false);
   for (size_t t = 0; t < tiers_.size(); ++t) {
     if (t > 0) WaitNotMoving(keys);
     const std::vector<Status> st = EraseOlderNow(*tiers_[t], keys, below);
     for (size_t i = 0; i < st.size(); ++i) {
-      if (out[i].ok() && !st[i].ok()) out[i] = st[i];
+      if (st[i].ok()) continue;
+      if (t >= local_) {
+        kept[i] = true;
+      } else if (out[i].ok()) {
+        out[i] = st[i];
+      }
     }
   }
   {
@@ -708,7 +790,7 @@ std::future<std::vector<Status>> TierChain::Erase(std::vector<BundleKey> keys) {
     // that is left.
     MutexLock lock(shared_->mu);
     for (size_t i = 0; i < keys.size(); ++i) {
-      if (out[i].ok()) {
+      if (out[i].ok() && !kept[i]) {
         shared_->UnrefLocked(keys[i]);
       } else {
         ++shared_->stats.invalidate_failures;

@@ -9,7 +9,7 @@ packages=(
   libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev
-  fio redis-server redis-tools
+  fio redis-server redis-tools libhiredis-dev
   python3 python3-dev pybind11-dev libdlpack-dev python3-pytest python3-numpy python3-torch
 )
 missing=()

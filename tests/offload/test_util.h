@@ -89,6 +89,8 @@ class ForwardingTier : public Tier {
   uint64_t max_record_bytes() const override { return inner_->max_record_bytes(); }
   uint64_t max_sequence() const override { return inner_->max_sequence(); }
   TierStats Stats() const override { return inner_->Stats(); }
+  bool remote() const override { return inner_->remote(); }
+  std::vector<TierMetric> Metrics() const override { return inner_->Metrics(); }
   void PutAsync(std::vector<BundlePtr> bundles, StatusesCallback done) override {
     inner_->PutAsync(std::move(bundles), std::move(done));
   }

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -148,6 +149,18 @@ class Bundle {
   // The checks of ParseRecord without building a bundle; OK when `record` is a good record of
   // `expected`.
   static Status VerifyRecord(std::span<const std::byte> record, const BundleKey& expected);
+  // For a record shared between processes that number a namespace differently (RemoteTier):
+  // checks `record` as filed under `written` (VerifyRecord), then rewrites its namespace id to
+  // `namespace_id` and its checksum to match, in place. Returns VerifyRecord's error, having
+  // changed nothing.
+  static Status RestampNamespace(std::span<std::byte> record, const BundleKey& written, uint32_t namespace_id);
+  // The namespace id, hash and sequence a record's header names, unchecked (nullopt when it is
+  // shorter than a header): what to verify it against.
+  struct RecordHeader {
+    BundleKey key;
+    uint64_t sequence = 0;
+  };
+  static std::optional<RecordHeader> PeekHeader(std::span<const std::byte> record);
   // VerifyRecord's checks of the header (magic, version, sizes, key) without the checksum pass:
   // enough to trust the record's layout, so that no span reaches past it.
   static Status VerifyRecordLayout(std::span<const std::byte> record, const BundleKey& expected);

@@ -10,7 +10,11 @@
 //                "read_arena_bytes": "256MiB"},
 //    "rocksdb": {"enabled": false, "path": "rocksdb", "capacity_bytes": "64GiB",
 //                "min_blob_size": 4096, "blob_file_size": "256MiB", "max_record_bytes": "64MiB",
-//                "durability": "fdatasync", "use_direct_io": false, "worker_threads": 4}}
+//                "durability": "fdatasync", "use_direct_io": false, "worker_threads": 4},
+//    "remote":  {"enabled": false, "nodes": ["10.0.0.5:7000", "10.0.0.6:7000"], "password": "",
+//                "key_prefix": "skv", "timeout_ms": 50, "connections_per_node": 4,
+//                "max_record_bytes": "64MiB", "max_pending_write_bytes": "256MiB",
+//                "writer_threads": 2, "capacity_bytes": 0}}
 // Unknown keys, wrong types and out-of-range values are errors that name the key path
 // ("offload.ssd.queue_depth: expected an integer from 1 to 4096, got \"deep\"").
 // Relative paths are resolved against the daemon's data directory by ResolvePaths.
@@ -24,6 +28,7 @@
 
 #include "sparsekv/file_system.h"
 #include "sparsekv/host_tier.h"
+#include "sparsekv/remote_tier.h"
 #include "sparsekv/rocksdb_tier.h"
 #include "sparsekv/ssd_tier.h"
 #include "sparsekv/tier_chain.h"
@@ -40,6 +45,10 @@ struct OffloadOptions {
   // The RocksDB tier (after the SSD tier when both are on). Default: disabled.
   bool rocksdb_enabled = false;
   RocksDbTierOptions rocksdb;
+  // A Redis Cluster shared with other machines, last in the chain (remote_tier.h). Its
+  // namespace_labels are set by the daemon from its namespaces. Default: disabled.
+  bool remote_enabled = false;
+  RemoteTierOptions remote;
   // How the tiers are stacked. Default: see TierChainOptions.
   TierChainOptions chain;
 };

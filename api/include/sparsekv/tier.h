@@ -64,6 +64,14 @@ struct TierStats {
   uint64_t bytes_read = 0;
 };
 
+// A figure of a tier's own beyond TierStats (the remote tier's state), for /metrics.
+struct TierMetric {
+  std::string name;  // "sparsekv_remote_..." (a Prometheus metric name)
+  std::string help;
+  bool counter = false;  // a counter, else a gauge
+  double value = 0;
+};
+
 class Tier {
  public:
   using StatusesCallback = std::function<void(std::vector<Status>)>;
@@ -98,6 +106,13 @@ class Tier {
   // The largest sequence of any bundle held (0 when empty): where a chain reopened over this
   // tier resumes numbering, so new versions sort after everything that survived a restart.
   virtual uint64_t max_sequence() const { return 0; }
+
+  // A tier on other machines, shared by several chains (RemoteTier). A chain writes it in the
+  // background after every demote and never waits for it on a write's path, never moves
+  // evicted bundles into it, and reads it only for keys no local tier holds (tier_chain.h).
+  virtual bool remote() const { return false; }
+  // Figures beyond TierStats, for /metrics.
+  virtual std::vector<TierMetric> Metrics() const { return {}; }
 
   // Tiers that keep evicted bundles' bytes at hand (the host tier) pass them to `listener`,
   // on the thread that caused the eviction, outside the tier's locks. Others return

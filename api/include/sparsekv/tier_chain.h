@@ -24,6 +24,18 @@
 // background copies with new writes returns an older version. Unversioned bundles
 // (sequence 0) take no part: they neither invalidate nor are invalidated by one another.
 //
+// Remote tiers (Tier::remote(), a cluster other machines share) come last. Every Demote also
+// writes its bundles to them in the background (write-behind, whatever the write policy); the
+// Demote is acknowledged by the local tiers alone, and nothing on a write's path waits for the
+// remote tier. Until that copy lands, and for good if it fails, the key's newer version is
+// remembered, so a read never takes an older copy from the remote tier. Evicted bundles are
+// not moved into it (the write-behind put them there). A read asks the local tiers, and reads
+// the remote tier straight away for the keys none holds; Locate and CountPrefix ask it too.
+// Erase erases there as well; a remote failure is not an error (its nodes fail as misses) but
+// keeps the key's version remembered. With a remote tier, sequences come from the clock
+// (max(last + 1, microseconds since the epoch)), so versions written by different chains order
+// by when they were written.
+//
 // Ownership: the chain owns its tiers. Destruction waits for the background work. Thread
 // safety: every method is thread-safe; callbacks run on tier threads or the caller's.
 #pragma once
@@ -72,11 +84,14 @@ struct TierChainStats {
   uint64_t stale_skipped = 0;   // copies a read found older than the key's newest version
   uint64_t invalidated = 0;     // older copies erased from tiers a new version did not reach
   uint64_t invalidate_failures = 0;  // erasures of older copies that failed (the write failed)
+  uint64_t written_behind = 0;       // bundles written to a remote tier behind a demote
+  uint64_t write_behind_failures = 0;  // ... that failed (a node down, the queue full): reads skip
+                                       // an older copy there
 };
 
 class TierChain {
  public:
-  // Preconditions: at least one tier.
+  // Preconditions: at least one tier; remote tiers after every local one, and a local one.
   TierChain(std::vector<std::unique_ptr<Tier>> tiers, TierChainOptions options);
   ~TierChain();
   TierChain(const TierChain&) = delete;
@@ -124,6 +139,10 @@ class TierChain {
   struct Shared;
   struct PromoteState;
   void Cascade(size_t from_tier, std::vector<BundlePtr> evicted);
+  // Writes a demote's bundles to the remote tiers in the background.
+  void WriteBehind(const std::vector<BundlePtr>& bundles);
+  // Locate over tiers [0, tier_end).
+  std::vector<int> LocateIn(std::span<const BundleKey> keys, size_t tier_end);
   // Erases copies older than each bundle from the tiers that do not hold it (stored[i][t] says
   // which do), then calls done with `st` updated; may hand the work to the chain's worker.
   void Invalidate(std::vector<BundlePtr> bundles, std::vector<std::vector<bool>> stored,
@@ -144,6 +163,8 @@ class TierChain {
 
   std::vector<std::unique_ptr<Tier>> tiers_;
   const TierChainOptions options_;
+  size_t local_ = 0;              // tiers before the first remote one
+  bool clock_sequences_ = false;  // a remote tier: sequences from the clock
   std::shared_ptr<Shared> shared_;
   // Runs invalidations that must wait (for a copy on its way down, for tier I/O) off the tier
   // threads that complete puts.
