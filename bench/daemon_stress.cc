@@ -425,7 +425,7 @@ struct Counters {
   std::atomic<uint64_t> acknowledged{0}, puts{0}, gets{0}, hits{0}, misses{0}, absent_expected{0};
   std::atomic<uint64_t> lookups{0}, lookup_deleted_present{0}, deletes{0};
   // LOOKUP answers by tier (host, ssd, rocksdb, absent): whether values reached the lower tiers.
-  std::atomic<uint64_t> lookup_host{0}, lookup_ssd{0}, lookup_rocksdb{0}, lookup_absent{0};
+  std::atomic<uint64_t> lookup_host{0}, lookup_ssd{0}, lookup_rocksdb{0}, lookup_remote{0}, lookup_absent{0};
   std::atomic<uint64_t> stale{0}, deleted_returned{0}, corrupt{0}, corrupt_detected{0};
   std::atomic<uint64_t> refused{0}, errors{0}, reconnects{0};
   std::atomic<uint64_t> verified{0}, lost{0}, lost_not_counted{0}, ops{0};
@@ -745,6 +745,9 @@ class StressClient {
         case BlockTier::kRocksDb:
           s_.c.lookup_rocksdb.fetch_add(1, std::memory_order_relaxed);
           break;
+        case BlockTier::kRemote:
+          s_.c.lookup_remote.fetch_add(1, std::memory_order_relaxed);
+          break;
         default:
           s_.c.lookup_absent.fetch_add(1, std::memory_order_relaxed);
           break;
@@ -1045,6 +1048,7 @@ Result<nlohmann::json> RunDaemonStress(const DaemonStressOptions& o) {
   j["lookup_tiers"] = {{"host", c.lookup_host.load()},
                        {"ssd", c.lookup_ssd.load()},
                        {"rocksdb", c.lookup_rocksdb.load()},
+                       {"remote", c.lookup_remote.load()},
                        {"absent", c.lookup_absent.load()}};
   j["deletes"] = c.deletes.load();
   j["stale_returned"] = c.stale.load();

@@ -112,7 +112,7 @@ struct DaemonStressOptions {
 };
 
 // Keys: acknowledged, puts, gets, hits, misses, absent_expected, lookups,
-// lookup_deleted_present, lookup_tiers {host, ssd, rocksdb, absent}, deletes, stale_returned,
+// lookup_deleted_present, lookup_tiers {host, ssd, rocksdb, remote, absent}, deletes, stale_returned,
 // deleted_returned, corrupt_returned, corrupt_detected, refused, refused_examples, errors,
 // error_examples, violation_examples, reconnects, verified, lost, lost_not_counted, cycles
 // [{live_bytes, lost_counted}], working_set_bytes, durable_capacity_bytes, ops, ops_per_s,

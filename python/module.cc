@@ -109,6 +109,7 @@ const char* TierName(BlockTier t) {
     case BlockTier::kHost: return "host";
     case BlockTier::kSsd: return "ssd";
     case BlockTier::kRocksDb: return "rocksdb";
+    case BlockTier::kRemote: return "remote";
   }
   return "absent";
 }

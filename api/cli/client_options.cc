@@ -66,6 +66,7 @@ std::string_view TierName(BlockTier t) {
     case BlockTier::kHost: return "host";
     case BlockTier::kSsd: return "ssd";
     case BlockTier::kRocksDb: return "rocksdb";
+    case BlockTier::kRemote: return "remote";
   }
   return "?";
 }

@@ -815,7 +815,7 @@ class Client::Impl {
     SPARSEKV_ASSIGN_OR_RETURN(w::LookupReply r, w::DecodeLookupReply(f->payload));
     LookupResult out;
     out.prefix_blocks = r.prefix_blocks;
-    for (uint8_t t : r.tiers) out.tiers.push_back(static_cast<BlockTier>(std::min<uint8_t>(t, 3)));
+    for (uint8_t t : r.tiers) out.tiers.push_back(static_cast<BlockTier>(std::min<uint8_t>(t, 4)));
     return out;
   }
 

@@ -95,7 +95,8 @@ TieredStore::TieredStore(const TieredStoreOptions& options, std::unique_ptr<Tier
     : options_(options), chain_(std::move(chain)) {
   for (size_t i = 0; i < chain_->tier_count(); ++i) {
     const std::string_view n = chain_->tier(i).name();
-    wire_tiers_.push_back(n.find("host") != std::string_view::npos  ? 1
+    wire_tiers_.push_back(chain_->tier(i).remote()                    ? 4
+                          : n.find("host") != std::string_view::npos  ? 1
                           : n.find("rocks") != std::string_view::npos ? 3
                                                                        : 2);
   }
@@ -780,6 +781,17 @@ void TieredStore::RenderMetrics(std::string& out) {
   out += fmt::format("sparsekv_chain_demote_dropped_total {}\n", c.demote_dropped);
   gauge_header("sparsekv_chain_cascaded_total", "Evicted bundles moved to the next tier.", "counter");
   out += fmt::format("sparsekv_chain_cascaded_total {}\n", c.cascaded);
+  gauge_header("sparsekv_chain_written_behind_total", "Bundles written to a remote tier behind a PUT.", "counter");
+  out += fmt::format("sparsekv_chain_written_behind_total {}\n", c.written_behind);
+  gauge_header("sparsekv_chain_write_behind_failures_total",
+               "Writes to a remote tier that failed (reads skip an older copy there).", "counter");
+  out += fmt::format("sparsekv_chain_write_behind_failures_total {}\n", c.write_behind_failures);
+  for (size_t i = 0; i < chain_->tier_count(); ++i) {
+    for (const TierMetric& m : chain_->tier(i).Metrics()) {
+      gauge_header(m.name.c_str(), m.help.c_str(), m.counter ? "counter" : "gauge");
+      out += fmt::format("{}{{tier=\"{}\"}} {}\n", m.name, chain_->tier(i).name(), m.value);
+    }
+  }
   MutexLock l(mu_);
   gauge_header("sparsekv_pinned_bytes", "Bytes of pinned blocks held in memory.", "gauge");
   out += fmt::format("sparsekv_pinned_bytes {}\n", pinned_bytes_);
@@ -793,7 +805,9 @@ Status TieredStore::Flush() {
   chain_->WaitIdle();
   Status st;
   auto* host = dynamic_cast<HostTier*>(&chain_->tier(0));
-  if (chain_->options().write_policy == WritePolicy::kWriteBack && chain_->tier_count() > 1 && host != nullptr) {
+  // A remote tier below has every block already (written behind each PUT).
+  if (chain_->options().write_policy == WritePolicy::kWriteBack && chain_->tier_count() > 1 && host != nullptr &&
+      !chain_->tier(1).remote()) {
     constexpr uint64_t kSpillBatchBytes = 64ull << 20;
     Tier& below = chain_->tier(1);
     const auto t0 = std::chrono::steady_clock::now();

@@ -126,6 +126,10 @@ int Run(DaemonConfig config) {
   // One namespace: the host arena is a memfd that shared-memory clients map read-only, so a GET
   // is lent in place rather than copied (server.h, lend_from_arena).
   if (config.namespaces.size() == 1) store_options.offload.host.backing = ArenaBacking::kMemfd;
+  // The remote tier files a namespace's blocks under its name, so that daemons sharing a
+  // cluster share them whatever their namespace ids (ids are positions in `namespaces`).
+  store_options.offload.remote.namespace_labels.clear();
+  for (const DaemonNamespace& n : config.namespaces) store_options.offload.remote.namespace_labels.push_back(n.name);
 
   server::ServerOptions so;
   so.tcp_listen = config.listen;

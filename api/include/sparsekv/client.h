@@ -48,7 +48,7 @@ struct ClientOptions {
   std::chrono::milliseconds timeout{30000};
 };
 
-enum class BlockTier : uint8_t { kAbsent = 0, kHost = 1, kSsd = 2, kRocksDb = 3 };
+enum class BlockTier : uint8_t { kAbsent = 0, kHost = 1, kSsd = 2, kRocksDb = 3, kRemote = 4 };
 
 struct LookupResult {
   uint32_t prefix_blocks = 0;      // resumable prefix length, in blocks
