@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -269,6 +270,15 @@ Status RedisClusterHarness::WaitHealthy(std::chrono::milliseconds within) {
       ok = info.ok() && Field(*info, "cluster_state") == "ok" && Field(*info, "cluster_slots_ok") == "16384";
       if (!ok) last = info.ok() ? fmt::format("{}: {}", nodes_[i].address(), *info) : info.status().ToString();
     }
+    if (ok) {
+      // Every slot served by a node of ours that is alive (right after a kill the others still
+      // count the dead node's slots as ok, until they flag it).
+      Result<std::vector<int>> owners = SlotOwners();
+      ok = owners.ok() && std::all_of(owners->begin(), owners->end(), [&](int n) {
+             return n >= 0 && nodes_[static_cast<size_t>(n)].alive;
+           });
+      if (!ok) last = owners.ok() ? "a slot is served by a node that is down" : owners.status().ToString();
+    }
     if (ok) return Refresh();
     if (Clock::now() > deadline) return Status::Unavailable("the redis cluster is not healthy: " + last);
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -303,11 +313,18 @@ Status RedisClusterHarness::WaitReplicated(std::chrono::milliseconds within) {
 }
 
 Result<size_t> RedisClusterHarness::NodeOfSlot(uint32_t slot) {
-  // Lines of CLUSTER NODES end with the slot ranges of each primary.
+  SPARSEKV_ASSIGN_OR_RETURN(std::vector<int> owners, SlotOwners());
+  if (slot >= owners.size() || owners[slot] < 0) return Status::NotFound(fmt::format("no node serves slot {}", slot));
+  return static_cast<size_t>(owners[slot]);
+}
+
+Result<std::vector<int>> RedisClusterHarness::SlotOwners() {
+  // Lines of CLUSTER NODES: id, address, flags, primary, ping, pong, epoch, link, slot ranges.
   for (size_t i = 0; i < nodes_.size(); ++i) {
     if (!nodes_[i].alive) continue;
     Result<std::string> r = Command(i, {"CLUSTER", "NODES"});
     if (!r.ok()) continue;
+    std::vector<int> owners(16384, -1);
     std::istringstream lines(*r);
     std::string line;
     while (std::getline(lines, line)) {
@@ -315,21 +332,22 @@ Result<size_t> RedisClusterHarness::NodeOfSlot(uint32_t slot) {
       std::string id, addr, flags, master, ping, pong, epoch, link, range;
       f >> id >> addr >> flags >> master >> ping >> pong >> epoch >> link;
       if (flags.find("master") == std::string::npos || flags.find("fail") != std::string::npos) continue;
+      const std::string port = addr.substr(addr.find(':') + 1, addr.find('@') - addr.find(':') - 1);
+      int node = -1;
+      for (size_t n = 0; n < nodes_.size(); ++n) {
+        if (std::to_string(nodes_[n].port) == port) node = static_cast<int>(n);
+      }
       while (f >> range) {
         if (range[0] == '[') continue;  // a slot being migrated
         const size_t dash = range.find('-');
-        const uint32_t lo = static_cast<uint32_t>(std::stoul(range.substr(0, dash)));
-        const uint32_t hi = dash == std::string::npos ? lo : static_cast<uint32_t>(std::stoul(range.substr(dash + 1)));
-        if (slot < lo || slot > hi) continue;
-        const std::string port = addr.substr(addr.find(':') + 1, addr.find('@') - addr.find(':') - 1);
-        for (size_t n = 0; n < nodes_.size(); ++n) {
-          if (std::to_string(nodes_[n].port) == port) return n;
-        }
+        const auto lo = static_cast<uint32_t>(std::stoul(range.substr(0, dash)));
+        const auto hi = dash == std::string::npos ? lo : static_cast<uint32_t>(std::stoul(range.substr(dash + 1)));
+        for (uint32_t s = lo; s <= hi && s < owners.size(); ++s) owners[s] = node;
       }
     }
-    break;
+    return owners;
   }
-  return Status::NotFound(fmt::format("no node serves slot {}", slot));
+  return Status::Unavailable("no redis node answers CLUSTER NODES");
 }
 
 Status RedisClusterHarness::MoveSlot(uint32_t slot, size_t to, bool leave_migrating) {

@@ -78,6 +78,8 @@ class RedisClusterHarness {
   Status WaitReplicated(std::chrono::milliseconds within);
   // The node serving `slot` now (a primary), or an error.
   Result<size_t> NodeOfSlot(uint32_t slot);
+  // The primary serving each of the 16384 slots now (-1: none), from CLUSTER NODES.
+  Result<std::vector<int>> SlotOwners();
   // Moves `slot` from its primary to primary `to` with its keys (CLUSTER SETSLOT IMPORTING /
   // MIGRATING, MIGRATE, SETSLOT NODE), as redis-cli --cluster reshard does. With
   // `leave_migrating`, stops after MIGRATE: the source then answers ASK for the moved keys.

@@ -6,12 +6,15 @@
 // (bench/daemon_stress.h).
 // `sparsekv stress hostile`: attacks on a running sparsekvd over raw sockets while a
 // well-behaved client measures what they cost it (bench/hostile_stress.h).
+// `sparsekv stress cluster`: two daemons sharing a Redis Cluster, a primary killed under load
+// (bench/cluster_stress.h).
 #include <cstdio>
 #include <memory>
 #include <string>
 
 #include "cli/model_options.h"
 #include "cli/registry.h"
+#include "cluster_stress.h"
 #include "daemon_stress.h"
 #include "hostile_stress.h"
 #include "offload_stress.h"
@@ -176,6 +179,80 @@ SPARSEKV_CLI_COMMAND(stress) {
           n("deleted_returned"), n("corrupt_returned"), n("refused"), n("errors"), n("lost"),
           n("reconnects"), d->options.clients, d->options.kill_cycles, j["seconds"].get<double>(),
           j["ops_per_s"].get<double>(), j["ok"].get<bool>() ? "OK" : "FAILED");
+    }
+    if (!j["ok"].get<bool>()) exit_code = 1;
+  });
+
+  struct ClusterArgs {
+    bench::ClusterStressOptions options;
+    bool json = false;
+  };
+  auto cl = std::make_shared<ClusterArgs>();
+  auto& co = cl->options;
+  CLI::App* cc = stress->add_subcommand(
+      "cluster",
+      "Two daemons sharing a loopback Redis Cluster (3 primaries, 3 replicas): a prefix stored "
+      "through A is restored through B, then clients read and write through both while a "
+      "primary is SIGKILLed; checks 0 errors, GET p99 within the remote timeout + local p99, "
+      "and hits back after the failover");
+  cc->add_option("--clients", co.clients, "Client threads, each connected to both daemons")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  cc->add_option("--seconds", co.seconds, "Seconds of load")->check(CLI::Range(1.0, 86400.0))->capture_default_str();
+  cc->add_option("--kill-after", co.kill_after, "Fraction of the load after which a primary is killed (0: none)")
+      ->check(CLI::Range(0.0, 0.95))
+      ->capture_default_str();
+  cc->add_option("--value-bytes", co.value_bytes, "Bytes of each block")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  cc->add_option("--prefix-blocks", co.prefix_blocks, "Blocks of the prefix shared from A to B")
+      ->check(CLI::Range(1u, 100000u))
+      ->capture_default_str();
+  cc->add_option("--remote-timeout-ms", co.remote_timeout_ms, "The daemons' remote tier timeout")
+      ->check(CLI::Range(1u, 60000u))
+      ->capture_default_str();
+  cc->add_option("--host-bytes", co.host_bytes, "Each daemon's host tier")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  cc->add_option("--ssd-bytes", co.ssd_bytes, "Each daemon's SSD tier")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  cc->add_option("--node-timeout-ms", co.node_timeout_ms, "cluster-node-timeout of the Redis nodes")
+      ->check(CLI::Range(100u, 60000u))
+      ->capture_default_str();
+  cc->add_option("--dir", co.dir, "Where the temporary directory goes (default: the system's)");
+  cc->add_flag("--keep", co.keep, "Keep the directory (node logs, tier data)");
+  cc->add_option("--seed", co.seed, "Seed (0: random)")->capture_default_str();
+  cc->add_flag("--json", cl->json, "Print JSON");
+  cc->callback([cl, &exit_code] {
+    auto r = bench::RunClusterStress(cl->options);
+    if (!r.ok()) {
+      exit_code = Fail(r.status());
+      return;
+    }
+    const auto& j = *r;
+    if (cl->json) {
+      std::printf("%s\n", j.dump(2).c_str());
+    } else {
+      const auto& ph = j["phases"];
+      std::printf(
+          "prefix: %llu of %llu blocks found through B, %llu identical\n"
+          "gets %llu (hits %llu, misses %llu)  puts %llu  errors %llu  wrong bytes %llu\n"
+          "GET p99 before %.0f us, during the failover %.0f us (bound %.0f us), after %.0f us\n"
+          "killed %s at %.1f s; failed over at %.1f s; tiers healthy at %.1f s\n%s\n",
+          static_cast<unsigned long long>(j["prefix"]["found_through_b"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["prefix"]["blocks"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["prefix"]["identical_through_b"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["gets"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["hits"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["misses"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["puts"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["errors"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["wrong_bytes"].get<uint64_t>()), ph["before"]["p99_us"].get<double>(),
+          ph["during"]["p99_us"].get<double>(), j["p99_bound_us"].get<double>(), ph["after"]["p99_us"].get<double>(),
+          j["kill"]["node"].get<std::string>().c_str(), j["kill"]["killed_at_s"].get<double>(),
+          j["kill"]["cluster_failed_over_s"].get<double>(), j["kill"]["tiers_healthy_s"].get<double>(),
+          j["ok"].get<bool>() ? "OK" : "FAILED");
     }
     if (!j["ok"].get<bool>()) exit_code = 1;
   });

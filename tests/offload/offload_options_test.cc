@@ -61,6 +61,14 @@ TEST(OffloadOptions, ErrorsNameTheKeyAndWhatWasExpected) {
       {R"({"write_policy": "sideways"})", "offload.write_policy: unknown write policy 'sideways'"},
       {R"({"ssd": []})", "offload.ssd: expected an object"},
       {R"({"ssd": {)", "offload: not valid JSON"},
+      {R"({"remote": {"enabled": true}})", "offload.remote.nodes: expected at least one"},
+      {R"({"remote": {"nodes": "10.0.0.1:7000"}})", "offload.remote.nodes: expected an array of strings"},
+      {R"({"remote": {"nodes": ["10.0.0.1"]}})", "offload.remote.nodes: expected \"host:port\", got \"10.0.0.1\""},
+      {R"({"remote": {"nodes": ["h:70x0"]}})", "offload.remote.nodes: expected \"host:port\""},
+      {R"({"remote": {"timeout_ms": 0}})", "offload.remote.timeout_ms: expected an integer from 1 to 60000"},
+      {R"({"remote": {"key_prefix": "a{b}"}})", "offload.remote.key_prefix: must not hold '{' or '}'"},
+      {R"({"remote": {"max_record_bytes": "1GiB"}})", "offload.remote.max_record_bytes: expected at most 512 MiB"},
+      {R"({"remote": {"node": ["h:1"]}})", "offload.remote.node: unknown key"},
   };
   for (const Case& c : cases) {
     auto r = ParseOffloadOptionsJson(c.json);
@@ -68,6 +76,31 @@ TEST(OffloadOptions, ErrorsNameTheKeyAndWhatWasExpected) {
     EXPECT_TRUE(r.status().Is(StatusCode::kInvalidArgument));
     EXPECT_NE(r.status().ToString().find(c.expect), std::string::npos) << r.status().ToString();
   }
+}
+
+TEST(OffloadOptions, RemoteSectionRoundTripsAndNeedsALocalTier) {
+  auto o = ParseOffloadOptionsJson(R"({"remote": {"enabled": true, "nodes": ["127.0.0.1:7000", "db-3:7001"],
+      "password": "pw", "key_prefix": "fleet1", "timeout_ms": 40, "connections_per_node": 6,
+      "max_record_bytes": "16MiB", "max_pending_write_bytes": "1GiB", "writer_threads": 3}})");
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_TRUE(o->remote_enabled);
+  EXPECT_EQ(o->remote.nodes, (std::vector<std::string>{"127.0.0.1:7000", "db-3:7001"}));
+  EXPECT_EQ(o->remote.key_prefix, "fleet1");
+  EXPECT_EQ(o->remote.timeout_ms, 40u);
+  EXPECT_EQ(o->remote.connections_per_node, 6u);
+  EXPECT_EQ(o->remote.max_record_bytes, 16ull << 20);
+  EXPECT_EQ(o->remote.max_pending_write_bytes, 1ull << 30);
+  EXPECT_EQ(o->remote.writer_threads, 3u);
+  const std::string shown = OffloadOptionsToJson(*o);
+  EXPECT_EQ(shown.find("\"pw\""), std::string::npos) << "the password is not logged";
+  auto again = ParseOffloadOptionsJson(shown);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->remote.nodes, o->remote.nodes);
+  // A remote tier alone is refused: reads and acknowledgements need a local tier.
+  o->host_enabled = false;
+  auto chain = OpenTierChain(*o);
+  ASSERT_FALSE(chain.ok());
+  EXPECT_NE(chain.status().message().find("needs a local tier"), std::string::npos) << chain.status().ToString();
 }
 
 TEST(OffloadOptions, OpenTierChainBuildsTheEnabledTiers) {
