@@ -1,15 +1,148 @@
-// `stress cluster` and `bench remote`, short runs through their library calls: two daemons
+// Two sparsekvd children configured with the same cluster (their config files' "offload.remote"
+// section); then `stress cluster` and `bench remote`, short runs through their library calls: two daemons
 // sharing a real loopback Redis Cluster, a prefix stored through A restored byte-identical
 // through B, 8 clients on both daemons while a primary is SIGKILLed (0 client errors, GET p99
 // during the failover within the remote timeout + local p99, hits back after it), and the
 // remote tier's GET throughput measured beside redis-benchmark.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <thread>
 
 #include "cluster_stress.h"
+#include "redis_cluster_harness.h"
 #include "remote_bench.h"
+#include "sparsekv/client.h"
+#include "tests/support/metrics_scrape.h"
+#include "tests/support/process_reaper.h"
 
 namespace sparsekv {
 namespace {
+
+uint16_t FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+Result<std::unique_ptr<Client>> ConnectWithin(const std::string& address, const std::string& ns, double seconds) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  for (;;) {
+    ClientOptions o;
+    o.address = address;
+    o.namespace_name = ns;
+    auto c = Client::Connect(o);
+    if (c.ok() || std::chrono::steady_clock::now() > until) return c;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+TEST(ClusterDaemons, TwoSparsekvdsShareAPrefixThroughTheClusterInTheirConfig) {
+  auto cluster = bench::RedisClusterHarness::Start({});
+  ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
+  const std::filesystem::path dir = (*cluster)->dir();
+  std::string nodes;
+  for (const std::string& s : (*cluster)->Seeds()) nodes += (nodes.empty() ? "\"" : ", \"") + s + "\"";
+  testing::ProcessReaper reaper;
+  struct Spawned {
+    pid_t pid;
+    std::string socket;
+    uint16_t metrics;
+  };
+  auto spawn = [&](const std::string& name, const std::string& namespaces) {
+    const auto data = dir / name;
+    std::filesystem::create_directories(data);
+    const uint16_t metrics = FreePort();
+    const auto config = dir / (name + ".json");
+    std::ofstream(config) << R"({"listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:)" << metrics
+                          << R"(", "unix_socket": "sock", "data_dir": ")" << data.string()
+                          << R"(", "namespaces": )" << namespaces << R"(,
+      "offload": {"host": {"capacity_bytes": "64MiB"},
+                  "ssd": {"enabled": true, "capacity_bytes": "256MiB", "durability": "none"},
+                  "remote": {"enabled": true, "nodes": [)" << nodes << R"(], "timeout_ms": 50}}})";
+    const pid_t pid = fork();
+    if (pid == 0) {
+      FILE* f = std::freopen((dir / (name + ".log")).c_str(), "w", stderr);
+      (void)f;
+      execl(SPARSEKVD_PATH, SPARSEKVD_PATH, "--config", config.c_str(), nullptr);
+      _exit(127);
+    }
+    reaper.pids.push_back(pid);
+    return Spawned{pid, "unix:" + (data / "sock").string(), metrics};
+  };
+  // B numbers "default" 2: the cluster files blocks under the namespace's name.
+  const Spawned a = spawn("a", R"([{"name": "default", "token": ""}])");
+  const Spawned b = spawn("b", R"([{"name": "tenant-x", "token": ""}, {"name": "default", "token": ""}])");
+  auto ca = ConnectWithin(a.socket, "default", 20);
+  ASSERT_TRUE(ca.ok()) << ca.status().ToString();
+  auto cb = ConnectWithin(b.socket, "default", 20);
+  ASSERT_TRUE(cb.ok()) << cb.status().ToString();
+  auto cx = ConnectWithin(b.socket, "tenant-x", 20);
+  ASSERT_TRUE(cx.ok()) << cx.status().ToString();
+
+  constexpr int kBlocks = 12;
+  std::vector<WireBlockHash> hashes(kBlocks);
+  std::vector<std::vector<std::byte>> values(kBlocks);
+  std::vector<BundleRef> refs;
+  for (int i = 0; i < kBlocks; ++i) {
+    for (int k = 0; k < 16; ++k) hashes[i][k] = std::byte(i * 31 + k * 7 + 1);
+    values[i].resize(100000 + i);
+    for (size_t k = 0; k < values[i].size(); ++k) values[i][k] = std::byte((k * 13 + i) & 0xff);
+    refs.push_back({hashes[i], values[i]});
+  }
+  auto put = (*ca)->Put(refs);
+  ASSERT_TRUE(put.ok()) << put.status().ToString();
+  for (const Status& s : *put) ASSERT_TRUE(s.ok()) << s.ToString();
+  // Written behind A's acknowledgement: B finds the prefix within a moment, in the cluster.
+  LookupResult look;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  do {
+    auto l = (*cb)->Lookup(hashes);
+    ASSERT_TRUE(l.ok()) << l.status().ToString();
+    look = *l;
+  } while (look.prefix_blocks < kBlocks && std::chrono::steady_clock::now() < until);
+  ASSERT_EQ(look.prefix_blocks, static_cast<uint32_t>(kBlocks));
+  for (BlockTier t : look.tiers) EXPECT_EQ(t, BlockTier::kRemote);
+  auto got = (*cb)->Get(hashes);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  for (int i = 0; i < kBlocks; ++i) {
+    ASSERT_TRUE((*got)[i].status.ok()) << (*got)[i].status.ToString();
+    EXPECT_EQ((*got)[i].bytes, values[i]) << i;
+  }
+  // Another namespace of B sees none of them.
+  auto other = (*cx)->Lookup(hashes);
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ(other->prefix_blocks, 0u);
+  const std::string metrics = testing::ScrapeMetrics(b.metrics);
+  EXPECT_NE(metrics.find("sparsekv_remote_healthy{tier=\"remote\"} 1"), std::string::npos) << metrics.substr(0, 3000);
+  EXPECT_NE(metrics.find("sparsekv_tier_hits_total{tier=\"remote\"} 12"), std::string::npos);
+  const std::string ma = testing::ScrapeMetrics(a.metrics);
+  EXPECT_NE(ma.find("sparsekv_chain_written_behind_total 12"), std::string::npos) << ma.substr(0, 3000);
+  ca->reset();
+  cb->reset();
+  cx->reset();
+  for (pid_t p : {a.pid, b.pid}) {
+    kill(p, SIGTERM);
+    int status = 0;
+    waitpid(p, &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  }
+  reaper.pids.clear();
+}
 
 TEST(ClusterStress, APrimaryKilledUnderEightClientsCostsNoErrorAndHitsComeBack) {
   bench::ClusterStressOptions o;
