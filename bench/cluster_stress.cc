@@ -95,7 +95,7 @@ nlohmann::json RemoteJson(const RemoteTier& t) {
           {"timeouts", s.timeouts},
           {"redirects", s.redirects},
           {"slot_map_refreshes", s.slot_map_refreshes},
-          {"reconnects", s.reconnects},
+          {"connections_opened", s.connections_opened},
           {"write_refusals", s.write_refusals},
           {"hits", st.hits},
           {"misses", st.misses},

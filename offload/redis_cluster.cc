@@ -141,7 +141,6 @@ struct RedisCluster::Node {
   HostPort hp;
   std::vector<std::unique_ptr<Connection>> idle;
   bool down = false;
-  bool ever_connected = false;
   Clock::time_point down_since{};
   Clock::time_point next_probe{};
   uint32_t backoff_ms = 0;
@@ -377,7 +376,7 @@ std::unique_ptr<RedisCluster::Connection> RedisCluster::TakeConnection(size_t no
       return c;
     }
     hp = n.hp;
-    if (n.ever_connected) ++stats_.reconnects;
+    ++stats_.connections_opened;
   }
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -424,10 +423,6 @@ std::unique_ptr<RedisCluster::Connection> RedisCluster::TakeConnection(size_t no
   }
   // Keep up to 8 MiB of read buffer between replies, so that large values do not regrow it.
   c->reader->maxbuf = 8u << 20;
-  {
-    MutexLock l(mu_);
-    nodes_[node]->ever_connected = true;
-  }
   if (!options_.password.empty()) {
     const RedisReply reply = RoundTrip(*c, RedisCommand{{"AUTH", options_.password}, 1}, deadline);
     if (!reply.ok() || reply.type() == RedisReply::Type::kError) {
@@ -771,12 +766,18 @@ void RedisCluster::Maintain() {
       MutexLock l(mu_);
       if (stop_) return;
       const Clock::time_point now = Clock::now();
+      // The map is read again periodically only while a node it names is down (a dead node
+      // whose slots went to its replica is probed, with backoff, but costs no refreshes).
+      std::vector<bool> serving(nodes_.size(), false);
+      for (int32_t n : slots_) {
+        if (n >= 0) serving[static_cast<size_t>(n)] = true;
+      }
       bool any_down = false;
       Clock::time_point wake = now + std::chrono::seconds(1);
       for (size_t i = 0; i < nodes_.size(); ++i) {
         Node& n = *nodes_[i];
         if (!n.down) continue;
-        any_down = true;
+        any_down = any_down || serving[i];
         if (n.next_probe <= now) {
           probe.push_back(i);
         } else {
@@ -785,11 +786,13 @@ void RedisCluster::Maintain() {
       }
       const auto interval = std::chrono::milliseconds(options_.refresh_interval_ms);
       const bool periodic = any_down && now - last_refresh >= interval;
-      // A refresh asked for waits out the interval from the last one, so that a storm of MOVED
-      // replies reads the map once.
-      refresh = (refresh_asked_ || periodic) && now - last_refresh >= std::min(interval, std::chrono::milliseconds(20));
+      // Refreshes asked for are at least 20 ms apart, so that a storm of MOVED replies reads
+      // the map once.
+      constexpr auto kMinGap = std::chrono::milliseconds(20);
+      refresh = (refresh_asked_ || periodic) && now - last_refresh >= kMinGap;
       if (refresh) refresh_asked_ = false;
-      if (any_down || refresh_asked_) wake = std::min(wake, last_refresh + interval);
+      if (refresh_asked_) wake = std::min(wake, last_refresh + kMinGap);
+      if (any_down) wake = std::min(wake, last_refresh + interval);
       if (!refresh && probe.empty()) {
         wake_.wait_until(mu_, std::max(wake, now + std::chrono::milliseconds(1)));
         continue;

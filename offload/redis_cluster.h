@@ -58,8 +58,8 @@ struct RedisClusterOptions {
   // included). Default: 50 ms.
   uint32_t timeout_ms = 50;
   // Idle connections kept per node (more are opened while more threads need one at once).
-  // Default: 4.
-  uint32_t max_idle_connections = 4;
+  // Default: 8.
+  uint32_t max_idle_connections = 8;
   // Reconnection: the first retry of a down node after this long, doubling up to the maximum.
   // Defaults: 20 ms and 2 s.
   uint32_t backoff_min_ms = 20;
@@ -113,7 +113,7 @@ struct RedisClusterStats {
   uint64_t timeouts = 0;          // node failures that were a timeout
   uint64_t redirects = 0;         // MOVED and ASK replies followed
   uint64_t refreshes = 0;         // slot maps read
-  uint64_t reconnects = 0;        // connections opened after the first to a node
+  uint64_t connections_opened = 0;  // connections opened to nodes (the idle ones kept are reused)
 };
 
 class RedisCluster {

@@ -124,7 +124,7 @@ class RemoteTierImpl final : public RemoteTier {
     s.timeouts = c.timeouts;
     s.redirects = c.redirects;
     s.slot_map_refreshes = c.refreshes;
-    s.reconnects = c.reconnects;
+    s.connections_opened = c.connections_opened;
     s.pending_write_bytes = pending_write_bytes_.load();
     s.write_refusals = write_refusals_.load();
     return s;
@@ -147,7 +147,8 @@ class RemoteTierImpl final : public RemoteTier {
         {"sparsekv_remote_redirects_total", "MOVED and ASK replies followed.", true, d(s.redirects)},
         {"sparsekv_remote_slot_map_refreshes_total", "Slot maps read from the cluster.", true,
          d(s.slot_map_refreshes)},
-        {"sparsekv_remote_reconnects_total", "Connections opened again to a node.", true, d(s.reconnects)},
+        {"sparsekv_remote_connections_opened_total", "Connections opened to the cluster's nodes.", true,
+         d(s.connections_opened)},
         {"sparsekv_remote_pending_write_bytes", "Bytes of puts queued for the remote cluster.", false,
          d(s.pending_write_bytes)},
         {"sparsekv_remote_write_refusals_total", "Puts refused because the remote write queue was full.", true,

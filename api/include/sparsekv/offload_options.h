@@ -12,7 +12,7 @@
 //                "min_blob_size": 4096, "blob_file_size": "256MiB", "max_record_bytes": "64MiB",
 //                "durability": "fdatasync", "use_direct_io": false, "worker_threads": 4},
 //    "remote":  {"enabled": false, "nodes": ["10.0.0.5:7000", "10.0.0.6:7000"], "password": "",
-//                "key_prefix": "skv", "timeout_ms": 50, "connections_per_node": 4,
+//                "key_prefix": "skv", "timeout_ms": 50, "connections_per_node": 8,
 //                "max_record_bytes": "64MiB", "max_pending_write_bytes": "256MiB",
 //                "writer_threads": 2, "capacity_bytes": 0}}
 // Unknown keys, wrong types and out-of-range values are errors that name the key path

@@ -53,8 +53,9 @@ struct RemoteTierOptions {
   std::vector<std::string> namespace_labels;
   // A node that makes no progress for this long fails its commands (as misses). Default: 50 ms.
   uint32_t timeout_ms = 50;
-  // Idle connections kept per node. Default: 4.
-  uint32_t connections_per_node = 4;
+  // Idle connections kept per node (more are opened while more threads read at once).
+  // Default: 8.
+  uint32_t connections_per_node = 8;
   // Largest record stored; larger puts are refused (InvalidArgument). Default: 64 MiB.
   uint64_t max_record_bytes = 64ull << 20;
   // Bytes of queued puts; past it a put is refused (ResourceExhausted). Default: 256 MiB.
@@ -69,14 +70,15 @@ struct RemoteTierOptions {
 struct RemoteTierState {
   bool healthy = false;        // every slot served by a node that answers
   uint64_t nodes = 0;          // primaries serving slots
-  uint64_t nodes_down = 0;
+  uint64_t nodes_down = 0;     // marked down (a dead primary replaced by its replica stays
+                               // counted, and probed, until it answers again)
   uint64_t slots_uncovered = 0;
   uint64_t incidents = 0;
   uint64_t failed_commands = 0;  // answered as misses or failed puts because a node failed
   uint64_t timeouts = 0;
   uint64_t redirects = 0;
   uint64_t slot_map_refreshes = 0;
-  uint64_t reconnects = 0;
+  uint64_t connections_opened = 0;
   uint64_t pending_write_bytes = 0;
   uint64_t write_refusals = 0;  // puts refused for want of queue room
 };
