@@ -16,6 +16,7 @@
 #include <cerrno>
 #include <charconv>
 #include <cstring>
+#include <new>
 #include <fmt/format.h>
 
 namespace sparsekv::offload {
@@ -91,13 +92,86 @@ uint16_t RedisKeySlot(std::string_view key) {
 
 // ---- replies ----
 
-RedisReply::RedisReply(redisReply* r) : raw_(r) {}
+// What hiredis's reader builds through kReplyFunctions: the redisReply shape, with large
+// strings in a RecordBuffer.
+struct RedisReply::Node {
+  int type = 0;  // REDIS_REPLY_*
+  long long integer = 0;
+  std::string small;   // strings under kBufferedBytes
+  RecordBuffer big;    // strings of kBufferedBytes or more
+  size_t len = 0;
+  std::vector<Node*> elements;
+  ~Node() {
+    for (Node* e : elements) delete e;
+  }
+};
 
-void RedisReply::Free::operator()(redisReply* r) const { freeReplyObject(r); }
+namespace {
 
-RedisReply::Type RedisReply::type() const {
-  if (!raw_) return Type::kNone;
-  switch (raw_->type) {
+constexpr size_t kBufferedBytes = 4096;
+
+void Attach(const redisReadTask* task, RedisReply::Node* n) {
+  if (task->parent != nullptr) {
+    auto* parent = static_cast<RedisReply::Node*>(task->parent->obj);
+    parent->elements[static_cast<size_t>(task->idx)] = n;
+  }
+}
+
+void* CreateString(const redisReadTask* task, char* str, size_t len) {
+  auto* n = new (std::nothrow) RedisReply::Node;
+  if (n == nullptr) return nullptr;
+  n->type = task->type;
+  n->len = len;
+  if (len >= kBufferedBytes) {
+    n->big = RecordBuffer::Allocate(len);
+    std::memcpy(n->big.data(), str, len);
+  } else {
+    n->small.assign(str, len);
+  }
+  Attach(task, n);
+  return n;
+}
+
+void* CreateArray(const redisReadTask* task, int elements) {
+  auto* n = new (std::nothrow) RedisReply::Node;
+  if (n == nullptr) return nullptr;
+  n->type = REDIS_REPLY_ARRAY;
+  n->elements.assign(elements > 0 ? static_cast<size_t>(elements) : 0, nullptr);
+  Attach(task, n);
+  return n;
+}
+
+void* CreateInteger(const redisReadTask* task, long long value) {
+  auto* n = new (std::nothrow) RedisReply::Node;
+  if (n == nullptr) return nullptr;
+  n->type = REDIS_REPLY_INTEGER;
+  n->integer = value;
+  Attach(task, n);
+  return n;
+}
+
+void* CreateNil(const redisReadTask* task) {
+  auto* n = new (std::nothrow) RedisReply::Node;
+  if (n == nullptr) return nullptr;
+  n->type = REDIS_REPLY_NIL;
+  Attach(task, n);
+  return n;
+}
+
+// The reader frees a partial reply from its root only.
+void FreeNode(void* n) { delete static_cast<RedisReply::Node*>(n); }
+
+redisReplyObjectFunctions kReplyFunctions = {CreateString, CreateArray, CreateInteger, CreateNil, FreeNode};
+
+}  // namespace
+
+RedisReply::RedisReply(Node* n) : node_(n) {}
+
+void RedisReply::Free::operator()(Node* n) const { delete n; }
+
+RedisReply::Type RedisReply::TypeOf(const Node* n) {
+  if (n == nullptr) return Type::kNone;
+  switch (n->type) {
     case REDIS_REPLY_STRING:
       return Type::kString;
     case REDIS_REPLY_NIL:
@@ -115,13 +189,28 @@ RedisReply::Type RedisReply::type() const {
   }
 }
 
-std::string_view RedisReply::str() const {
-  if (!raw_ || raw_->str == nullptr) return {};
-  return {raw_->str, raw_->len};
+std::string_view RedisReply::StrOf(const Node* n) {
+  if (n == nullptr) return {};
+  if (n->big) return {reinterpret_cast<const char*>(n->big.data()), n->len};
+  return n->small;
 }
 
-int64_t RedisReply::integer() const { return raw_ ? raw_->integer : 0; }
-size_t RedisReply::size() const { return raw_ && raw_->type == REDIS_REPLY_ARRAY ? raw_->elements : 0; }
+int64_t RedisReply::IntegerOf(const Node* n) { return n ? n->integer : 0; }
+size_t RedisReply::SizeOf(const Node* n) { return n ? n->elements.size() : 0; }
+const RedisReply::Node* RedisReply::ElementOf(const Node* n, size_t i) {
+  return n != nullptr && i < n->elements.size() ? n->elements[i] : nullptr;
+}
+
+RedisReply::Type RedisReply::type() const { return TypeOf(node_.get()); }
+std::string_view RedisReply::str() const { return StrOf(node_.get()); }
+int64_t RedisReply::integer() const { return IntegerOf(node_.get()); }
+size_t RedisReply::size() const { return SizeOf(node_.get()); }
+const RedisReply::Node* RedisReply::element(size_t i) const { return ElementOf(node_.get(), i); }
+
+RecordBuffer RedisReply::TakeBuffer() {
+  if (!node_) return {};
+  return std::move(node_->big);
+}
 
 // ---- nodes and connections ----
 
@@ -278,7 +367,7 @@ RedisReply RoundTrip(RedisCluster::Connection& c, const RedisCommand& cmd, Clock
     }
   }
   if (got == nullptr) return RedisReply(why);
-  return RedisReply(static_cast<redisReply*>(got));
+  return RedisReply(static_cast<RedisReply::Node*>(got));
 }
 }  // namespace
 
@@ -416,7 +505,7 @@ std::unique_ptr<RedisCluster::Connection> RedisCluster::TakeConnection(size_t no
       return nullptr;
     }
   }
-  c->reader = redisReaderCreate();
+  c->reader = redisReaderCreateWithFunctions(&kReplyFunctions);
   if (c->reader == nullptr) {
     *why = Status::Unavailable("out of memory for a reply reader");
     return nullptr;
@@ -620,7 +709,7 @@ void RedisCluster::RunRound(std::span<const RedisCommand> commands, std::vector<
             break;
           }
           if (got == nullptr) break;
-          RedisReply reply(static_cast<redisReply*>(got));
+          RedisReply reply(static_cast<RedisReply::Node*>(got));
           if (pl.got >= pl.replies) {  // more replies than commands: the stream is not ours
             closed = true;
             break;
@@ -729,24 +818,25 @@ bool RedisCluster::RefreshSlots() {
     if (reply.type() != RedisReply::Type::kArray) continue;
     std::array<int32_t, kRedisSlots> map;
     map.fill(-1);
-    std::vector<std::string> primaries;
-    const redisReply* r = reply.raw();
     MutexLock l(mu_);
-    for (size_t e = 0; e < r->elements; ++e) {
-      const redisReply* entry = r->element[e];
-      if (entry->type != REDIS_REPLY_ARRAY || entry->elements < 3) continue;
-      const redisReply* node_r = entry->element[2];
-      if (entry->element[0]->type != REDIS_REPLY_INTEGER || entry->element[1]->type != REDIS_REPLY_INTEGER ||
-          node_r->type != REDIS_REPLY_ARRAY || node_r->elements < 2 || node_r->element[0]->type != REDIS_REPLY_STRING ||
-          node_r->element[1]->type != REDIS_REPLY_INTEGER) {
+    using R = RedisReply;
+    for (size_t e = 0; e < reply.size(); ++e) {
+      const R::Node* entry = reply.element(e);
+      const R::Node* node_r = R::ElementOf(entry, 2);
+      if (R::TypeOf(entry) != R::Type::kArray || R::SizeOf(entry) < 3 ||
+          R::TypeOf(R::ElementOf(entry, 0)) != R::Type::kInteger ||
+          R::TypeOf(R::ElementOf(entry, 1)) != R::Type::kInteger || R::TypeOf(node_r) != R::Type::kArray ||
+          R::SizeOf(node_r) < 2 || R::TypeOf(R::ElementOf(node_r, 0)) != R::Type::kString ||
+          R::TypeOf(R::ElementOf(node_r, 1)) != R::Type::kInteger) {
         continue;
       }
-      std::string host(node_r->element[0]->str, node_r->element[0]->len);
+      std::string host(R::StrOf(R::ElementOf(node_r, 0)));
       if (host.empty() || host == "?") host = nodes_[node]->hp.host;  // "the node you asked"
-      const auto target = static_cast<int32_t>(NodeIndex(fmt::format("{}:{}", host, node_r->element[1]->integer)));
-      const long long lo = std::max<long long>(0, entry->element[0]->integer);
-      const long long hi = std::min<long long>(kRedisSlots - 1, entry->element[1]->integer);
-      for (long long s = lo; s <= hi; ++s) map[static_cast<size_t>(s)] = target;
+      const auto target =
+          static_cast<int32_t>(NodeIndex(fmt::format("{}:{}", host, R::IntegerOf(R::ElementOf(node_r, 1)))));
+      const int64_t lo = std::max<int64_t>(0, R::IntegerOf(R::ElementOf(entry, 0)));
+      const int64_t hi = std::min<int64_t>(kRedisSlots - 1, R::IntegerOf(R::ElementOf(entry, 1)));
+      for (int64_t slot = lo; slot <= hi; ++slot) map[static_cast<size_t>(slot)] = target;
     }
     slots_ = map;
     ++stats_.refreshes;

@@ -34,10 +34,9 @@
 #include <thread>
 #include <vector>
 
+#include "sparsekv/bundle.h"
 #include "sparsekv/status.h"
 #include "sparsekv/thread_annotations.h"
-
-struct redisReply;
 
 namespace sparsekv::offload {
 
@@ -70,31 +69,45 @@ struct RedisClusterOptions {
   uint32_t max_redirects = 3;
 };
 
-// A reply, or why none came (status: Unavailable). Bulk strings stay in hiredis's reply object
-// (no copy); `str()` views them while the RedisReply lives.
+// A reply, or why none came (status: Unavailable). hiredis's protocol reader builds it through
+// our own object functions: a bulk string of 4 KiB or more lands in a RecordBuffer (4 KiB-
+// aligned, its padding zeroed), so a tier can adopt a value read from the cluster as a bundle's
+// record without another copy (TakeBuffer).
 class RedisReply {
  public:
   enum class Type : uint8_t { kNone, kString, kNil, kInteger, kStatus, kError, kArray };
+  struct Node;
 
   RedisReply() = default;
   explicit RedisReply(Status failed) : status_(std::move(failed)) {}
-  // Takes over a hiredis reply.
-  explicit RedisReply(redisReply* r);
+  // Takes over a reply the reader built (see the reader functions in redis_cluster.cc).
+  explicit RedisReply(Node* n);
+  RedisReply(RedisReply&&) noexcept = default;
+  RedisReply& operator=(RedisReply&&) noexcept = default;
 
   Type type() const;
   const Status& status() const { return status_; }
-  bool ok() const { return status_.ok() && raw_ != nullptr; }
+  bool ok() const { return status_.ok() && node_ != nullptr; }
   std::string_view str() const;  // string, status and error replies
   int64_t integer() const;
   size_t size() const;  // array elements
-  const redisReply* raw() const { return raw_.get(); }
+  // Element i of an array reply (a view valid while this reply lives).
+  const Node* element(size_t i) const;
+  static Type TypeOf(const Node* n);
+  static std::string_view StrOf(const Node* n);
+  static int64_t IntegerOf(const Node* n);
+  static size_t SizeOf(const Node* n);
+  static const Node* ElementOf(const Node* n, size_t i);
+  // A string reply's bytes as a RecordBuffer of at least str().size() bytes, moved out (an
+  // empty buffer if the string was small, or was taken already).
+  RecordBuffer TakeBuffer();
 
  private:
   struct Free {
-    void operator()(redisReply* r) const;
+    void operator()(Node* n) const;
   };
   Status status_;
-  std::unique_ptr<redisReply, Free> raw_;
+  std::unique_ptr<Node, Free> node_;
 };
 
 // One command: its arguments (the caller keeps their bytes alive during Execute) and which one

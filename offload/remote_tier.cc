@@ -305,7 +305,7 @@ class RemoteTierImpl final : public RemoteTier {
 
   // A GET's reply as the tier answers it: the bundle, NotFound (absent, or its node failed: a
   // miss) or Corruption (the damaged copy is dropped).
-  Result<BundlePtr> Decode(const BundleKey& key, const std::string& name, const RedisReply& r) {
+  Result<BundlePtr> Decode(const BundleKey& key, const std::string& name, RedisReply& r) {
     if (!r.ok() || r.type() == RedisReply::Type::kNil || r.type() == RedisReply::Type::kError) {
       ++misses_;
       if (!r.ok()) return Status::NotFound(fmt::format("remote tier: {} missed: {}", name, r.status().message()));
@@ -314,8 +314,12 @@ class RemoteTierImpl final : public RemoteTier {
     }
     const std::string_view v = r.str();
     bytes_read_ += v.size();
-    RecordBuffer buf = RecordBuffer::Allocate(v.size());
-    std::memcpy(buf.data(), v.data(), v.size());
+    // A value of 4 KiB or more arrived in a RecordBuffer (redis_cluster.h): adopted as it is.
+    RecordBuffer buf = r.TakeBuffer();
+    if (!buf) {
+      buf = RecordBuffer::Allocate(v.size());
+      std::memcpy(buf.data(), v.data(), v.size());
+    }
     const std::span<std::byte> rec(buf.data(), v.size());
     // A record written by a process that numbers this namespace differently: checked as it
     // was written, then given this process's id.
