@@ -130,8 +130,11 @@ Status RedisClusterHarness::StartNodes() {
   const int count = options_.primaries * (1 + options_.replicas);
   std::mt19937 rng(std::random_device{}());
   std::uniform_int_distribution<int> pick(20000, 29999);  // the bus port is 10000 above
+  if (!options_.ports.empty() && options_.ports.size() != static_cast<size_t>(count)) {
+    return Status::InvalidArgument(fmt::format("{} ports given for {} nodes", options_.ports.size(), count));
+  }
   for (int i = 0; i < count; ++i) {
-    uint16_t port = 0;
+    uint16_t port = options_.ports.empty() ? 0 : options_.ports[static_cast<size_t>(i)];
     for (int attempt = 0; attempt < 200 && port == 0; ++attempt) {
       const auto p = static_cast<uint16_t>(pick(rng));
       bool taken = false;

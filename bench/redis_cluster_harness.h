@@ -36,6 +36,9 @@ struct RedisClusterHarnessOptions {
   std::string dir;
   // Leave the directory (node logs, nodes.conf) behind. Default: false.
   bool keep = false;
+  // The nodes' ports, primaries first (empty: free ports are picked; the cluster bus uses port
+  // + 10000). Default: none.
+  std::vector<uint16_t> ports;
   // The binaries. Defaults: found on PATH.
   std::string redis_server = "redis-server";
   std::string redis_cli = "redis-cli";

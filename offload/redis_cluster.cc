@@ -18,6 +18,7 @@
 #include <cstring>
 #include <new>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 namespace sparsekv::offload {
 namespace {
@@ -234,7 +235,6 @@ struct RedisCluster::Node {
   Clock::time_point next_probe{};
   uint32_t backoff_ms = 0;
   uint64_t failed_while_down = 0;
-  std::string why;  // the incident's cause
 };
 
 // A command of a batch on its way: where it goes, and whether ASKING goes first.
@@ -542,7 +542,6 @@ void RedisCluster::NodeFailed(size_t node, const Status& why, bool timeout) {
       n.backoff_ms = options_.backoff_min_ms;
       n.next_probe = n.down_since + std::chrono::milliseconds(n.backoff_ms);
       n.failed_while_down = 0;
-      n.why = why.message();
       ++stats_.incidents;
       refresh_asked_ = true;
     }
@@ -597,7 +596,11 @@ void RedisCluster::RunRound(std::span<const RedisCommand> commands, std::vector<
         out[r.command] = RedisReply(Status::Unavailable(
             r.node < 0 ? std::string("remote tier: no redis node serves this key's slot")
                        : fmt::format("remote tier: redis node {} is down", nodes_[static_cast<size_t>(r.node)]->address)));
-        if (r.node >= 0) ++nodes_[static_cast<size_t>(r.node)]->failed_while_down;
+        if (r.node >= 0) {
+          ++nodes_[static_cast<size_t>(r.node)]->failed_while_down;
+        } else {
+          refresh_asked_ = true;  // perhaps the map is only old
+        }
         ++stats_.failed_commands;
         r.done = true;
         continue;
@@ -849,6 +852,7 @@ bool RedisCluster::RefreshSlots() {
 // probes of down nodes with backoff.
 void RedisCluster::Maintain() {
   auto last_refresh = Clock::time_point{};
+  bool unreachable = false;
   for (;;) {
     std::vector<size_t> probe;
     bool refresh = false;
@@ -856,13 +860,18 @@ void RedisCluster::Maintain() {
       MutexLock l(mu_);
       if (stop_) return;
       const Clock::time_point now = Clock::now();
-      // The map is read again periodically only while a node it names is down (a dead node
-      // whose slots went to its replica is probed, with backoff, but costs no refreshes).
+      // The map is read again periodically only while a node it names is down or a slot has no
+      // node (a dead node whose slots went to its replica is probed, with backoff, but costs no
+      // refreshes).
       std::vector<bool> serving(nodes_.size(), false);
+      bool any_down = false;  // or a slot without a node: the map is read again periodically
       for (int32_t n : slots_) {
-        if (n >= 0) serving[static_cast<size_t>(n)] = true;
+        if (n >= 0) {
+          serving[static_cast<size_t>(n)] = true;
+        } else {
+          any_down = true;
+        }
       }
-      bool any_down = false;
       Clock::time_point wake = now + std::chrono::seconds(1);
       for (size_t i = 0; i < nodes_.size(); ++i) {
         Node& n = *nodes_[i];
@@ -915,6 +924,16 @@ void RedisCluster::Maintain() {
       const bool read = RefreshSlots();
       last_refresh = Clock::now();
       if (read) covered_.notify_all();
+      // No node answering CLUSTER SLOTS at all is an incident of its own (logged once): every
+      // key misses until one does.
+      if (!read && !unreachable) {
+        unreachable = true;
+        spdlog::warn("remote tier: no node of the redis cluster answers ({}); every key misses until one does",
+                     fmt::join(options_.seeds, ", "));
+      } else if (read && unreachable) {
+        unreachable = false;
+        spdlog::info("remote tier: the redis cluster answers again");
+      }
     }
   }
 }

@@ -309,6 +309,46 @@ TEST_F(RemoteTierTest, ChainsShareBlocksThroughTheRemoteTier) {
   EXPECT_EQ(a->Locate(std::vector<BundleKey>{keys[1]})[0], -1);
 }
 
+// A cluster that does not answer yet: every key misses at once, and once it is up the tier
+// finds it by itself.
+TEST(RemoteTierStart, AClusterThatComesUpLaterIsFoundAndMissesMeanwhileAreImmediate) {
+  std::vector<uint16_t> ports;
+  std::mt19937 rng(std::random_device{}());
+  while (ports.size() < 3) {
+    const auto p = static_cast<uint16_t>(20000 + rng() % 10000);
+    if (std::find(ports.begin(), ports.end(), p) == ports.end()) ports.push_back(p);
+  }
+  RemoteTierOptions o;
+  for (uint16_t p : ports) o.nodes.push_back("127.0.0.1:" + std::to_string(p));
+  o.timeout_ms = 50;
+  auto tier = RemoteTier::Open(o);
+  ASSERT_TRUE(tier.ok()) << tier.status().ToString();
+  const auto t0 = Clock::now();
+  const auto got = (*tier)->Get({KeyOf(1), KeyOf(2)}).get();
+  const auto put = (*tier)->Put({MakeBundleOfBytes(1, 1000, 0, 1)}).get();
+  const double waited_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  EXPECT_LT(waited_ms, 100.0);
+  EXPECT_TRUE(got[0].status().Is(StatusCode::kNotFound)) << got[0].status().ToString();
+  EXPECT_TRUE(put[0].Is(StatusCode::kUnavailable)) << put[0].ToString();
+  EXPECT_FALSE((*tier)->State().healthy);
+
+  RedisClusterHarnessOptions ho;
+  ho.replicas = 0;
+  ho.ports = ports;
+  auto h = RedisClusterHarness::Start(ho);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();  // (a port taken meanwhile would fail here)
+  // Nothing but the tier's own traffic: puts and gets start to land by themselves.
+  const auto until = Clock::now() + std::chrono::seconds(10);
+  Result<BundlePtr> back = Status::NotFound("");
+  while (!back.ok() && Clock::now() < until) {
+    if ((*tier)->Put({MakeBundleOfBytes(1, 1000, 0, 1)}).get()[0].ok()) back = std::move((*tier)->Get({KeyOf(1)}).get()[0]);
+    if (!back.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_TRUE(SameBytes(**back, *MakeBundleOfBytes(1, 1000, 0, 1)));
+  EXPECT_TRUE((*tier)->State().healthy);
+}
+
 // ---- failures: each test has a cluster of its own ----
 
 class RemoteTierFailover : public ::testing::Test {
