@@ -5,7 +5,7 @@
 #include <hiredis/hiredis.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -16,8 +16,6 @@
 #include <random>
 #include <sstream>
 #include <thread>
-
-extern char** environ;
 
 namespace sparsekv::bench {
 namespace {
@@ -36,20 +34,26 @@ bool PortFree(uint16_t port) {
   return ok;
 }
 
-// Runs argv (found on PATH) with stdout and stderr to `log`; returns its pid.
+// Runs argv (found on PATH) with stdout and stderr to `log`; returns its pid. The child gets
+// SIGKILL when the thread that started it ends (PR_SET_PDEATHSIG), so a test killed halfway
+// leaves no server behind.
 Result<pid_t> Spawn(const std::vector<std::string>& argv, const std::string& log) {
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-  posix_spawn_file_actions_adddup2(&fa, 1, 2);
-  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc = posix_spawnp(&pid, args[0], &fa, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) return Status::Unavailable(fmt::format("cannot run {}: {}", argv[0], std::strerror(rc)));
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) return Status::Unavailable(fmt::format("fork: {}", std::strerror(errno)));
+  if (pid == 0) {
+    // Only async-signal-safe calls from here on.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(126);  // the parent is gone already
+    const int out = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    const int in = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (out < 0 || in < 0 || dup2(in, 0) < 0 || dup2(out, 1) < 0 || dup2(out, 2) < 0) _exit(126);
+    execvp(args[0], args.data());
+    _exit(127);
+  }
   return pid;
 }
 

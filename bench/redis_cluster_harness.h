@@ -7,9 +7,11 @@
 // the cluster ok and every replica is in sync. Nodes run with maxmemory-policy allkeys-lru, no
 // persistence, and cluster-require-full-coverage no (a failed primary's slots fail; the rest go
 // on). Kill sends SIGKILL to one node. The harness stops (SIGKILL, then reaps) only the
-// processes it started, at destruction, and removes its directory unless `keep`.
+// processes it started, at destruction, and removes its directory unless `keep`; if this
+// process dies first, its servers get SIGKILL from the kernel (PR_SET_PDEATHSIG).
 //
-// Thread safety: one thread at a time.
+// Thread safety: one thread at a time; the thread that calls Start must outlive the harness
+// (the servers are tied to it).
 #pragma once
 
 #include <sys/types.h>
