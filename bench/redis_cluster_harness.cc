@@ -96,6 +96,19 @@ std::string Field(const std::string& text, const std::string& name) {
 
 }  // namespace
 
+std::vector<uint16_t> RedisClusterHarness::FreePorts(size_t n) {
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> pick(20000, 22767);
+  std::vector<uint16_t> out;
+  for (int attempt = 0; attempt < 2000 && out.size() < n; ++attempt) {
+    const auto p = static_cast<uint16_t>(pick(rng));
+    if (std::find(out.begin(), out.end(), p) == out.end() && PortFree(p) && PortFree(static_cast<uint16_t>(p + 10000))) {
+      out.push_back(p);
+    }
+  }
+  return out;
+}
+
 Result<std::unique_ptr<RedisClusterHarness>> RedisClusterHarness::Start(const RedisClusterHarnessOptions& options) {
   if (options.primaries < 3) return Status::InvalidArgument("a Redis Cluster needs at least 3 primaries");
   if (options.replicas < 0) return Status::InvalidArgument("replicas must be 0 or more");
@@ -132,45 +145,21 @@ std::vector<std::string> RedisClusterHarness::Seeds() const {
 
 Status RedisClusterHarness::StartNodes() {
   const int count = options_.primaries * (1 + options_.replicas);
-  std::mt19937 rng(std::random_device{}());
-  std::uniform_int_distribution<int> pick(20000, 29999);  // the bus port is 10000 above
   if (!options_.ports.empty() && options_.ports.size() != static_cast<size_t>(count)) {
     return Status::InvalidArgument(fmt::format("{} ports given for {} nodes", options_.ports.size(), count));
   }
+  const std::vector<uint16_t> ports = options_.ports.empty() ? FreePorts(static_cast<size_t>(count)) : options_.ports;
+  if (ports.size() != static_cast<size_t>(count)) return Status::Unavailable("no free port pairs for the redis nodes");
   for (int i = 0; i < count; ++i) {
-    uint16_t port = options_.ports.empty() ? 0 : options_.ports[static_cast<size_t>(i)];
-    for (int attempt = 0; attempt < 200 && port == 0; ++attempt) {
-      const auto p = static_cast<uint16_t>(pick(rng));
-      bool taken = false;
-      for (const Node& n : nodes_) taken |= n.port == p;
-      if (!taken && PortFree(p) && PortFree(static_cast<uint16_t>(p + 10000))) port = p;
-    }
-    if (port == 0) return Status::Unavailable("no free port pair for a redis node");
-    const std::string ndir = fmt::format("{}/{}", dir_, port);
-    std::filesystem::create_directories(ndir);
-    std::vector<std::string> argv = {options_.redis_server,
-                                     "--port", std::to_string(port),
-                                     "--bind", "127.0.0.1",
-                                     "--dir", ndir,
-                                     "--cluster-enabled", "yes",
-                                     "--cluster-config-file", "nodes.conf",
-                                     "--cluster-node-timeout", std::to_string(options_.node_timeout_ms),
-                                     "--cluster-require-full-coverage", "no",
-                                     "--appendonly", "no",
-                                     "--save", "",
-                                     "--maxmemory", std::to_string(options_.maxmemory_bytes),
-                                     "--maxmemory-policy", "allkeys-lru",
-                                     "--protected-mode", "no",
-                                     "--daemonize", "no"};
-    SPARSEKV_ASSIGN_OR_RETURN(pid_t pid, Spawn(argv, ndir + "/redis.log"));
     Node n;
-    n.port = port;
-    n.pid = pid;
-    n.alive = true;
+    n.port = ports[static_cast<size_t>(i)];
+    SPARSEKV_RETURN_IF_ERROR(StartNode(n));
     nodes_.push_back(n);
   }
-  // Each answers PING.
+  // Each answers PING. A node that lost its port to someone else between the check and its
+  // bind (another test's cluster starting at the same moment) moves to other free ports.
   const auto deadline = Clock::now() + options_.start_timeout;
+  int moves = 0;
   for (size_t i = 0; i < nodes_.size(); ++i) {
     for (;;) {
       Result<std::string> r = Command(i, {"PING"});
@@ -178,8 +167,18 @@ Status RedisClusterHarness::StartNodes() {
       int status = 0;
       if (waitpid(nodes_[i].pid, &status, WNOHANG) == nodes_[i].pid) {
         nodes_[i].alive = false;
-        return Status::Unavailable(fmt::format("redis-server on port {} exited: {}", nodes_[i].port,
-                                               ReadFile(fmt::format("{}/{}/redis.log", dir_, nodes_[i].port))));
+        const std::string log = ReadFile(fmt::format("{}/{}/redis.log", dir_, nodes_[i].port));
+        std::vector<uint16_t> other;
+        if (options_.ports.empty() && moves < 10 && log.find("Address already in use") != std::string::npos) {
+          other = FreePorts(1);
+        }
+        if (other.empty() || std::any_of(nodes_.begin(), nodes_.end(), [&](const Node& n) { return n.port == other[0]; })) {
+          return Status::Unavailable(fmt::format("redis-server on port {} exited: {}", nodes_[i].port, log));
+        }
+        ++moves;
+        nodes_[i].port = other[0];
+        SPARSEKV_RETURN_IF_ERROR(StartNode(nodes_[i]));
+        continue;
       }
       if (Clock::now() > deadline) {
         return Status::Unavailable(fmt::format("redis-server on port {} does not answer", nodes_[i].port));
@@ -187,6 +186,28 @@ Status RedisClusterHarness::StartNodes() {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   }
+  return Status::OK();
+}
+
+Status RedisClusterHarness::StartNode(Node& n) {
+  const std::string ndir = fmt::format("{}/{}", dir_, n.port);
+  std::filesystem::create_directories(ndir);
+  std::vector<std::string> argv = {options_.redis_server,
+                                   "--port", std::to_string(n.port),
+                                   "--bind", "127.0.0.1",
+                                   "--dir", ndir,
+                                   "--cluster-enabled", "yes",
+                                   "--cluster-config-file", "nodes.conf",
+                                   "--cluster-node-timeout", std::to_string(options_.node_timeout_ms),
+                                   "--cluster-require-full-coverage", "no",
+                                   "--appendonly", "no",
+                                   "--save", "",
+                                   "--maxmemory", std::to_string(options_.maxmemory_bytes),
+                                   "--maxmemory-policy", "allkeys-lru",
+                                   "--protected-mode", "no",
+                                   "--daemonize", "no"};
+  SPARSEKV_ASSIGN_OR_RETURN(n.pid, Spawn(argv, ndir + "/redis.log"));
+  n.alive = true;
   return Status::OK();
 }
 

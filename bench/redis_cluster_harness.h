@@ -59,6 +59,11 @@ class RedisClusterHarness {
     std::string address() const { return "127.0.0.1:" + std::to_string(port); }
   };
 
+  // `n` ports free now, each with its cluster bus port (10000 above) free too, drawn from
+  // 20000-22767 so that the bus ports stay below Linux's ephemeral range (32768-60999), where
+  // any outgoing connection could take one before the node binds it.
+  static std::vector<uint16_t> FreePorts(size_t n);
+
   // Errors: the binaries missing, a node that does not start, a cluster that does not form
   // (each names what failed; the log of the node is kept in the message's directory).
   static Result<std::unique_ptr<RedisClusterHarness>> Start(const RedisClusterHarnessOptions& options);
@@ -98,6 +103,8 @@ class RedisClusterHarness {
  private:
   explicit RedisClusterHarness(RedisClusterHarnessOptions options) : options_(std::move(options)) {}
   Status StartNodes();
+  // Starts a redis-server for `n` on n.port; sets its pid.
+  Status StartNode(Node& n);
   Status CreateCluster();
 
   RedisClusterHarnessOptions options_;

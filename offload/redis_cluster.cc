@@ -111,17 +111,21 @@ namespace {
 
 constexpr size_t kBufferedBytes = 4096;
 
-void Attach(const redisReadTask* task, RedisReply::Node* n) {
+// A node of `type`, linked into its parent array (as hiredis's own functions do).
+RedisReply::Node* NewNode(const redisReadTask* task, int type) {
+  auto* n = new (std::nothrow) RedisReply::Node;
+  if (n == nullptr) return nullptr;
+  n->type = type;
   if (task->parent != nullptr) {
     auto* parent = static_cast<RedisReply::Node*>(task->parent->obj);
     parent->elements[static_cast<size_t>(task->idx)] = n;
   }
+  return n;
 }
 
 void* CreateString(const redisReadTask* task, char* str, size_t len) {
-  auto* n = new (std::nothrow) RedisReply::Node;
+  RedisReply::Node* n = NewNode(task, task->type);  // a string, a status or an error
   if (n == nullptr) return nullptr;
-  n->type = task->type;
   n->len = len;
   if (len >= kBufferedBytes) {
     n->big = RecordBuffer::Allocate(len);
@@ -129,35 +133,22 @@ void* CreateString(const redisReadTask* task, char* str, size_t len) {
   } else {
     n->small.assign(str, len);
   }
-  Attach(task, n);
   return n;
 }
 
 void* CreateArray(const redisReadTask* task, int elements) {
-  auto* n = new (std::nothrow) RedisReply::Node;
-  if (n == nullptr) return nullptr;
-  n->type = REDIS_REPLY_ARRAY;
-  n->elements.assign(elements > 0 ? static_cast<size_t>(elements) : 0, nullptr);
-  Attach(task, n);
+  RedisReply::Node* n = NewNode(task, REDIS_REPLY_ARRAY);
+  if (n != nullptr) n->elements.assign(elements > 0 ? static_cast<size_t>(elements) : 0, nullptr);
   return n;
 }
 
 void* CreateInteger(const redisReadTask* task, long long value) {
-  auto* n = new (std::nothrow) RedisReply::Node;
-  if (n == nullptr) return nullptr;
-  n->type = REDIS_REPLY_INTEGER;
-  n->integer = value;
-  Attach(task, n);
+  RedisReply::Node* n = NewNode(task, REDIS_REPLY_INTEGER);
+  if (n != nullptr) n->integer = value;
   return n;
 }
 
-void* CreateNil(const redisReadTask* task) {
-  auto* n = new (std::nothrow) RedisReply::Node;
-  if (n == nullptr) return nullptr;
-  n->type = REDIS_REPLY_NIL;
-  Attach(task, n);
-  return n;
-}
+void* CreateNil(const redisReadTask* task) { return NewNode(task, REDIS_REPLY_NIL); }
 
 // The reader frees a partial reply from its root only.
 void FreeNode(void* n) { delete static_cast<RedisReply::Node*>(n); }

@@ -5,6 +5,9 @@
 // primary killed or stalled: its keys miss within the timeout, never an error, and hit again
 // once its replica has taken over.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <random>
@@ -312,11 +315,20 @@ TEST_F(RemoteTierTest, ChainsShareBlocksThroughTheRemoteTier) {
 // A cluster that does not answer yet: every key misses at once, and once it is up the tier
 // finds it by itself.
 TEST(RemoteTierStart, AClusterThatComesUpLaterIsFoundAndMissesMeanwhileAreImmediate) {
-  std::vector<uint16_t> ports;
-  std::mt19937 rng(std::random_device{}());
-  while (ports.size() < 3) {
-    const auto p = static_cast<uint16_t>(20000 + rng() % 10000);
-    if (std::find(ports.begin(), ports.end(), p) == ports.end()) ports.push_back(p);
+  const std::vector<uint16_t> ports = RedisClusterHarness::FreePorts(3);
+  ASSERT_EQ(ports.size(), 3u);
+  // Held (bound, not listening) until the cluster starts, so that no other test's cluster takes
+  // them meanwhile: connections to them are refused all along.
+  std::vector<int> held;
+  for (uint16_t p : ports) {
+    for (uint16_t q : {p, static_cast<uint16_t>(p + 10000)}) {
+      const int fd = socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      a.sin_port = htons(q);
+      if (fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) held.push_back(fd);
+    }
   }
   RemoteTierOptions o;
   for (uint16_t p : ports) o.nodes.push_back("127.0.0.1:" + std::to_string(p));
@@ -332,6 +344,7 @@ TEST(RemoteTierStart, AClusterThatComesUpLaterIsFoundAndMissesMeanwhileAreImmedi
   EXPECT_TRUE(put[0].Is(StatusCode::kUnavailable)) << put[0].ToString();
   EXPECT_FALSE((*tier)->State().healthy);
 
+  for (int fd : held) close(fd);
   RedisClusterHarnessOptions ho;
   ho.replicas = 0;
   ho.ports = ports;
