@@ -13,6 +13,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <filesystem>
@@ -1060,12 +1061,18 @@ TEST_P(DaemonSsdTest, ShutdownAnswersPutsInFlight) {
   for (uint64_t k = 0; k < 64; ++k) values.push_back(Value(k, 60000));
   std::vector<std::future<Result<std::vector<Status>>>> puts;
   for (uint64_t k = 0; k < 64; ++k) puts.push_back(c->PutAsync({BundleRef{H(k % 24), values[k]}}));
+  // Shut down once the first answer is back, so that the daemon has taken some PUTs and has the
+  // rest still in flight. (Shutting down at once raced the daemon's first read: on a loaded
+  // machine it could refuse all 64, and the run said nothing about PUTs it had taken.)
+  // (PutAsync's future is deferred: get() waits for the answer, wait_for() would not.)
+  std::optional<Result<std::vector<Status>>> first(puts.front().get());
   server_->Shutdown();
   // Each PUT is answered: stored, or refused because the daemon is going away. Those it took
   // come first (it stops reading a connection, it does not drop requests it read).
   std::vector<bool> acked;
   for (auto& f : puts) {
-    auto r = f.get();  // the client's timeout (10 s) bounds it
+    auto r = first ? std::move(*first) : f.get();  // the client's timeout (10 s) bounds it
+    first.reset();
     const Status st = r.ok() ? (*r)[0] : r.status();
     acked.push_back(st.ok());
     if (!st.ok()) {
