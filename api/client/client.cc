@@ -216,6 +216,12 @@ class Client::Impl {
     }
     cv_.notify_all();
     if (reader_.joinable()) reader_.join();
+    {
+      // What is still outstanding is answered now, on this thread: a future completes with
+      // this error instead of breaking its promise, a callback runs with it.
+      std::unique_lock<std::mutex> l(mu_);
+      Break(l, Status::Unavailable("the sparsekv client was closed with the request outstanding"));
+    }
     if (fd_ >= 0) ::close(fd_);
     fd_ = -1;
     if (wake_fd_ >= 0) ::close(wake_fd_);
@@ -553,10 +559,10 @@ class Client::Impl {
     std::optional<Result<Frame>> result;
   };
   using FrameCallback = std::function<void(Result<Frame>)>;
-  using Pending = std::variant<Waiter*, std::promise<Result<Frame>>, FrameCallback>;
+  using Pending = std::variant<Waiter*, FrameCallback>;
 
   // Hands a frame to whoever waits for it. Called with mu_ held (`l`); may unlock it to run
-  // event callbacks and fulfil promises.
+  // event and reply callbacks (the futures' promises are kept by callbacks).
   void Deliver(std::unique_lock<std::mutex>& l, Frame f) {
     if (f.header.opcode == w::Opcode::kEvent) {
       l.unlock();
@@ -582,11 +588,7 @@ class Client::Impl {
     Pending p = std::move(it->second);
     pending_.erase(it);
     l.unlock();
-    if (auto* promise = std::get_if<1>(&p)) {
-      promise->set_value(std::move(r));
-    } else {
-      std::get<2>(p)(std::move(r));
-    }
+    std::get<FrameCallback>(p)(std::move(r));
     l.lock();
   }
 
@@ -605,13 +607,7 @@ class Client::Impl {
     cv_.notify_all();
     const Status why_copy = broken_;
     l.unlock();
-    for (auto& p : others) {
-      if (auto* promise = std::get_if<1>(&p)) {
-        promise->set_value(why_copy);
-      } else {
-        std::get<2>(p)(why_copy);
-      }
-    }
+    for (auto& p : others) std::get<FrameCallback>(p)(why_copy);
     l.lock();
   }
 
@@ -704,22 +700,6 @@ class Client::Impl {
 
   Result<uint64_t> SendFrame(w::Opcode op, std::span<const std::byte> payload, Pending pending) {
     return SendFrame(op, Pieces(&payload, 1), std::move(pending));
-  }
-
-  std::future<Result<Frame>> Send(w::Opcode op, std::span<const std::byte> payload) {
-    return Send(op, Pieces(&payload, 1));
-  }
-  std::future<Result<Frame>> Send(w::Opcode op, Pieces pieces) {
-    EnsureReaderThread();
-    std::promise<Result<Frame>> p;
-    auto fut = p.get_future();
-    auto id = SendFrame(op, pieces, std::move(p));
-    if (!id.ok()) {
-      std::promise<Result<Frame>> failed;
-      fut = failed.get_future();
-      failed.set_value(id.status());
-    }
-    return fut;
   }
 
   // Waits with mu_ held (`l`) until `done()`, reading replies meanwhile whenever nobody else
@@ -1256,8 +1236,12 @@ Status Client::Subscribe(EventCallback callback) {
 }
 
 std::future<Result<LookupResult>> Client::LookupAsync(std::vector<WireBlockHash> hashes) {
-  auto fut = impl_->Send(w::Opcode::kLookup, w::Encode(w::HashList{std::move(hashes)}));
-  return std::async(std::launch::deferred, [f = std::move(fut)]() mutable { return Impl::ParseLookup(f.get()); });
+  impl_->EnsureReaderThread();
+  auto done = std::make_shared<std::promise<Result<LookupResult>>>();
+  auto fut = done->get_future();
+  impl_->SendWithCallback(w::Opcode::kLookup, w::Encode(w::HashList{std::move(hashes)}),
+                          [done](Result<Frame> f) { done->set_value(Impl::ParseLookup(std::move(f))); });
+  return fut;
 }
 
 std::future<Result<std::vector<Status>>> Client::PutAsync(std::vector<BundleRef> bundles) {
@@ -1276,21 +1260,24 @@ std::future<Result<std::vector<Status>>> Client::PutAsync(std::vector<BundleRef>
     return refused.get_future();
   }
   std::vector<std::byte> framing;
-  auto fut = impl_->Send(w::Opcode::kPut, w::EncodePieces(req, framing));
+  impl_->EnsureReaderThread();
+  auto done = std::make_shared<std::promise<Result<std::vector<Status>>>>();
+  auto fut = done->get_future();
   const size_t n = bundles.size();
-  return std::async(std::launch::deferred,
-                    [f = std::move(fut), n]() mutable { return Impl::ParseStatusList(f.get(), n); });
+  impl_->SendWithCallback(w::Opcode::kPut, w::EncodePieces(req, framing), [done, n](Result<Frame> f) {
+    done->set_value(Impl::ParseStatusList(std::move(f), n));
+  });
+  return fut;
 }
 
 std::future<Result<std::vector<GetResult>>> Client::GetAsync(std::vector<WireBlockHash> hashes) {
-  auto fut = impl_->Send(w::Opcode::kGet, w::Encode(w::HashList{hashes}));
-  // What the reply deferred is asked for when the result is taken (on that thread).
-  return std::async(std::launch::deferred,
-                    [impl = impl_.get(), f = std::move(fut), hashes = std::move(hashes)]() mutable
-                    -> Result<std::vector<GetResult>> {
-                      SPARSEKV_ASSIGN_OR_RETURN(GetPart part, Impl::ParseGetPart(f.get(), hashes.size()));
-                      return impl->FinishGet(std::move(part), hashes);
-                    });
+  // The reader thread completes the future, asking for what the reply deferred on its way.
+  impl_->EnsureReaderThread();
+  auto done = std::make_shared<std::promise<Result<std::vector<GetResult>>>>();
+  auto fut = done->get_future();
+  impl_->GetSocketWithCallback(std::move(hashes),
+                               [done](Result<std::vector<GetResult>> r) { done->set_value(std::move(r)); });
+  return fut;
 }
 
 void Client::GetAsync(std::vector<WireBlockHash> hashes, GetCallback done) {

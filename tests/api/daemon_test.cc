@@ -932,6 +932,59 @@ TEST_F(DaemonSmallFrameTest, GetRangesIsSplitWithinTheMaximumPayload) {
   EXPECT_TRUE(c->Ping().ok());
 }
 
+// The futures are completed by the client's reader thread, not when get() is called: each one
+// becomes ready while nobody waits on it (wait_for works), a GET's included when its reply
+// deferred items to later requests (250,000-byte values, 256 KiB frames). A Client destroyed with
+// futures outstanding completes them with an error; none is left broken.
+TEST_F(DaemonSmallFrameTest, FuturesBecomeReadyWithoutGet) {
+  auto c = Connect("alpha", "alpha-token", /*unix_socket=*/false, /*shm=*/false);
+  ASSERT_NE(c, nullptr);
+  std::vector<std::vector<std::byte>> values;
+  std::vector<std::future<Result<std::vector<Status>>>> puts;
+  for (uint64_t k = 0; k < 4; ++k) {
+    values.push_back(Value(300 + k, 250000));
+    puts.push_back(c->PutAsync({BundleRef{H(300 + k), values.back()}}));
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (auto& f : puts) ASSERT_EQ(f.wait_until(deadline), std::future_status::ready);
+  for (auto& f : puts) {
+    auto r = f.get();
+    ASSERT_TRUE(r.ok() && (*r)[0].ok()) << (r.ok() ? (*r)[0].ToString() : r.status().ToString());
+  }
+  auto lookup = c->LookupAsync({H(300), H(399)});
+  auto get = c->GetAsync({H(300), H(301), H(399), H(302), H(303)});  // about 1 MB: four replies
+  ASSERT_EQ(lookup.wait_until(deadline), std::future_status::ready);
+  ASSERT_EQ(get.wait_until(deadline), std::future_status::ready);
+  auto lk = lookup.get();
+  ASSERT_TRUE(lk.ok()) << lk.status().ToString();
+  EXPECT_NE(lk->tiers[0], BlockTier::kAbsent);
+  EXPECT_EQ(lk->tiers[1], BlockTier::kAbsent);
+  auto got = get.get();
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  ASSERT_EQ(got->size(), 5u);
+  EXPECT_EQ((*got)[2].status.code(), StatusCode::kNotFound);
+  for (size_t i : {0, 1, 3, 4}) {
+    ASSERT_TRUE((*got)[i].status.ok()) << i << ": " << (*got)[i].status.ToString();
+    EXPECT_EQ((*got)[i].bytes, values[i < 2 ? i : i - 1]) << i;
+  }
+  // Outstanding at destruction: each completes, with its value or an error, and get() throws
+  // nothing (a promise dropped unfulfilled would throw std::future_error).
+  std::vector<std::future<Result<std::vector<GetResult>>>> late;
+  for (int i = 0; i < 16; ++i) late.push_back(c->GetAsync({H(300), H(301), H(302), H(303)}));
+  c.reset();
+  int failed = 0;
+  for (auto& f : late) {
+    ASSERT_EQ(f.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+    Result<std::vector<GetResult>> r = Status::Internal("not taken");
+    ASSERT_NO_THROW(r = f.get());
+    if (!r.ok()) {
+      ++failed;
+      EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
+    }
+  }
+  RecordProperty("failed_at_destruction", failed);
+}
+
 class DaemonLimitsTest : public DaemonTest {
  protected:
   void Configure(TieredStoreOptions&, ServerOptions& opts) override {
@@ -1064,7 +1117,6 @@ TEST_P(DaemonSsdTest, ShutdownAnswersPutsInFlight) {
   // Shut down once the first answer is back, so that the daemon has taken some PUTs and has the
   // rest still in flight. (Shutting down at once raced the daemon's first read: on a loaded
   // machine it could refuse all 64, and the run said nothing about PUTs it had taken.)
-  // (PutAsync's future is deferred: get() waits for the answer, wait_for() would not.)
   std::optional<Result<std::vector<Status>>> first(puts.front().get());
   server_->Shutdown();
   // Each PUT is answered: stored, or refused because the daemon is going away. Those it took

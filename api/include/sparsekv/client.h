@@ -110,8 +110,9 @@ class Client {
   Status Subscribe(EventCallback callback);
 
   // Futures: a reader thread, started by the first of these (or by Subscribe), reads every
-  // reply from then on. A GET's future asks for what the daemon deferred when it is read, so
-  // the Client must outlive it.
+  // reply from then on and completes the futures (a GET's after asking for what the daemon
+  // deferred), so wait_for and wait_until work and get() can be called on any thread. A
+  // Client destroyed or disconnected with futures outstanding completes them with its error.
   //
   // Every GET returns all its items: a reply never exceeds the daemon's maximum frame
   // (max_payload_bytes()), so the items it defers are asked for again, transparently. A
@@ -126,7 +127,7 @@ class Client {
   // copied or sent, so `bundles` may be reused at once) and `done` runs on whichever thread
   // reads the reply: ProcessReplies, a synchronous call on another thread, or the reader
   // thread once futures or events started it. A connection failure reaches `done` as its
-  // status. Over shared memory one callback GET and one callback PUT use the staging area at a
+  // status, and so does the Client's destruction (Unavailable, on the destroying thread). Over shared memory one callback GET and one callback PUT use the staging area at a
   // time; a second one in flight goes over the socket.
   using GetCallback = std::function<void(Result<std::vector<GetResult>>)>;
   using StatusesCallback = std::function<void(Result<std::vector<Status>>)>;
