@@ -151,8 +151,12 @@ TierChain::TierChain(std::vector<std::unique_ptr<Tier>> tiers, TierChainOptions 
 TierChain::~TierChain() {
   WaitIdle();
   worker_.reset();
-  // Tiers go fastest first: nothing cascades any more.
+  // Nothing cascades any more.
   for (auto& t : tiers_) t->SetEvictionListener(nullptr).IgnoreError();
+  // Slowest first: a lower tier's threads may still hold bundles read from a faster tier (the
+  // SSD tier's commit thread drops a write's bundles just after answering it), and a host-tier
+  // bundle must not outlive its tier. Each tier's destructor joins its threads.
+  while (!tiers_.empty()) tiers_.pop_back();
 }
 
 uint64_t TierChain::NextSequence() {

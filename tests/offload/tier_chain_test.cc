@@ -2,6 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <functional>
+#include <mutex>
+
 #include "sparsekv/host_tier.h"
 #include "sparsekv/ssd_tier.h"
 #include "tests/offload/test_util.h"
@@ -17,7 +21,10 @@ constexpr uint64_t kPayload = 20000;
 
 class TierChainTest : public ::testing::Test {
  protected:
-  std::unique_ptr<TierChain> Make(WritePolicy policy, uint64_t host_slots = 4) {
+  // `wrap` may put the SSD tier inside a test tier.
+  std::unique_ptr<TierChain> Make(
+      WritePolicy policy, uint64_t host_slots = 4,
+      const std::function<std::unique_ptr<Tier>(std::unique_ptr<Tier>)>& wrap = nullptr) {
     HostTierOptions h;
     h.max_record_bytes = 32768;
     h.capacity_bytes = host_slots * 5 * 4096;  // host_slots records of kPayload (5 units each)
@@ -33,7 +40,7 @@ class TierChainTest : public ::testing::Test {
     tiers.push_back(HostTier::Open(h).value());
     auto ssd = SsdTier::Open(s);
     EXPECT_TRUE(ssd.ok()) << ssd.status().ToString();
-    tiers.push_back(std::move(*ssd));
+    tiers.push_back(wrap ? wrap(std::move(*ssd)) : std::move(*ssd));
     TierChainOptions o;
     o.write_policy = policy;
     return std::make_unique<TierChain>(std::move(tiers), o);
@@ -100,6 +107,57 @@ TEST_F(TierChainTest, EraseRemovesFromEveryTier) {
   ASSERT_TRUE(chain->Demote({MakeBundleOfBytes(1, kPayload)}).get()[0].ok());
   for (const Status& s : chain->Erase({KeyOf(1)}).get()) EXPECT_TRUE(s.ok());
   EXPECT_EQ(chain->Locate(std::vector<BundleKey>{KeyOf(1)})[0], -1);
+}
+
+// A lower tier that keeps the bundles it was given (as the SSD tier's commit thread does for a
+// moment after answering a write) and reads them when it is destroyed.
+class KeepingTier : public testing::ForwardingTier {
+ public:
+  KeepingTier(std::unique_ptr<Tier> inner, int* checked) : ForwardingTier(std::move(inner)), checked_(checked) {}
+  ~KeepingTier() override {
+    for (const auto& [b, copy] : kept_) {
+      EXPECT_EQ(std::memcmp(b->record().data(), copy.data(), copy.size()), 0);
+      ++*checked_;
+    }
+  }
+  void PutAsync(std::vector<BundlePtr> bundles, StatusesCallback done) override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      for (const BundlePtr& b : bundles) {
+        kept_.emplace_back(b, std::vector<std::byte>(b->record().begin(), b->record().begin() + b->record_bytes()));
+      }
+    }
+    inner_->PutAsync(std::move(bundles), std::move(done));
+  }
+
+ private:
+  int* checked_;
+  std::mutex mu_;
+  std::vector<std::pair<BundlePtr, std::vector<std::byte>>> kept_;
+};
+
+// The chain destroys its tiers slowest first: bundles a lower tier still holds, read from the
+// host tier's memory, are released while the host tier is there (ASan: no use after free; the
+// reads in ~KeepingTier would touch an unmapped arena otherwise).
+TEST_F(TierChainTest, ALowerTierMayHoldHostBundlesUntilItIsDestroyed) {
+  int checked = 0;
+  {
+    auto chain = Make(WritePolicy::kWriteThrough, 4, [&](std::unique_ptr<Tier> ssd) -> std::unique_ptr<Tier> {
+      return std::make_unique<KeepingTier>(std::move(ssd), &checked);
+    });
+    // As sparsekvd's PUTs: written into the host tier in place, then the pinned view of the
+    // host's memory goes down the chain.
+    auto& host = static_cast<HostTier&>(chain->tier(0));
+    for (uint64_t i = 0; i < 3; ++i) {
+      const std::vector<std::byte> bytes(kPayload, std::byte(0x40 + i));
+      const std::span<const std::byte> segments[1] = {bytes};
+      auto pinned = host.PutGathered(KeyOf(i), segments, chain->NextSequence());
+      ASSERT_TRUE(pinned.ok()) << pinned.status().ToString();
+      ASSERT_TRUE(chain->Demote({std::move(pinned).value()}).get()[0].ok());
+    }
+    chain->WaitIdle();
+  }
+  EXPECT_EQ(checked, 3);
 }
 
 }  // namespace
