@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 #include <signal.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <sys/socket.h>
 #include <poll.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -94,29 +97,67 @@ Result<int> RunProgram(const std::vector<std::string>& argv, std::string* out) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
+// A loopback port the kernel has just found free (it may be taken again before redis binds it:
+// the caller checks that the server answering is its own).
+Result<uint16_t> LoopbackPort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return Status::IOError(fmt::format("socket: {}", std::strerror(errno)));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  const int err = errno;
+  ::close(fd);
+  if (!ok) return Status::IOError(fmt::format("finding a free loopback port: {}", std::strerror(err)));
+  return ntohs(a.sin_port);
+}
+
+// Starts redis-server on a free loopback port and waits until that very process answers (its
+// INFO names its pid: another server that held the port would be benchmarked otherwise).
+Result<std::pair<pid_t, uint16_t>> StartRedis() {
+  Status last = Status::Unavailable("redis-server did not start");
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    SPARSEKV_ASSIGN_OR_RETURN(const uint16_t port, LoopbackPort());
+    std::vector<std::string> server = {"redis-server", "--port", std::to_string(port), "--bind", "127.0.0.1",
+                                       "--save", "", "--appendonly", "no", "--protected-mode", "yes"};
+    std::vector<char*> args;
+    for (auto& a : server) args.push_back(a.data());
+    args.push_back(nullptr);
+    pid_t pid;
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+    const int rc = posix_spawnp(&pid, "redis-server", &fa, nullptr, args.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    if (rc != 0) return Status::NotFound("redis-server is not installed (apt-get install redis-server)");
+    const std::string mine = fmt::format("process_id:{}\r", pid);
+    for (int i = 0; i < 100; ++i) {  // 5 s
+      if (waitpid(pid, nullptr, WNOHANG) == pid) {  // it exited: the port was taken meanwhile
+        pid = -1;
+        last = Status::Unavailable(fmt::format("redis-server exited at start on port {}", port));
+        break;
+      }
+      std::string out;
+      auto info = RunProgram({"redis-cli", "-p", std::to_string(port), "info", "server"}, &out);
+      if (info.ok() && *info == 0 && out.find(mine) != std::string::npos) return std::make_pair(pid, port);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (pid > 0) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+      last = Status::Unavailable(fmt::format("redis-server on port {} did not answer within 5 s", port));
+    }
+  }
+  return last;
+}
+
 // redis-server on a loopback port, then redis-benchmark SET (to create the values) and GET.
 Result<nlohmann::json> RedisBaseline(const DaemonBenchOptions& o, double target_seconds, double our_get_rate) {
-  const int port = 16379 + static_cast<int>(getpid() % 1000);
-  std::vector<std::string> server = {"redis-server", "--port", std::to_string(port), "--bind", "127.0.0.1",
-                                     "--save", "", "--appendonly", "no", "--protected-mode", "yes"};
-  std::vector<char*> args;
-  for (auto& a : server) args.push_back(a.data());
-  args.push_back(nullptr);
-  pid_t pid;
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
-  const int rc = posix_spawnp(&pid, "redis-server", &fa, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) return Status::NotFound("redis-server is not installed (apt-get install redis-server)");
-  Status result;
+  SPARSEKV_ASSIGN_OR_RETURN(const auto started, StartRedis());
+  const auto [pid, port] = started;
   nlohmann::json j;
-  for (int i = 0; i < 100; ++i) {  // wait until it answers
-    std::string out;
-    auto ping = RunProgram({"redis-cli", "-p", std::to_string(port), "ping"}, &out);
-    if (ping.ok() && *ping == 0 && out.find("PONG") != std::string::npos) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
   // Size the request count from our own rate so both runs take about as long.
   const uint64_t n = std::max<uint64_t>(10000, static_cast<uint64_t>(our_get_rate * target_seconds));
   std::string csv;

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -134,8 +135,9 @@ TEST(Daemon, ServesTheCliAndStopsCleanlyOnSigterm) {
   const auto dir = std::filesystem::temp_directory_path() / ("sparsekvd_" + std::to_string(getpid()));
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
-  const int port = 20000 + getpid() % 20000;
-  std::ofstream(dir / "config.json") << R"({"listen": "127.0.0.1:)" << port << R"(", "metrics_listen": "",
+  // Port 0: the daemon binds what the kernel gives and logs it (a port of our choosing could be
+  // in use: one drawn from the pid collided with a connection's ephemeral port).
+  std::ofstream(dir / "config.json") << R"({"listen": "127.0.0.1:0", "metrics_listen": "",
     "busy_poll_us": 50,
     "unix_socket": "d.sock", "data_dir": ")" << (dir / "var").string() << R"(",
     "offload": {"host": {"capacity_bytes": "256MiB"},
@@ -152,9 +154,21 @@ TEST(Daemon, ServesTheCliAndStopsCleanlyOnSigterm) {
   const auto sock = dir / "var" / "d.sock";
   for (int i = 0; i < 200 && !std::filesystem::exists(sock); ++i) usleep(50000);
   ASSERT_TRUE(std::filesystem::exists(sock)) << ReadWholeFile(log);
-  usleep(100000);
+  std::string port;  // from "listening on 127.0.0.1:<port> and unix:..."
+  for (int i = 0; i < 100 && port.empty(); ++i) {
+    const std::string text = ReadWholeFile(log);
+    const size_t at = text.find("listening on 127.0.0.1:");
+    if (at != std::string::npos) {
+      const size_t from = at + std::strlen("listening on 127.0.0.1:");
+      const size_t to = text.find_first_not_of("0123456789", from);
+      if (to != std::string::npos && to > from) port = text.substr(from, to - from);
+    }
+    if (port.empty()) usleep(50000);
+  }
+  ASSERT_FALSE(port.empty()) << ReadWholeFile(log);
+  ASSERT_NE(port, "0");
   const std::string unix_addr = "--addr unix:" + sock.string();
-  const std::string tcp_addr = "--addr 127.0.0.1:" + std::to_string(port);
+  const std::string tcp_addr = "--addr 127.0.0.1:" + port;
   Outcome put = Cli("put " + unix_addr + " --key system-prompt --value hello-sparsekv");
   EXPECT_EQ(put.exit_code, 0) << put.err;
   Outcome get = Cli("get " + tcp_addr + " --key system-prompt");
