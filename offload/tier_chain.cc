@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -86,13 +87,26 @@ struct TierChain::Shared {
     uint32_t refs = 0;
   };
   std::unordered_map<BundleKey, Version, BundleKeyHasher> versions SPARSEKV_GUARDED_BY(mu);
+  // Older copies that tiers may still hold because erasing them there failed (or, in a remote
+  // tier, writing the newer version over them): per key, copies below `below` are stale in the
+  // tiers whose bits `tiers` has. Reads skip them (LatestLocked); RepairStale erases them once
+  // the tier answers again, and the key's entry goes with its last tier's success. An outage
+  // grows this by an entry per key written meanwhile; the entries go when the tier is back.
+  struct Stale {
+    uint64_t below = 0;
+    uint64_t tiers = 0;
+  };
+  std::unordered_map<BundleKey, Stale, BundleKeyHasher> stale SPARSEKV_GUARDED_BY(mu);
+  bool repairing SPARSEKV_GUARDED_BY(mu) = false;
+  std::chrono::steady_clock::time_point next_repair SPARSEKV_GUARDED_BY(mu){};
+  std::chrono::milliseconds repair_backoff SPARSEKV_GUARDED_BY(mu){0};
   // Demotes waiting for older copies of their keys to be erased (TierChain::Invalidate), and
   // whether the worker is draining them.
   struct Invalidation {
     std::vector<BundlePtr> bundles;
     std::vector<std::vector<bool>> stored;  // [item][tier]: the tiers that took each bundle
     std::vector<Status> st;
-    std::function<void(std::vector<Status>, std::vector<bool>, uint64_t)> finish;
+    std::function<void(std::vector<Status>, uint64_t)> finish;
   };
   std::vector<Invalidation> invalidations SPARSEKV_GUARDED_BY(mu);
   bool invalidating SPARSEKV_GUARDED_BY(mu) = false;
@@ -111,7 +125,17 @@ struct TierChain::Shared {
   }
   uint64_t LatestLocked(const BundleKey& k) const SPARSEKV_REQUIRES(mu) {
     auto it = versions.find(k);
-    return it == versions.end() ? 0 : it->second.latest;
+    uint64_t latest = it == versions.end() ? 0 : it->second.latest;
+    if (!stale.empty()) {
+      auto st = stale.find(k);
+      if (st != stale.end()) latest = std::max(latest, st->second.below);
+    }
+    return latest;
+  }
+  void MarkStaleLocked(const BundleKey& k, uint64_t below, size_t tier) SPARSEKV_REQUIRES(mu) {
+    Stale& s = stale[k];
+    s.below = std::max(s.below, below);
+    s.tiers |= uint64_t{1} << tier;
   }
 };
 
@@ -136,6 +160,7 @@ TierChain::TierChain(std::vector<std::unique_ptr<Tier>> tiers, TierChainOptions 
   shared_->next_sequence = held + 1;
   local_ = 0;
   while (local_ < tiers_.size() && !tiers_[local_]->remote()) ++local_;
+  if (tiers_.size() > 64) spdlog::error("tier chain: {} tiers, at most 64 are supported", tiers_.size());
   // Versions written through other chains meet in a remote tier: numbered from the clock, they
   // order as they were written across machines (to within the clocks' skew).
   clock_sequences_ = local_ < tiers_.size();
@@ -206,6 +231,7 @@ TierChainStats TierChain::Stats() const {
   MutexLock lock(shared_->mu);
   TierChainStats s = shared_->stats;
   s.in_flight = shared_->in_flight;
+  s.stale_keys = shared_->stale.size();
   return s;
 }
 
@@ -218,6 +244,7 @@ void TierChain::DemoteAsync(std::vector<BundlePtr> bundles, Tier::StatusesCallba
       if (b) shared_->RefLocked(b->key(), b->sequence());
     }
   }
+  MaybeRepair();
   const size_t targets = options_.write_policy == WritePolicy::kWriteThrough ? local_ : 1;
   struct Combine {
     Mutex mu;
@@ -258,22 +285,19 @@ void TierChain::DemoteAsync(std::vector<BundlePtr> bundles, Tier::StatusesCallba
 void TierChain::Invalidate(std::vector<BundlePtr> bundles, std::vector<std::vector<bool>> stored,
                            std::vector<Status> st, Tier::StatusesCallback done) {
   const size_t n = bundles.size();
-  // Ends the demote: drops its references on the keys' versions (kept for good where an older
-  // copy may remain, so that reads go on skipping it) and answers.
-  auto finish = [shared = shared_, bundles, stored, done](
-                    std::vector<Status> st, std::vector<bool> poisoned, uint64_t invalidated) {
+  // Ends the demote: drops its references on the keys' versions (an older copy that could not
+  // be erased was marked stale first, so that reads go on skipping it) and answers.
+  auto finish = [shared = shared_, bundles, stored, done](std::vector<Status> st, uint64_t invalidated) {
     uint64_t dropped = 0;
     {
       MutexLock lock(shared->mu);
       for (size_t i = 0; i < bundles.size(); ++i) {
         if (!bundles[i]) continue;
         dropped += std::none_of(stored[i].begin(), stored[i].end(), [](bool b) { return b; });
-        if (!poisoned[i]) shared->UnrefLocked(bundles[i]->key());
+        shared->UnrefLocked(bundles[i]->key());
       }
       shared->stats.demote_dropped += dropped;
       shared->stats.invalidated += invalidated;
-      shared->stats.invalidate_failures +=
-          static_cast<uint64_t>(std::count(poisoned.begin(), poisoned.end(), true));
     }
     done(std::move(st));
   };
@@ -297,9 +321,12 @@ void TierChain::Invalidate(std::vector<BundlePtr> bundles, std::vector<std::vect
     own.reserve(items.size());
     for (size_t i : items) own.push_back(bundles[i]->sequence());
     const std::vector<Status> es = EraseOlderNow(*tiers_[0], keys, own);
+    MutexLock lock(shared_->mu);
     for (size_t j = 0; j < es.size(); ++j) {
-      if (!es[j].ok() && st[items[j]].ok())
-        st[items[j]] = es[j].WithContext("tier chain: erasing an older copy");
+      if (es[j].ok()) continue;
+      shared_->MarkStaleLocked(keys[j], own[j], 0);
+      ++shared_->stats.invalidate_failures;
+      if (st[items[j]].ok()) st[items[j]] = es[j].WithContext("tier chain: erasing an older copy");
     }
   }
   bool needed = false;
@@ -314,7 +341,7 @@ void TierChain::Invalidate(std::vector<BundlePtr> bundles, std::vector<std::vect
     for (size_t j = 0; j < keys.size(); ++j) needed |= has[j] && !stored[items[j]][t];
   }
   if (!needed) {
-    finish(std::move(st), std::vector<bool>(n, false), 0);
+    finish(std::move(st), 0);
     return;
   }
   {
@@ -349,9 +376,7 @@ void TierChain::DrainInvalidations() {
         if (b && b->sequence() != 0) all.push_back(b->key());
       }
     }
-    std::vector<std::vector<bool>> poisoned(batch.size());
     std::vector<uint64_t> invalidated(batch.size(), 0);
-    for (size_t b = 0; b < batch.size(); ++b) poisoned[b].assign(batch[b].bundles.size(), false);
     for (size_t t = 0; t < local_; ++t) {
       // Fastest tier first, as Erase: a tier erased cannot start moving an older copy down.
       if (t > 0) WaitNotMoving(all);
@@ -386,13 +411,17 @@ void TierChain::DrainInvalidations() {
         }
         spdlog::warn("tier chain: erasing older copies of {} from {} failed: {}",
                      erase[j].ToString(), tiers_[t]->name(), es[j].ToString());
-        poisoned[b][i] = true;
+        {
+          MutexLock lock(shared_->mu);
+          shared_->MarkStaleLocked(erase[j], below[j], t);
+          ++shared_->stats.invalidate_failures;
+        }
         if (batch[b].st[i].ok())
           batch[b].st[i] = es[j].WithContext("tier chain: erasing an older copy");
       }
     }
     for (size_t b = 0; b < batch.size(); ++b) {
-      batch[b].finish(std::move(batch[b].st), std::move(poisoned[b]), invalidated[b]);
+      batch[b].finish(std::move(batch[b].st), invalidated[b]);
       EndBackground();
     }
   }
@@ -428,10 +457,11 @@ void TierChain::WriteBehind(const std::vector<BundlePtr>& bundles) {
             landed_st.push_back(Status::OK());
             continue;
           }
-          // The tier may keep an older copy of the key: its reference stays, so that reads go
-          // on skipping that copy (an unversioned bundle orders nothing and lets go).
+          // The tier may keep an older copy of the key: marked stale, reads go on skipping
+          // it until the repair erases it (an unversioned bundle orders nothing).
           ++failed;
-          if (send[i]->sequence() == 0) shared_->UnrefLocked(send[i]->key());
+          if (send[i]->sequence() != 0) shared_->MarkStaleLocked(send[i]->key(), send[i]->sequence(), t);
+          shared_->UnrefLocked(send[i]->key());
         }
         shared_->stats.written_behind += landed.size();
         shared_->stats.write_behind_failures += failed;
@@ -500,20 +530,88 @@ void TierChain::SettleBackground(size_t tier, const std::vector<BundlePtr>& land
     if (!again.empty()) ++shared_->in_flight;
   }
   if (again.empty()) return;
-  tiers_[tier]->EraseOlderAsync(again, below, [this, again](std::vector<Status> es) {
+  tiers_[tier]->EraseOlderAsync(again, below, [this, tier, again, below](std::vector<Status> es) {
     {
       MutexLock lock(shared_->mu);
       for (size_t i = 0; i < again.size(); ++i) {
         if (es[i].ok()) {
           ++shared_->stats.invalidated;
-          shared_->UnrefLocked(again[i]);
         } else {
-          ++shared_->stats.invalidate_failures;  // the reference stays: reads keep skipping it
+          shared_->MarkStaleLocked(again[i], below[i], tier);  // reads skip it until repaired
+          ++shared_->stats.invalidate_failures;
         }
+        shared_->UnrefLocked(again[i]);
       }
     }
     EndBackground();
   });
+}
+
+void TierChain::MaybeRepair() {
+  {
+    MutexLock lock(shared_->mu);
+    if (shared_->stale.empty() || shared_->repairing || std::chrono::steady_clock::now() < shared_->next_repair) return;
+    shared_->repairing = true;
+    ++shared_->in_flight;
+  }
+  worker_->Submit([this](size_t) { RepairStale(); });
+}
+
+void TierChain::RepairStale() {
+  constexpr size_t kBatch = 1024;
+  bool failed = false;
+  for (;;) {
+    // A tier's stale copies are erased once every faster tier's are, and not while the key is
+    // on its way down: an older copy can only come into a tier from a faster one.
+    std::vector<std::vector<BundleKey>> keys(tiers_.size());
+    std::vector<std::vector<uint64_t>> below(tiers_.size());
+    size_t picked = 0;
+    {
+      MutexLock lock(shared_->mu);
+      for (const auto& [k, st] : shared_->stale) {
+        if (picked == kBatch) break;
+        if (st.tiers == 0 || shared_->moving.count(k) != 0) continue;
+        const auto t = static_cast<size_t>(std::countr_zero(st.tiers));
+        if (t >= tiers_.size()) continue;
+        keys[t].push_back(k);
+        below[t].push_back(st.below);
+        ++picked;
+      }
+    }
+    if (picked == 0) break;
+    uint64_t repaired = 0;
+    for (size_t t = 0; t < tiers_.size(); ++t) {
+      if (keys[t].empty()) continue;
+      const std::vector<Status> es = EraseOlderNow(*tiers_[t], keys[t], below[t]);
+      MutexLock lock(shared_->mu);
+      for (size_t i = 0; i < es.size(); ++i) {
+        if (!es[i].ok()) {
+          failed = true;
+          continue;
+        }
+        auto it = shared_->stale.find(keys[t][i]);
+        // Marked again meanwhile with a newer version: erased in a later round.
+        if (it == shared_->stale.end() || it->second.below != below[t][i]) continue;
+        it->second.tiers &= ~(uint64_t{1} << t);
+        ++repaired;
+        if (it->second.tiers == 0) shared_->stale.erase(it);
+      }
+    }
+    {
+      MutexLock lock(shared_->mu);
+      shared_->stats.repaired += repaired;
+    }
+    if (failed || repaired == 0) break;  // otherwise the rest (further tiers, more keys) at once
+  }
+  MutexLock lock(shared_->mu);
+  // A tier still failing is asked again after a backoff (from 100 ms to 5 s) by the next
+  // demote, read or erase; otherwise what was marked meanwhile is taken at once.
+  shared_->repair_backoff = failed ? std::clamp(shared_->repair_backoff * 2, std::chrono::milliseconds(100),
+                                                std::chrono::milliseconds(5000))
+                                   : std::chrono::milliseconds(0);
+  shared_->next_repair = std::chrono::steady_clock::now() + shared_->repair_backoff;
+  shared_->repairing = false;
+  if (--shared_->in_flight == 0) shared_->idle.notify_all();
 }
 
 std::vector<int> TierChain::Locate(std::span<const BundleKey> keys) { return LocateIn(keys, tiers_.size()); }
@@ -553,6 +651,7 @@ size_t TierChain::CountPrefix(std::span<const BundleKey> keys) {
 }
 
 void TierChain::PromoteAsync(std::vector<BundleKey> keys, Tier::BundlesCallback done) {
+  MaybeRepair();
   PromoteImpl(std::move(keys), options_.promote_into_first_tier, /*prefetch=*/false,
               std::move(done));
 }
@@ -774,33 +873,25 @@ std::future<std::vector<Status>> TierChain::Erase(std::vector<BundleKey> keys) {
   // (where a crash before its own settling would bring the key back).
   const std::vector<uint64_t> below(keys.size(), version);
   std::vector<Status> out(keys.size());
-  // A remote tier that fails is not the caller's error (its nodes fail as misses): the key's
-  // reference stays, so reads here go on skipping the copy left there.
-  std::vector<bool> kept(keys.size(), false);
+  // A copy a tier failed to erase is marked stale there: reads go on skipping it until the
+  // repair erases it. A remote tier that fails is not the caller's error (its nodes fail as
+  // misses); a local one is.
   for (size_t t = 0; t < tiers_.size(); ++t) {
     if (t > 0) WaitNotMoving(keys);
     const std::vector<Status> st = EraseOlderNow(*tiers_[t], keys, below);
+    MutexLock lock(shared_->mu);
     for (size_t i = 0; i < st.size(); ++i) {
       if (st[i].ok()) continue;
-      if (t >= local_) {
-        kept[i] = true;
-      } else if (out[i].ok()) {
-        out[i] = st[i];
-      }
+      shared_->MarkStaleLocked(keys[i], version, t);
+      ++shared_->stats.invalidate_failures;
+      if (t < local_ && out[i].ok()) out[i] = st[i];
     }
   }
   {
-    // A key whose erase failed somewhere keeps its reference: reads go on skipping the copy
-    // that is left.
     MutexLock lock(shared_->mu);
-    for (size_t i = 0; i < keys.size(); ++i) {
-      if (out[i].ok() && !kept[i]) {
-        shared_->UnrefLocked(keys[i]);
-      } else {
-        ++shared_->stats.invalidate_failures;
-      }
-    }
+    for (const BundleKey& k : keys) shared_->UnrefLocked(k);
   }
+  MaybeRepair();
   std::promise<std::vector<Status>> done;
   done.set_value(std::move(out));
   return done.get_future();

@@ -786,6 +786,11 @@ void TieredStore::RenderMetrics(std::string& out) {
   gauge_header("sparsekv_chain_write_behind_failures_total",
                "Writes to a remote tier that failed (reads skip an older copy there).", "counter");
   out += fmt::format("sparsekv_chain_write_behind_failures_total {}\n", c.write_behind_failures);
+  gauge_header("sparsekv_chain_stale_keys",
+               "Keys a tier may hold an older copy of after a failed erase or write (skipped until repaired).", "gauge");
+  out += fmt::format("sparsekv_chain_stale_keys {}\n", c.stale_keys);
+  gauge_header("sparsekv_chain_repaired_total", "Such older copies erased once their tier answered again.", "counter");
+  out += fmt::format("sparsekv_chain_repaired_total {}\n", c.repaired);
   for (size_t i = 0; i < chain_->tier_count(); ++i) {
     for (const TierMetric& m : chain_->tier(i).Metrics()) {
       gauge_header(m.name.c_str(), m.help.c_str(), m.counter ? "counter" : "gauge");

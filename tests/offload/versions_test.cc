@@ -459,6 +459,91 @@ double FillUntilFirstEviction(OpenFn open, uint64_t capacity, uint64_t seed) {
   return 0;
 }
 
+// A tier whose puts and erasures fail while `failing` is set (a device or a node gone for a while).
+class FailingTier : public testing::ForwardingTier {
+ public:
+  using ForwardingTier::ForwardingTier;
+  std::atomic<bool> failing{false};
+  std::atomic<int> erase_calls{0};
+
+  void PutAsync(std::vector<BundlePtr> bundles, StatusesCallback done) override {
+    if (!failing) return inner_->PutAsync(std::move(bundles), std::move(done));
+    done(std::vector<Status>(bundles.size(), Status::IOError("failing tier: put")));
+  }
+  void EraseOlderAsync(std::vector<BundleKey> keys, std::vector<uint64_t> below, StatusesCallback done) override {
+    ++erase_calls;
+    if (!failing) return inner_->EraseOlderAsync(std::move(keys), std::move(below), std::move(done));
+    done(std::vector<Status>(keys.size(), Status::IOError("failing tier: erase")));
+  }
+};
+
+// An older copy a tier could not erase is skipped by reads for as long as the tier fails, and
+// erased there once it answers again; the chain then forgets the key (its memory of such keys
+// does not grow for good). Erasing it too early, or never, or forgetting the key before the
+// erase succeeded, each fails a check below.
+TEST_F(VersionsTest, OlderCopiesLeftByFailuresAreSkippedThenRepairedWhenTheTierAnswers) {
+  HostTierOptions h;
+  h.capacity_bytes = 4 * 5 * 4096;
+  h.huge_pages = false;
+  std::vector<std::unique_ptr<Tier>> tiers;
+  tiers.push_back(HostTier::Open(h).value());
+  auto ssd = SsdTier::Open(SsdOptions());
+  ASSERT_TRUE(ssd.ok()) << ssd.status().ToString();
+  auto failing = std::make_unique<FailingTier>(std::move(*ssd));
+  FailingTier* below = failing.get();
+  tiers.push_back(std::move(failing));
+  TierChainOptions o;
+  o.write_policy = WritePolicy::kWriteThrough;
+  auto chain = std::make_unique<TierChain>(std::move(tiers), o);
+
+  for (uint64_t id = 1; id <= 3; ++id) Put(*chain, Version(*chain, id, 1));
+  below->failing = true;
+  std::vector<BundlePtr> v2;
+  for (uint64_t id = 1; id <= 3; ++id) {
+    v2.push_back(Version(*chain, id, 2));
+    EXPECT_FALSE(chain->Demote({v2.back()}).get()[0].ok()) << "the lower tier failed the write";
+  }
+  chain->WaitIdle();
+  EXPECT_EQ(chain->Stats().stale_keys, 3u);
+  for (uint64_t id = 1; id <= 3; ++id) ExpectRead(*chain, id, v2[id - 1]);  // from the host tier
+  // Fillers push the new versions out of the host tier (their own writes below fail too).
+  for (uint64_t i = 0; i < 6; ++i) chain->Demote({Version(*chain, 100 + i, 0)}).get();
+  chain->WaitIdle();
+  for (uint64_t id = 1; id <= 3; ++id) {
+    ASSERT_TRUE(chain->tier(1).Contains({KeyOf(id)}).get()[0]) << "v1 is still below";
+    ExpectRead(*chain, id, nullptr);  // never v1
+  }
+  // Reads keep asking for the repair; it fails and backs off, forgetting nothing.
+  const auto t0 = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(400)) {
+    ExpectRead(*chain, 1, nullptr);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  chain->WaitIdle();
+  EXPECT_GE(below->erase_calls.load(), 2) << "the repair was tried";
+  EXPECT_EQ(chain->Stats().stale_keys, 3u);
+  EXPECT_EQ(chain->Stats().repaired, 0u);
+  for (uint64_t id = 1; id <= 3; ++id) ExpectRead(*chain, id, nullptr);
+
+  below->failing = false;
+  const auto t1 = std::chrono::steady_clock::now();
+  while (chain->Stats().stale_keys > 0 && std::chrono::steady_clock::now() - t1 < std::chrono::seconds(10)) {
+    chain->Promote({KeyOf(999)}).get();  // any read or write asks (after the backoff)
+    chain->WaitIdle();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(chain->Stats().stale_keys, 0u);
+  EXPECT_EQ(chain->Stats().repaired, 3u);
+  for (uint64_t id = 1; id <= 3; ++id) {
+    EXPECT_FALSE(chain->tier(1).Contains({KeyOf(id)}).get()[0]) << "v1 was erased below";
+    ExpectRead(*chain, id, nullptr);
+  }
+  // And a new version afterwards is read as usual.
+  const BundlePtr v3 = Version(*chain, 2, 3);
+  Put(*chain, v3);
+  ExpectRead(*chain, 2, v3);
+}
+
 TEST(TierSpace, AnyMixOfSizesFillsTheHostTierBeforeTheFirstEviction) {
   const uint64_t capacity = 64ull << 20;
   for (uint64_t seed : {1, 2, 3}) {

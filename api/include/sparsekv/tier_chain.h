@@ -87,6 +87,9 @@ struct TierChainStats {
   uint64_t written_behind = 0;       // bundles written to a remote tier behind a demote
   uint64_t write_behind_failures = 0;  // ... that failed (a node down, the queue full): reads skip
                                        // an older copy there
+  uint64_t stale_keys = 0;  // keys some tier may hold an older copy of, after such failures:
+                            // reads skip it there until the repair erases it
+  uint64_t repaired = 0;    // such copies the repair erased (once their tier answered again)
 };
 
 class TierChain {
@@ -160,6 +163,10 @@ class TierChain {
   void Onload(std::vector<BundlePtr> bundles, bool prefetch);
   void BeginBackground();
   void EndBackground();
+  // Erases, on the worker, the older copies tiers were left holding after failures (see
+  // Shared::stale), when there are any and no repair ran within the backoff.
+  void MaybeRepair();
+  void RepairStale();
 
   std::vector<std::unique_ptr<Tier>> tiers_;
   const TierChainOptions options_;
