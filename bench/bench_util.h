@@ -3,7 +3,9 @@
 // under the same noise.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -27,6 +29,15 @@ inline uint64_t MixBits(uint64_t x) {
 
 inline double NowSeconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// The q-quantile (0..1) of `v` by rank floor(q * n), clamped to the last: reorders `v`.
+template <typename T>
+double QuantileInPlace(std::vector<T>& v, double q) {
+  if (v.empty()) return 0;
+  const size_t k = std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())));
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
+  return static_cast<double>(v[k]);
 }
 
 // Keeps the compiler from eliding a computation whose result is otherwise unused.

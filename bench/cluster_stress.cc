@@ -41,12 +41,7 @@ void FillValue(uint64_t seed, uint64_t id, std::vector<std::byte>& out) {
   }
 }
 
-double Quantile(std::vector<float> v, double q) {
-  if (v.empty()) return 0;
-  const size_t k = std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())));
-  std::nth_element(v.begin(), v.begin() + static_cast<ptrdiff_t>(k), v.end());
-  return v[k];
-}
+double Quantile(std::vector<float> v, double q) { return QuantileInPlace(v, q); }  // on a copy
 
 struct Daemon {
   std::unique_ptr<server::TieredStore> store;

@@ -60,13 +60,6 @@ void Stamp(std::vector<std::byte>& v, int client, uint32_t key) {
   }
 }
 
-double Percentile(std::vector<double>& v, double p) {
-  if (v.empty()) return 0;
-  const size_t k = std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())));
-  std::nth_element(v.begin(), v.begin() + static_cast<long>(k), v.end());
-  return v[k];
-}
-
 // Runs a program with arguments; returns its exit code and (optionally) stdout.
 Result<int> RunProgram(const std::vector<std::string>& argv, std::string* out) {
   int pipefd[2];
@@ -370,8 +363,8 @@ Result<nlohmann::json> RunDaemonBench(const DaemonBenchOptions& o) {
   j["put_ops_per_s"] = static_cast<double>(puts.load()) / put_elapsed;
   j["get_ops_per_s"] = static_cast<double>(gets.load()) / get_elapsed;
   j["get_bytes_per_s"] = static_cast<double>(get_bytes.load()) / get_elapsed;
-  j["get_p50_us"] = Percentile(all, 0.50);
-  j["get_p99_us"] = Percentile(all, 0.99);
+  j["get_p50_us"] = QuantileInPlace(all, 0.50);
+  j["get_p99_us"] = QuantileInPlace(all, 0.99);
   j["errors"] = errors.load();
   clients.clear();
   if (srv) {

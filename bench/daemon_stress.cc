@@ -49,13 +49,6 @@ uint32_t Load32(const std::byte* p) {
   return v;
 }
 
-double Percentile(std::vector<float>& v, double p) {
-  if (v.empty()) return 0;
-  const size_t k = std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())));
-  std::nth_element(v.begin(), v.begin() + static_cast<long>(k), v.end());
-  return v[k];
-}
-
 void SleepSeconds(double s) {
   if (s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(s));
 }
@@ -1072,12 +1065,12 @@ Result<nlohmann::json> RunDaemonStress(const DaemonStressOptions& o) {
   j["durable_capacity_bytes"] = durable_capacity;
   j["ops"] = c.ops.load();
   j["ops_per_s"] = static_cast<double>(c.ops.load()) / elapsed;
-  j["put_p50_us"] = Percentile(put_us, 0.50);
-  j["put_p99_us"] = Percentile(put_us, 0.99);
-  j["put_p999_us"] = Percentile(put_us, 0.999);
-  j["get_p50_us"] = Percentile(get_us, 0.50);
-  j["get_p99_us"] = Percentile(get_us, 0.99);
-  j["get_p999_us"] = Percentile(get_us, 0.999);
+  j["put_p50_us"] = QuantileInPlace(put_us, 0.50);
+  j["put_p99_us"] = QuantileInPlace(put_us, 0.99);
+  j["put_p999_us"] = QuantileInPlace(put_us, 0.999);
+  j["get_p50_us"] = QuantileInPlace(get_us, 0.50);
+  j["get_p99_us"] = QuantileInPlace(get_us, 0.99);
+  j["get_p999_us"] = QuantileInPlace(get_us, 0.999);
   j["seconds"] = elapsed;
   j["clients"] = o.clients;
   j["keys_per_client"] = o.keys_per_client;

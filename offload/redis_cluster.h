@@ -148,7 +148,6 @@ class RedisCluster {
   void RequestRefresh();
 
   RedisClusterStats Stats() const;
-  const RedisClusterOptions& options() const { return options_; }
 
   struct Node;
   struct Connection;
