@@ -339,6 +339,27 @@ void DriveUntil(Client& c, const std::function<bool()>& done) {
   ASSERT_TRUE(done());
 }
 
+// An event loop's callbacks still outstanding when its Client is destroyed run then, once each,
+// with Unavailable (they were dropped unrun before), over both transports and both areas.
+TEST_F(DaemonTest, CallbacksOutstandingAtDestructionRunWithAnError) {
+  for (bool unix_socket : {false, true}) {
+    auto c = Connect("alpha", "alpha-token", unix_socket);
+    ASSERT_NE(c, nullptr);
+    std::vector<std::byte> v = Value(700, 30000);
+    std::vector<Status> seen;
+    for (int i = 0; i < 3; ++i) {
+      BundleRef ref{H(700 + i), v};
+      c->PutAsync(std::span<const BundleRef>(&ref, 1),
+                  [&](Result<std::vector<Status>> r) { seen.push_back(r.ok() ? (*r)[0] : r.status()); });
+      c->GetAsync({H(700 + i)}, [&](Result<std::vector<GetResult>> r) { seen.push_back(r.ok() ? (*r)[0].status : r.status()); });
+    }
+    EXPECT_TRUE(seen.empty()) << "nothing reads replies in this loop";
+    c.reset();
+    ASSERT_EQ(seen.size(), 6u) << (unix_socket ? "unix" : "tcp");
+    for (const Status& st : seen) EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  }
+}
+
 TEST_F(DaemonTest, CallbackRequestsCompleteInTheCallersEventLoop) {
   for (bool unix_socket : {false, true}) {
     auto c = Connect("alpha", "alpha-token", unix_socket);
