@@ -132,6 +132,13 @@ struct TierChain::Shared {
     }
     return latest;
   }
+  // Whether a repair should start now (then it is counted as background work and marked running).
+  bool StartRepairLocked() SPARSEKV_REQUIRES(mu) {
+    if (stale.empty() || repairing || std::chrono::steady_clock::now() < next_repair) return false;
+    repairing = true;
+    ++in_flight;
+    return true;
+  }
   void MarkStaleLocked(const BundleKey& k, uint64_t below, size_t tier) SPARSEKV_REQUIRES(mu) {
     Stale& s = stale[k];
     s.below = std::max(s.below, below);
@@ -237,14 +244,16 @@ TierChainStats TierChain::Stats() const {
 
 void TierChain::DemoteAsync(std::vector<BundlePtr> bundles, Tier::StatusesCallback done) {
   const size_t n = bundles.size();
+  bool repair = false;
   {
     MutexLock lock(shared_->mu);
     shared_->stats.demoted += n;
     for (const BundlePtr& b : bundles) {
       if (b) shared_->RefLocked(b->key(), b->sequence());
     }
+    repair = shared_->StartRepairLocked();
   }
-  MaybeRepair();
+  if (repair) StartRepair();
   const size_t targets = options_.write_policy == WritePolicy::kWriteThrough ? local_ : 1;
   struct Combine {
     Mutex mu;
@@ -547,13 +556,7 @@ void TierChain::SettleBackground(size_t tier, const std::vector<BundlePtr>& land
   });
 }
 
-void TierChain::MaybeRepair() {
-  {
-    MutexLock lock(shared_->mu);
-    if (shared_->stale.empty() || shared_->repairing || std::chrono::steady_clock::now() < shared_->next_repair) return;
-    shared_->repairing = true;
-    ++shared_->in_flight;
-  }
+void TierChain::StartRepair() {
   worker_->Submit([this](size_t) { RepairStale(); });
 }
 
@@ -651,7 +654,6 @@ size_t TierChain::CountPrefix(std::span<const BundleKey> keys) {
 }
 
 void TierChain::PromoteAsync(std::vector<BundleKey> keys, Tier::BundlesCallback done) {
-  MaybeRepair();
   PromoteImpl(std::move(keys), options_.promote_into_first_tier, /*prefetch=*/false,
               std::move(done));
 }
@@ -691,10 +693,13 @@ void TierChain::PromoteImpl(std::vector<BundleKey> keys, bool onload, bool prefe
     done(std::move(out));
   };
   const size_t n = state->keys.size();
+  bool repair = false;
   {
     MutexLock lock(shared_->mu);
     for (const BundleKey& k : state->keys) shared_->RefLocked(k, 0);
+    repair = shared_->StartRepairLocked();
   }
+  if (repair) StartRepair();
   std::vector<std::vector<size_t>> by_tier(tiers_.size());
   std::vector<BundlePtr> moving_hits;
   // Only the local tiers are asked: a key none holds is read from the remote tier straight
@@ -887,11 +892,13 @@ std::future<std::vector<Status>> TierChain::Erase(std::vector<BundleKey> keys) {
       if (t < local_ && out[i].ok()) out[i] = st[i];
     }
   }
+  bool repair = false;
   {
     MutexLock lock(shared_->mu);
     for (const BundleKey& k : keys) shared_->UnrefLocked(k);
+    repair = shared_->StartRepairLocked();
   }
-  MaybeRepair();
+  if (repair) StartRepair();
   std::promise<std::vector<Status>> done;
   done.set_value(std::move(out));
   return done.get_future();

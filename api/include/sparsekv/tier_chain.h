@@ -164,8 +164,8 @@ class TierChain {
   void BeginBackground();
   void EndBackground();
   // Erases, on the worker, the older copies tiers were left holding after failures (see
-  // Shared::stale), when there are any and no repair ran within the backoff.
-  void MaybeRepair();
+  // Shared::stale); started by demotes, reads and erases when Shared::StartRepairLocked says.
+  void StartRepair();
   void RepairStale();
 
   std::vector<std::unique_ptr<Tier>> tiers_;
