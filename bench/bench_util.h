@@ -102,4 +102,8 @@ class ScratchDir {
   std::string path_;
 };
 
+// A loopback TCP port the kernel has just found free. Another process may take it before the
+// caller binds it: callers that cannot retry should listen on port 0 instead.
+Result<uint16_t> FreeLoopbackPort();
+
 }  // namespace sparsekv::bench

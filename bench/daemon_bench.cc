@@ -3,9 +3,6 @@
 #include <fmt/format.h>
 #include <signal.h>
 #include <fcntl.h>
-#include <netinet/in.h>
-#include <arpa/inet.h>
-#include <sys/socket.h>
 #include <poll.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -90,29 +87,12 @@ Result<int> RunProgram(const std::vector<std::string>& argv, std::string* out) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
-// A loopback port the kernel has just found free (it may be taken again before redis binds it:
-// the caller checks that the server answering is its own).
-Result<uint16_t> LoopbackPort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return Status::IOError(fmt::format("socket: {}", std::strerror(errno)));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
-  const int err = errno;
-  ::close(fd);
-  if (!ok) return Status::IOError(fmt::format("finding a free loopback port: {}", std::strerror(err)));
-  return ntohs(a.sin_port);
-}
-
 // Starts redis-server on a free loopback port and waits until that very process answers (its
 // INFO names its pid: another server that held the port would be benchmarked otherwise).
 Result<std::pair<pid_t, uint16_t>> StartRedis() {
   Status last = Status::Unavailable("redis-server did not start");
   for (int attempt = 0; attempt < 5; ++attempt) {
-    SPARSEKV_ASSIGN_OR_RETURN(const uint16_t port, LoopbackPort());
+    SPARSEKV_ASSIGN_OR_RETURN(const uint16_t port, FreeLoopbackPort());  // checked below
     std::vector<std::string> server = {"redis-server", "--port", std::to_string(port), "--bind", "127.0.0.1",
                                        "--save", "", "--appendonly", "no", "--protected-mode", "yes"};
     std::vector<char*> args;

@@ -2,10 +2,8 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -367,23 +365,6 @@ class ChildDaemon final : public StressDaemon {
   const std::string binary_, config_, log_;
   pid_t pid_ = -1;
 };
-
-// A free loopback port for a child daemon that is restarted on the same address.
-Result<int> FreeLoopbackPort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return Status::IOError("socket failed");
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(sa);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
-    ::close(fd);
-    return Status::IOError(fmt::format("cannot find a free port: {}", std::strerror(errno)));
-  }
-  ::close(fd);
-  return static_cast<int>(ntohs(sa.sin_port));
-}
 
 // Connects and PINGs until the daemon answers, it dies, or `timeout_s` passes.
 Status WaitUntilAnswering(const ClientOptions& co, double timeout_s, StressDaemon* daemon) {
@@ -919,7 +900,7 @@ Result<nlohmann::json> RunDaemonStress(const DaemonStressOptions& o) {
       }
       std::string listen;
       if (addr == "tcp") {
-        SPARSEKV_ASSIGN_OR_RETURN(int port, FreeLoopbackPort());
+        SPARSEKV_ASSIGN_OR_RETURN(const uint16_t port, FreeLoopbackPort());
         listen = fmt::format("127.0.0.1:{}", port);
       }
       const nlohmann::json config = {
