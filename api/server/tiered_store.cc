@@ -768,29 +768,30 @@ void TieredStore::RenderMetrics(std::string& out) {
   series("sparsekv_tier_superseded_total", "Puts skipped because the tier held a newer version of the key.",
          "counter", [](const TierStats& s) { return s.superseded; });
   const TierChainStats c = chain_->Stats();
-  gauge_header("sparsekv_chain_stale_skipped_total", "Copies a read found older than the key's newest version (skipped).",
-               "counter");
-  out += fmt::format("sparsekv_chain_stale_skipped_total {}\n", c.stale_skipped);
-  gauge_header("sparsekv_chain_invalidated_total", "Older copies erased from tiers a new version or a delete did not reach.",
-               "counter");
-  out += fmt::format("sparsekv_chain_invalidated_total {}\n", c.invalidated);
-  gauge_header("sparsekv_chain_invalidate_failures_total",
-               "Erasures of older copies that failed (reads keep skipping those copies).", "counter");
-  out += fmt::format("sparsekv_chain_invalidate_failures_total {}\n", c.invalidate_failures);
-  gauge_header("sparsekv_chain_demote_dropped_total", "Demotes that failed; the block was dropped.", "counter");
-  out += fmt::format("sparsekv_chain_demote_dropped_total {}\n", c.demote_dropped);
-  gauge_header("sparsekv_chain_cascaded_total", "Evicted bundles moved to the next tier.", "counter");
-  out += fmt::format("sparsekv_chain_cascaded_total {}\n", c.cascaded);
-  gauge_header("sparsekv_chain_written_behind_total", "Bundles written to a remote tier behind a PUT.", "counter");
-  out += fmt::format("sparsekv_chain_written_behind_total {}\n", c.written_behind);
-  gauge_header("sparsekv_chain_write_behind_failures_total",
-               "Writes to a remote tier that failed (reads skip an older copy there).", "counter");
-  out += fmt::format("sparsekv_chain_write_behind_failures_total {}\n", c.write_behind_failures);
-  gauge_header("sparsekv_chain_stale_keys",
-               "Keys a tier may hold an older copy of after a failed erase or write (skipped until repaired).", "gauge");
-  out += fmt::format("sparsekv_chain_stale_keys {}\n", c.stale_keys);
-  gauge_header("sparsekv_chain_repaired_total", "Such older copies erased once their tier answered again.", "counter");
-  out += fmt::format("sparsekv_chain_repaired_total {}\n", c.repaired);
+  const auto chain_series = [&](const char* name, const char* help, const char* type, uint64_t value) {
+    gauge_header(name, help, type);
+    out += fmt::format("{} {}\n", name, value);
+  };
+  chain_series("sparsekv_chain_stale_skipped_total",
+               "Copies a read found older than the key's newest version (skipped).", "counter", c.stale_skipped);
+  chain_series("sparsekv_chain_invalidated_total",
+               "Older copies erased from tiers a new version or a delete did not reach.", "counter", c.invalidated);
+  chain_series("sparsekv_chain_invalidate_failures_total",
+               "Erasures of older copies that failed (reads keep skipping those copies).",
+               "counter", c.invalidate_failures);
+  chain_series("sparsekv_chain_demote_dropped_total",
+               "Demotes that failed; the block was dropped.", "counter", c.demote_dropped);
+  chain_series("sparsekv_chain_cascaded_total", "Evicted bundles moved to the next tier.", "counter", c.cascaded);
+  chain_series("sparsekv_chain_written_behind_total",
+               "Bundles written to a remote tier behind a PUT.", "counter", c.written_behind);
+  chain_series("sparsekv_chain_write_behind_failures_total",
+               "Writes to a remote tier that failed (reads skip an older copy there).",
+               "counter", c.write_behind_failures);
+  chain_series("sparsekv_chain_stale_keys",
+               "Keys a tier may hold an older copy of after a failed erase or write (skipped until repaired).",
+               "gauge", c.stale_keys);
+  chain_series("sparsekv_chain_repaired_total",
+               "Such older copies erased once their tier answered again.", "counter", c.repaired);
   for (size_t i = 0; i < chain_->tier_count(); ++i) {
     for (const TierMetric& m : chain_->tier(i).Metrics()) {
       gauge_header(m.name.c_str(), m.help.c_str(), m.counter ? "counter" : "gauge");
