@@ -192,6 +192,7 @@ class HostTierImpl final : public HostTier {
     done(std::move(out));
   }
 
+  std::optional<std::vector<BundleKey>> ListKeys() const override { return Keys(); }
   std::vector<BundleKey> Keys() const override {
     MutexLock lock(mu_);
     std::vector<BundleKey> keys;

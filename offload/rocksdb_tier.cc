@@ -89,6 +89,13 @@ class RocksDbTierImpl final : public RocksDbTier {
   std::string_view name() const override { return options_.name; }
   uint64_t capacity_bytes() const override { return options_.capacity_bytes; }
   uint64_t max_record_bytes() const override { return options_.max_record_bytes; }
+  std::optional<std::vector<BundleKey>> ListKeys() const override {
+    MutexLock lock(mu_);
+    std::vector<BundleKey> out;
+    out.reserve(entries_.size());
+    for (const auto& [k, e] : entries_) out.push_back(k);
+    return out;
+  }
   uint64_t max_sequence() const override {
     MutexLock lock(mu_);
     return max_version_;

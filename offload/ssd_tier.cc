@@ -238,6 +238,7 @@ class SsdTierImpl final : public SsdTier {
     return result.get();
   }
 
+  std::optional<std::vector<BundleKey>> ListKeys() const override { return Keys(); }
   std::vector<BundleKey> Keys() const override {
     MutexLock lock(mu_);
     std::vector<BundleKey> out;

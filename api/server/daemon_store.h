@@ -81,6 +81,20 @@ class DaemonStore {
   virtual std::vector<wire::ItemStatus> Unpin(uint32_t ns, std::span<const wire::WireHash> hashes) = 0;
   virtual std::vector<wire::ItemStatus> Delete(uint32_t ns, std::span<const wire::WireHash> hashes) = 0;
   virtual std::string StatsJson(uint32_t ns) = 0;
+  // The largest value a PUT can store (what every tier a PUT writes can hold); a larger one is
+  // refused, and refused before anything stored changes by callers that check it first.
+  virtual uint64_t MaxValueBytes() const { return UINT64_MAX; }
+  // Every block hash namespace `ns` holds in a local tier or a pin, sorted (high 64 bits, then
+  // low) and without duplicates: what RESP's DBSIZE, SCAN and FLUSHDB enumerate. A remote tier
+  // shared by other daemons is not listed. The default lists nothing.
+  virtual std::vector<wire::WireHash> ListHashes(uint32_t ns) { return {}; }
+  // Per tier, fastest first: its name, capacity and what it holds (RESP's INFO).
+  struct TierInfo {
+    std::string name;
+    uint64_t capacity_bytes = 0, bytes = 0, items = 0, hits = 0, misses = 0, evictions = 0, corrupt = 0;
+    bool remote = false;
+  };
+  virtual std::vector<TierInfo> Tiers() { return {}; }
 
   // Events of namespace `ns` go to `sink` (from whichever thread made the change).
   using EventSink = std::function<void(const wire::EventRecord&)>;

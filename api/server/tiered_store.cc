@@ -723,6 +723,53 @@ std::string TieredStore::StatsJson(uint32_t ns) {
   return j.dump();
 }
 
+std::vector<wire::WireHash> TieredStore::ListHashes(uint32_t ns) {
+  std::vector<BlockHash> hashes;
+  {
+    MutexLock l(mu_);
+    for (const auto& [k, p] : pinned_) {
+      if (k.namespace_id == ns) hashes.push_back(k.hash);
+    }
+  }
+  for (size_t t = 0; t < chain_->tier_count(); ++t) {
+    std::optional<std::vector<BundleKey>> keys = chain_->tier(t).ListKeys();
+    if (!keys) continue;
+    for (const BundleKey& k : *keys) {
+      if (k.namespace_id == ns) hashes.push_back(k.hash);
+    }
+  }
+  std::sort(hashes.begin(), hashes.end(),
+            [](const BlockHash& a, const BlockHash& b) { return a.hi != b.hi ? a.hi < b.hi : a.lo < b.lo; });
+  hashes.erase(std::unique(hashes.begin(), hashes.end()), hashes.end());
+  std::vector<wire::WireHash> out;
+  out.reserve(hashes.size());
+  for (const BlockHash& h : hashes) out.push_back(ToWire(h));
+  return out;
+}
+
+uint64_t TieredStore::MaxValueBytes() const {
+  uint64_t record = UINT64_MAX;
+  for (size_t t = 0; t < chain_->tier_count(); ++t) {
+    const Tier& tier = chain_->tier(t);
+    if (tier.remote()) continue;
+    record = std::min(record, tier.max_record_bytes());
+    if (chain_->options().write_policy == WritePolicy::kWriteBack) break;
+  }
+  const uint64_t header = BundleHeaderBytes(1);
+  return record > header ? record - header : 0;
+}
+
+std::vector<DaemonStore::TierInfo> TieredStore::Tiers() {
+  std::vector<TierInfo> out;
+  for (size_t t = 0; t < chain_->tier_count(); ++t) {
+    const Tier& tier = chain_->tier(t);
+    const TierStats s = tier.Stats();
+    out.push_back({std::string(tier.name()), s.capacity_bytes, s.bytes, s.items, s.hits, s.misses, s.evictions,
+                   s.corrupt, tier.remote()});
+  }
+  return out;
+}
+
 uint64_t TieredStore::Subscribe(uint32_t ns, EventSink sink) {
   MutexLock l(mu_);
   const uint64_t id = next_subscription_++;

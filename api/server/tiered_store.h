@@ -55,6 +55,10 @@ class TieredStore : public DaemonStore {
   std::vector<wire::ItemStatus> Unpin(uint32_t ns, std::span<const wire::WireHash> hashes) override;
   std::vector<wire::ItemStatus> Delete(uint32_t ns, std::span<const wire::WireHash> hashes) override;
   std::string StatsJson(uint32_t ns) override;
+  std::vector<wire::WireHash> ListHashes(uint32_t ns) override;
+  // Under write-back, what the first tier holds; under write-through, what every local tier does.
+  uint64_t MaxValueBytes() const override;
+  std::vector<TierInfo> Tiers() override;
   uint64_t Subscribe(uint32_t ns, EventSink sink) override;
   void Unsubscribe(uint64_t subscription) override;
   void RenderMetrics(std::string& out) override;

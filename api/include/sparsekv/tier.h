@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <functional>
 #include <future>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -111,6 +112,9 @@ class Tier {
   // background after every demote and never waits for it on a write's path, never moves
   // evicted bundles into it, and reads it only for keys no local tier holds (tier_chain.h).
   virtual bool remote() const { return false; }
+  // Every key the tier holds, when it keeps an index in memory (host, SSD, RocksDB); a tier
+  // that cannot list its keys cheaply (a remote cluster) returns nullopt.
+  virtual std::optional<std::vector<BundleKey>> ListKeys() const { return std::nullopt; }
   // Figures beyond TierStats, for /metrics.
   virtual std::vector<TierMetric> Metrics() const { return {}; }
 
