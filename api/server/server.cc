@@ -1,5 +1,8 @@
 #include "server/server.h"
 
+#include "server/resp_session.h"
+#include "server/transport.h"
+
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <fcntl.h>
@@ -34,26 +37,6 @@ namespace asio = boost::asio;
 using GenericSocket = asio::generic::stream_protocol::socket;
 using Clock = std::chrono::steady_clock;
 
-Result<asio::ip::tcp::endpoint> ParseTcp(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos) {
-    return Status::InvalidArgument(fmt::format("listen address '{}' is not HOST:PORT", address));
-  }
-  std::string host = address.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
-  if (host == "localhost") host = "127.0.0.1";
-  boost::system::error_code ec;
-  auto ip = asio::ip::make_address(host, ec);
-  if (ec) return Status::InvalidArgument(fmt::format("listen address '{}': '{}' is not an IP address", address, host));
-  unsigned long port = 0;
-  try {
-    port = std::stoul(address.substr(colon + 1));
-  } catch (...) {
-    port = 70000;
-  }
-  if (port > 65535) return Status::InvalidArgument(fmt::format("listen address '{}': bad port", address));
-  return asio::ip::tcp::endpoint(ip, static_cast<uint16_t>(port));
-}
 
 // Every memfd a client can reach is sealed against size changes: a client that shrank one the
 // daemon maps would make the daemon's next access to the lost pages die of SIGBUS, taking every
@@ -105,186 +88,6 @@ Status SealMemfd(int fd, int required, std::string_view what) {
   }
   return CheckSeals(fd, required | F_SEAL_SEAL, what);
 }
-
-// Claims `path` for a listening Unix socket. Nothing there, or a stale socket file (nobody
-// accepts on it: ECONNREFUSED) is fine, and the stale file is removed; a socket a process still
-// accepts on is never removed, since that would cut its clients off for good. The probe connects
-// without blocking, so a listener whose backlog is full (EAGAIN) counts as alive too.
-Status ClaimUnixPath(const std::string& path) {
-  struct stat st{};
-  if (::lstat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return Status::OK();
-    return Status::IOError(fmt::format("unix socket path {}: {}", path, std::strerror(errno)));
-  }
-  if (!S_ISSOCK(st.st_mode)) {
-    return Status::AlreadyExists(
-        fmt::format("unix socket path {} exists and is not a socket; expected a socket file or nothing there", path));
-  }
-  sockaddr_un sa{};
-  sa.sun_family = AF_UNIX;
-  if (path.size() >= sizeof(sa.sun_path)) {
-    return Status::InvalidArgument(
-        fmt::format("unix socket path {} is {} bytes; at most {} fit", path, path.size(), sizeof(sa.sun_path) - 1));
-  }
-  std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
-  const int probe = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (probe < 0) return Status::IOError(fmt::format("unix socket {}: socket(): {}", path, std::strerror(errno)));
-  int rc;
-  do {
-    rc = ::connect(probe, reinterpret_cast<const sockaddr*>(&sa), sizeof(sa));
-  } while (rc != 0 && errno == EINTR);
-  const int err = rc == 0 ? 0 : errno;
-  std::string owner;
-  if (rc == 0) {
-    ucred cred{};
-    socklen_t len = sizeof(cred);
-    if (::getsockopt(probe, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid > 0) {
-      owner = fmt::format(" (pid {})", cred.pid);
-    }
-  }
-  ::close(probe);
-  if (rc == 0 || err == EAGAIN) {
-    return Status::AlreadyExists(fmt::format(
-        "unix socket {} is in use: another daemon{} accepts connections on it; stop it or choose another "
-        "unix_socket",
-        path, owner));
-  }
-  if (err == ENOENT) return Status::OK();  // removed meanwhile
-  if (err != ECONNREFUSED) {
-    return Status::IOError(fmt::format("unix socket {}: cannot tell whether a daemon serves it (connect: {}); "
-                                       "left in place",
-                                       path, std::strerror(err)));
-  }
-  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
-    return Status::IOError(fmt::format("unix socket {}: cannot remove the stale socket file: {}", path,
-                                       std::strerror(errno)));
-  }
-  spdlog::info("removed the stale socket file {} (nobody accepted on it)", path);
-  return Status::OK();
-}
-
-// Holds an flock on a directory for one scope. Two daemons that start at once on the same
-// socket path both see a stale file; without this, the later one's unlink could remove the
-// socket the other has just bound. The wait is bounded: a directory someone else keeps locked
-// costs the protection against that race, not the start.
-class DirectoryLock {
- public:
-  explicit DirectoryLock(const std::string& dir) {
-    fd_ = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd_ < 0) return;
-    for (int i = 0; i < 200; ++i) {
-      if (::flock(fd_, LOCK_EX | LOCK_NB) == 0) return;
-      if (errno != EWOULDBLOCK && errno != EINTR) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    spdlog::warn("could not lock directory {} while claiming its unix socket; going on without", dir);
-    ::close(fd_);
-    fd_ = -1;
-  }
-  ~DirectoryLock() {
-    if (fd_ >= 0) ::close(fd_);  // releases the lock
-  }
-  DirectoryLock(const DirectoryLock&) = delete;
-  DirectoryLock& operator=(const DirectoryLock&) = delete;
-
- private:
-  int fd_ = -1;
-};
-
-// Constant-time comparison, so a token cannot be guessed byte by byte from reply timing.
-bool TokenEquals(const std::string& a, const std::string& b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  const size_t n = std::max(a.size(), b.size());
-  for (size_t i = 0; i < n; ++i) {
-    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
-    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
-    diff |= static_cast<unsigned char>(x ^ y);
-  }
-  return diff == 0;
-}
-
-// The daemon-wide budget of buffered bytes (ServerOptions::max_buffered_bytes): request payloads
-// received and not yet served, replies built and not yet sent. Taking from it never blocks and
-// never fails; a connection asks Allows() before it reads more, and stops reading (parks) when
-// told no. `wake` runs when bytes come back while connections are parked.
-class BufferBudget {
- public:
-  explicit BufferBudget(uint64_t limit) : limit_(limit) {}
-  // True when a connection that holds `held` bytes may take `more`: within its allowance, or
-  // while the daemon has room.
-  bool Allows(uint64_t held, uint64_t more) const {
-    return held + more <= kConnectionAllowance || used_.load(std::memory_order_relaxed) + more <= limit_;
-  }
-  void Take(uint64_t n) { used_.fetch_add(n, std::memory_order_relaxed); }
-  // Parked connections are woken once there is room for a read of kWakeRoom: waking them for
-  // less would only have them park again, at every reply written.
-  static constexpr uint64_t kWakeRoom = 256u << 10;
-  void Give(uint64_t n) {
-    const uint64_t after = used_.fetch_sub(n, std::memory_order_acq_rel) - n;
-    if (waiters_.load(std::memory_order_acquire) > 0 && after + kWakeRoom <= limit_ && wake_) wake_();
-  }
-  uint64_t used() const { return used_.load(std::memory_order_relaxed); }
-  uint64_t limit() const { return limit_; }
-
-  std::atomic<int> waiters_{0};  // connections parked on the budget (set by the server)
-  std::function<void()> wake_;   // set before any connection runs
-
- private:
-  std::atomic<uint64_t> used_{0};
-  const uint64_t limit_;
-};
-
-// What one connection holds of the budget. `wake` (set when the connection starts) resumes it
-// when it is parked and its own holding falls back within its allowance.
-struct Account {
-  std::atomic<uint64_t> held{0};
-  std::atomic<bool> parked{false};
-  std::function<void()> wake;
-};
-
-// Bytes charged to the budget and to a connection's account until this is destroyed (or
-// released). Move-only.
-class Charge {
- public:
-  Charge() = default;
-  Charge(BufferBudget* budget, std::shared_ptr<Account> account) : budget_(budget), account_(std::move(account)) {}
-  Charge(Charge&& o) noexcept
-      : budget_(std::exchange(o.budget_, nullptr)), account_(std::move(o.account_)), bytes_(std::exchange(o.bytes_, 0)) {}
-  Charge& operator=(Charge&& o) noexcept {
-    if (this != &o) {
-      Release();
-      budget_ = std::exchange(o.budget_, nullptr);
-      account_ = std::move(o.account_);
-      bytes_ = std::exchange(o.bytes_, 0);
-    }
-    return *this;
-  }
-  Charge(const Charge&) = delete;
-  Charge& operator=(const Charge&) = delete;
-  ~Charge() { Release(); }
-
-  void Add(uint64_t n) {
-    if (budget_ == nullptr || n == 0) return;
-    bytes_ += n;
-    account_->held.fetch_add(n, std::memory_order_relaxed);
-    budget_->Take(n);
-  }
-  void Release() {
-    if (budget_ == nullptr || bytes_ == 0) return;
-    const uint64_t n = std::exchange(bytes_, 0);
-    const uint64_t held = account_->held.fetch_sub(n, std::memory_order_acq_rel) - n;
-    budget_->Give(n);
-    if (held <= kConnectionAllowance && account_->parked.load(std::memory_order_acquire) && account_->wake) {
-      account_->wake();
-    }
-  }
-  uint64_t bytes() const { return bytes_; }
-
- private:
-  BufferBudget* budget_ = nullptr;
-  std::shared_ptr<Account> account_;
-  uint64_t bytes_ = 0;
-};
 
 // A connection's receive buffer: kSmall bytes in place, or a mapping grown to hold a whole PUT
 // (Session::StartDirect), so that one receive brings a PUT and the next request's header.
@@ -435,33 +238,6 @@ class Payload {
   bool mapped_ = false;
   bool advised_ = false;
   Charge charge_;
-};
-
-// Lets at most kPerSecond log lines through per second; Allow() returns how many were held back
-// since the last one let through, or kLogSuppressed when this one is held back too.
-inline constexpr uint64_t kLogSuppressed = ~uint64_t{0};
-class LogLimiter {
- public:
-  static constexpr uint64_t kPerSecond = 10;
-  uint64_t Allow() {
-    std::lock_guard<std::mutex> l(mu_);
-    const auto now = Clock::now();
-    if (now - window_ >= std::chrono::seconds(1)) {
-      window_ = now;
-      in_window_ = 0;
-    }
-    if (in_window_ >= kPerSecond) {
-      ++held_back_;
-      return kLogSuppressed;
-    }
-    ++in_window_;
-    return std::exchange(held_back_, 0);
-  }
-
- private:
-  std::mutex mu_;
-  Clock::time_point window_{};
-  uint64_t in_window_ = 0, held_back_ = 0;
 };
 
 // A frame to send. Its bytes are `own`, except that a GET reply's bundle bytes are sent
@@ -667,6 +443,10 @@ class Server::Impl {
   Status flush_status_;
   std::condition_variable stopped_cv_;
   std::unique_ptr<asio::steady_timer> drain_deadline_;
+  uint32_t resp_conns_ = 0;  // RESP connections holding a slot of max_connections (mu_)
+  // The RESP front end (resp_session.h); declared last, so destroyed before what it borrows.
+  std::unique_ptr<RespFrontEnd> resp_;
+  Status BindResp();
 };
 
 class Session : public std::enable_shared_from_this<Session> {
@@ -2138,6 +1918,7 @@ Status Server::Impl::Bind() {
     tcp_address_ = fmt::format("{}:{}", bound.address().to_string(), bound.port());
   }
   if (!options_.unix_path.empty()) SPARSEKV_RETURN_IF_ERROR(BindUnix());
+  SPARSEKV_RETURN_IF_ERROR(BindResp());
   if (!options_.metrics_listen.empty()) {
     SPARSEKV_ASSIGN_OR_RETURN(auto ep, ParseTcp(options_.metrics_listen));
     metrics_acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(io_);
@@ -2187,7 +1968,40 @@ void Server::Impl::ReleaseUnixPath() {
   unix_bound_.reset();
 }
 
+Status Server::Impl::BindResp() {
+  if (options_.resp_listen.empty() && options_.resp_unix_path.empty()) return Status::OK();
+  RespHost h;
+  h.io = &io_;
+  h.store = store_;
+  h.options = &options_;
+  h.budget = &budget_;
+  h.metrics = &metrics_;
+  h.submit = [this](uint64_t id, std::function<void()> work) { SubmitWork(id, std::move(work)); };
+  h.take_slot = [this] {
+    std::lock_guard<std::mutex> l(mu_);
+    if (authenticated_ + resp_conns_ >= options_.max_connections) return false;
+    ++resp_conns_;
+    return true;
+  };
+  h.give_slot = [this] {
+    std::lock_guard<std::mutex> l(mu_);
+    --resp_conns_;
+  };
+  h.pins_below_cap = [this](uint64_t n) { return PinsBelowCap(n); };
+  h.charge_pins = [this](uint64_t n) { return ChargePins(n); };
+  h.begin_async = [this] { BeginAsyncCall(); };
+  h.end_async = [this] { EndAsyncCall(); };
+  h.on_drained = [this] {
+    std::lock_guard<std::mutex> l(mu_);
+    FinishIfDrained();
+  };
+  h.next_id = [this] { return next_session_.fetch_add(1); };
+  SPARSEKV_ASSIGN_OR_RETURN(resp_, RespFrontEnd::Bind(std::move(h), options_.resp_listen, options_.resp_unix_path));
+  return Status::OK();
+}
+
 void Server::Impl::Run() {
+  if (resp_) resp_->Start();
   if (tcp_) Accept(*tcp_);
   if (unix_) AcceptUnix();
   if (metrics_acceptor_) AcceptMetrics();
@@ -2320,7 +2134,7 @@ Status Server::Impl::AdmitAuthenticated(Session* s, uint32_t ns) {
       why = fmt::format("closed to admit a new connection: namespace '{}' has at most {} and this one was idle the "
                         "longest",
                         nc.name, nc.max_connections);
-    } else if (authenticated_ >= options_.max_connections) {
+    } else if (authenticated_ + resp_conns_ >= options_.max_connections) {
       victim = LongestIdle(0, s);
       if (!victim) {
         return Status::ResourceExhausted(fmt::format(
@@ -2473,6 +2287,7 @@ void Server::Impl::AcceptMetrics() {
               "# TYPE sparsekv_pinned_reply_bytes_limit gauge\nsparsekv_pinned_reply_bytes_limit {}\n",
               pinned_bytes_->load(), pin_cap_);
           out += ConnectionMetrics();
+          if (resp_) resp_->RenderMetrics(out);
         });
       } else {
         status = "404 Not Found";
@@ -2513,10 +2328,12 @@ void Server::Impl::Shutdown() {
       spdlog::warn("drain deadline passed with connections still open; stopping");
       std::lock_guard<std::mutex> l(mu_);
       sessions_.clear();
+      if (resp_) resp_->CloseAll();
       FinishIfDrained();
     }));
   });
   for (auto& s : sessions) s->BeginDrain();
+  if (resp_) resp_->BeginDrain();
   std::lock_guard<std::mutex> l(mu_);
   FinishIfDrained();
 }
@@ -2545,6 +2362,7 @@ void Server::Impl::OnSessionClosed(Session* s) {
 // Called with mu_ held.
 void Server::Impl::FinishIfDrained() {
   if (!draining_ || stopped_ || !sessions_.empty()) return;
+  if (resp_ && !resp_->Drained()) return;
   stopped_ = true;
   asio::post(control_, [this] {
     {
@@ -2596,6 +2414,7 @@ Status Server::Wait() { return impl_->Wait(); }
 Metrics& Server::metrics() { return impl_->metrics_; }
 
 std::string Server::tcp_address() const { return impl_->tcp_address_; }
+std::string Server::resp_address() const { return impl_->resp_ ? impl_->resp_->tcp_address() : std::string(); }
 uint16_t Server::metrics_port() const { return impl_->metrics_port_; }
 
 }  // namespace sparsekv::server

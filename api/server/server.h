@@ -47,6 +47,11 @@ struct ServerOptions {
   // Unix socket path ("" disables). A socket there that a process accepts on refuses the start
   // (another daemon serves it); a stale one is replaced. Default: "".
   std::string unix_path;
+  // RESP (the Redis protocol, resp_session.h) on TCP HOST:PORT ("" disables; port 0 picks one).
+  // Default: "" (sparsekvd's configuration serves it on 127.0.0.1:6380).
+  std::string resp_listen;
+  // RESP on a Unix socket path ("" disables), claimed as unix_path is. Default: "".
+  std::string resp_unix_path;
   // HTTP address of /metrics ("" disables). Default: "127.0.0.1:7421".
   std::string metrics_listen = "127.0.0.1:7421";
   // Threads that run the network loop. Default: one per 4 cores, at least 1.
@@ -56,9 +61,10 @@ struct ServerOptions {
   uint32_t busy_poll_us = 0;
   // Threads that run store calls. Default: 2.
   int worker_threads = 2;
-  // Authenticated connections at once. At the limit, a new one that passes HELLO closes the
-  // longest-idle connection (one with nothing in flight), or is refused with an ERROR frame
-  // if none is idle. Default: 256.
+  // Authenticated connections at once, native and RESP together. At the limit, a new native one
+  // that passes HELLO closes the longest-idle native connection (one with nothing in flight), or
+  // is refused with an ERROR frame if none is idle; a new RESP one is refused as Redis refuses
+  // it ("-ERR max number of clients reached"). Default: 256.
   uint32_t max_connections = 256;
   // Connections that have not finished HELLO, at once; past it the oldest is closed. Default: 64.
   uint32_t max_handshakes = 64;
@@ -126,6 +132,8 @@ class Server {
 
   // Bound addresses: "127.0.0.1:PORT" and the metrics port (0 when disabled).
   std::string tcp_address() const;
+  // The RESP listener's "127.0.0.1:PORT" ("" without one).
+  std::string resp_address() const;
   uint16_t metrics_port() const;
   Metrics& metrics();
 

@@ -1,0 +1,165 @@
+// Transport pieces both of sparsekvd's protocols share (server.cc speaks api/PROTOCOL.md,
+// resp_session.cc speaks RESP): listen addresses, the Unix socket path's claim, the daemon-wide
+// budget of buffered bytes and each connection's account in it, token comparison, rate-limited
+// logging. Nothing here knows a protocol.
+#pragma once
+
+#include <atomic>
+#include <utility>
+#include <boost/asio.hpp>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "server/server.h"
+#include "sparsekv/status.h"
+
+namespace sparsekv::server {
+
+using TransportClock = std::chrono::steady_clock;
+
+// "HOST:PORT" (IPv4, [IPv6] or localhost) as an endpoint; errors name the address.
+Result<boost::asio::ip::tcp::endpoint> ParseTcp(const std::string& address);
+
+// Claims `path` for a listening Unix socket. Nothing there, or a stale socket file (nobody
+// accepts on it: ECONNREFUSED) is fine, and the stale file is removed; a socket a process still
+// accepts on is never removed, since that would cut its clients off for good. The probe connects
+// without blocking, so a listener whose backlog is full (EAGAIN) counts as alive too.
+Status ClaimUnixPath(const std::string& path);
+
+// Constant-time comparison, so a token cannot be guessed byte by byte from reply timing.
+bool TokenEquals(const std::string& a, const std::string& b);
+
+// Holds an flock on a directory for one scope. Two daemons that start at once on the same
+// socket path both see a stale file; without this, the later one's unlink could remove the
+// socket the other has just bound. The wait is bounded: a directory someone else keeps locked
+// costs the protection against that race, not the start.
+class DirectoryLock {
+ public:
+  explicit DirectoryLock(const std::string& dir);
+  ~DirectoryLock() {
+    if (fd_ >= 0) ::close(fd_);  // releases the lock
+  }
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
+// The daemon-wide budget of buffered bytes (ServerOptions::max_buffered_bytes): request payloads
+// received and not yet served, replies built and not yet sent. Taking from it never blocks and
+// never fails; a connection asks Allows() before it reads more, and stops reading (parks) when
+// told no. `wake` runs when bytes come back while connections are parked.
+class BufferBudget {
+ public:
+  explicit BufferBudget(uint64_t limit) : limit_(limit) {}
+  // True when a connection that holds `held` bytes may take `more`: within its allowance, or
+  // while the daemon has room.
+  bool Allows(uint64_t held, uint64_t more) const {
+    return held + more <= kConnectionAllowance || used_.load(std::memory_order_relaxed) + more <= limit_;
+  }
+  void Take(uint64_t n) { used_.fetch_add(n, std::memory_order_relaxed); }
+  // Parked connections are woken once there is room for a read of kWakeRoom: waking them for
+  // less would only have them park again, at every reply written.
+  static constexpr uint64_t kWakeRoom = 256u << 10;
+  void Give(uint64_t n) {
+    const uint64_t after = used_.fetch_sub(n, std::memory_order_acq_rel) - n;
+    if (waiters_.load(std::memory_order_acquire) > 0 && after + kWakeRoom <= limit_ && wake_) wake_();
+  }
+  uint64_t used() const { return used_.load(std::memory_order_relaxed); }
+  uint64_t limit() const { return limit_; }
+
+  std::atomic<int> waiters_{0};  // connections parked on the budget (set by the server)
+  std::function<void()> wake_;   // set before any connection runs
+
+ private:
+  std::atomic<uint64_t> used_{0};
+  const uint64_t limit_;
+};
+
+// What one connection holds of the budget. `wake` (set when the connection starts) resumes it
+// when it is parked and its own holding falls back within its allowance.
+struct Account {
+  std::atomic<uint64_t> held{0};
+  std::atomic<bool> parked{false};
+  std::function<void()> wake;
+};
+
+// Bytes charged to the budget and to a connection's account until this is destroyed (or
+// released). Move-only.
+class Charge {
+ public:
+  Charge() = default;
+  Charge(BufferBudget* budget, std::shared_ptr<Account> account) : budget_(budget), account_(std::move(account)) {}
+  Charge(Charge&& o) noexcept
+      : budget_(std::exchange(o.budget_, nullptr)), account_(std::move(o.account_)), bytes_(std::exchange(o.bytes_, 0)) {}
+  Charge& operator=(Charge&& o) noexcept {
+    if (this != &o) {
+      Release();
+      budget_ = std::exchange(o.budget_, nullptr);
+      account_ = std::move(o.account_);
+      bytes_ = std::exchange(o.bytes_, 0);
+    }
+    return *this;
+  }
+  Charge(const Charge&) = delete;
+  Charge& operator=(const Charge&) = delete;
+  ~Charge() { Release(); }
+
+  void Add(uint64_t n) {
+    if (budget_ == nullptr || n == 0) return;
+    bytes_ += n;
+    account_->held.fetch_add(n, std::memory_order_relaxed);
+    budget_->Take(n);
+  }
+  void Release() {
+    if (budget_ == nullptr || bytes_ == 0) return;
+    const uint64_t n = std::exchange(bytes_, 0);
+    const uint64_t held = account_->held.fetch_sub(n, std::memory_order_acq_rel) - n;
+    budget_->Give(n);
+    if (held <= kConnectionAllowance && account_->parked.load(std::memory_order_acquire) && account_->wake) {
+      account_->wake();
+    }
+  }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  BufferBudget* budget_ = nullptr;
+  std::shared_ptr<Account> account_;
+  uint64_t bytes_ = 0;
+};
+
+
+// Lets at most kPerSecond log lines through per second; Allow() returns how many were held back
+// since the last one let through, or kLogSuppressed when this one is held back too.
+inline constexpr uint64_t kLogSuppressed = ~uint64_t{0};
+class LogLimiter {
+ public:
+  static constexpr uint64_t kPerSecond = 10;
+  uint64_t Allow() {
+    std::lock_guard<std::mutex> l(mu_);
+    const auto now = TransportClock::now();
+    if (now - window_ >= std::chrono::seconds(1)) {
+      window_ = now;
+      in_window_ = 0;
+    }
+    if (in_window_ >= kPerSecond) {
+      ++held_back_;
+      return kLogSuppressed;
+    }
+    ++in_window_;
+    return std::exchange(held_back_, 0);
+  }
+
+ private:
+  std::mutex mu_;
+  TransportClock::time_point window_{};
+  uint64_t in_window_ = 0, held_back_ = 0;
+};
+
+}  // namespace sparsekv::server
