@@ -19,6 +19,7 @@ constexpr const char* kDefaultConfig = R"({
   "listen": "127.0.0.1:7420",
   "unix_socket": "sparsekvd.sock",
   "metrics_listen": "127.0.0.1:7421",
+  "resp_listen": "127.0.0.1:6380",
   "data_dir": "./var",
   "log_level": "info",
   "busy_poll_us": 200,
@@ -55,6 +56,7 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
   json j = json::parse(json_text, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return Status::InvalidArgument("config: not a JSON object");
   static const char* kKeys[] = {"model", "kv_format", "block_tokens", "listen", "unix_socket", "metrics_listen",
+                                "resp_listen", "resp_unix_socket",
                                 "data_dir", "log_level", "log_file", "io_threads", "worker_threads", "busy_poll_us",
                                 "max_connections", "max_frame_bytes", "max_inflight_bytes", "idle_timeout_ms",
                                 "staging_bytes", "pin_budget_bytes", "namespaces", "offload",
@@ -72,6 +74,8 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
   SPARSEKV_RETURN_IF_ERROR(Read(j, "listen", c.listen, "HOST:PORT"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "unix_socket", c.unix_socket, "a path"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "metrics_listen", c.metrics_listen, "HOST:PORT"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "resp_listen", c.resp_listen, "HOST:PORT"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "resp_unix_socket", c.resp_unix_socket, "a path"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "data_dir", c.data_dir, "a directory"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "log_level", c.log_level, "trace, debug, info, warn or error"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "log_file", c.log_file, "a path"));
@@ -168,6 +172,8 @@ std::string DaemonConfigToJson(const DaemonConfig& c) {
          {"listen", c.listen},
          {"unix_socket", c.unix_socket},
          {"metrics_listen", c.metrics_listen},
+         {"resp_listen", c.resp_listen},
+         {"resp_unix_socket", c.resp_unix_socket},
          {"data_dir", c.data_dir},
          {"log_level", c.log_level},
          {"log_file", c.log_file},

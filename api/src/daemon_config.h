@@ -31,6 +31,11 @@ struct DaemonConfig {
   std::string listen = "127.0.0.1:7420";
   // Unix socket path, relative to data_dir unless absolute ("" disables). Default: "sparsekvd.sock".
   std::string unix_socket = "sparsekvd.sock";
+  // RESP (the Redis protocol) on TCP HOST:PORT ("" disables). Default: "" (the embedded
+  // configuration serves it on "127.0.0.1:6380").
+  std::string resp_listen;
+  // RESP on a Unix socket path, relative to data_dir unless absolute ("" disables). Default: "".
+  std::string resp_unix_socket;
   // Prometheus /metrics over HTTP ("" disables). Default: "127.0.0.1:7421".
   std::string metrics_listen = "127.0.0.1:7421";
   // Where tiers, indexes and the socket live. Default: "./var".

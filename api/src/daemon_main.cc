@@ -138,6 +138,11 @@ int Run(DaemonConfig config) {
     so.unix_path = p.is_absolute() ? p.string() : (std::filesystem::path(config.data_dir) / p).string();
   }
   so.metrics_listen = config.metrics_listen;
+  so.resp_listen = config.resp_listen;
+  if (!config.resp_unix_socket.empty()) {
+    std::filesystem::path p(config.resp_unix_socket);
+    so.resp_unix_path = p.is_absolute() ? p.string() : (std::filesystem::path(config.data_dir) / p).string();
+  }
   so.io_threads = static_cast<int>(config.io_threads);
   so.worker_threads = static_cast<int>(config.worker_threads);
   so.busy_poll_us = config.busy_poll_us;
@@ -175,6 +180,10 @@ int Run(DaemonConfig config) {
   spdlog::info("listening on {}{}{}", (*srv)->tcp_address().empty() ? "(no TCP)" : (*srv)->tcp_address(),
                so.unix_path.empty() ? "" : " and unix:" + so.unix_path,
                (*srv)->metrics_port() ? fmt::format(", metrics on port {}", (*srv)->metrics_port()) : "");
+  if (!(*srv)->resp_address().empty() || !so.resp_unix_path.empty()) {
+    spdlog::info("serving RESP on {}{}", (*srv)->resp_address().empty() ? "(no TCP)" : (*srv)->resp_address(),
+                 so.resp_unix_path.empty() ? "" : " and unix:" + so.resp_unix_path);
+  }
   Status st = (*srv)->Wait();
   srv->reset();
   store->reset();
@@ -192,12 +201,14 @@ int main(int argc, char** argv) {
   // Logs go to stderr (or the log file); stdout stays free for --print-default-config.
   spdlog::set_default_logger(spdlog::stderr_color_mt("sparsekvd"));
   CLI::App app{"sparsekvd: the sparsekv cache daemon"};
-  std::string config_path, listen, unix_path, data_dir;
+  std::string config_path, listen, unix_path, data_dir, resp_listen, resp_unix;
   app.add_option("--config", config_path, "JSON config file (default: the embedded configuration)")
       ->check(CLI::ExistingFile);
   app.add_option("--listen", listen, "TCP address HOST:PORT (\"\" disables)");
   app.add_option("--unix", unix_path, "Unix socket path (\"\" disables)");
   app.add_option("--data-dir", data_dir, "Data directory");
+  app.add_option("--resp-listen", resp_listen, "RESP (Redis protocol) TCP address HOST:PORT (\"\" disables)");
+  app.add_option("--resp-unix", resp_unix, "RESP (Redis protocol) Unix socket path (\"\" disables)");
   bool print_config = false;
   app.add_flag("--print-default-config", print_config, "Print the embedded configuration and exit");
   CLI11_PARSE(app, argc, argv);
@@ -213,5 +224,7 @@ int main(int argc, char** argv) {
   if (app.count("--listen")) config->listen = listen;
   if (app.count("--unix")) config->unix_socket = unix_path;
   if (app.count("--data-dir")) config->data_dir = data_dir;
+  if (app.count("--resp-listen")) config->resp_listen = resp_listen;
+  if (app.count("--resp-unix")) config->resp_unix_socket = resp_unix;
   return Run(std::move(*config));
 }

@@ -1,5 +1,9 @@
 """A sparsekvd child for the Python tests and benchmarks: its own data directory, a free TCP
-port, a Unix socket, and the namespaces asked for; stopped with SIGTERM."""
+port, a Unix socket, and the namespaces asked for; stopped with SIGTERM.
+
+With resp=True it also listens for the Redis protocol (RESP) on a second free TCP port
+(self.resp_port, self.resp_tcp) and a second Unix socket (self.resp_unix_path); with ssd_bytes
+the SSD tier is on, its file under the data directory."""
 
 import json
 import os
@@ -16,14 +20,42 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _port_open(port):
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
 class Daemon:
-    def __init__(self, binary=None, namespaces=(("default", ""),), host_bytes="256MiB"):
+    def __init__(self, binary=None, namespaces=(("default", ""),), host_bytes="256MiB", resp=False,
+                 ssd_bytes=None, write_policy="write-back", max_record_bytes=None, ssd_durability=None,
+                 extra_config=None, start_timeout=20):
+        """namespaces: (name, token) pairs. host_bytes, ssd_bytes: tier capacities (an int or a
+        string such as "64MiB"); ssd_bytes None leaves the SSD tier off. ssd_durability: the SSD
+        tier's "durability" (None: the daemon's default, fdatasync; "none" for benchmarks).
+        max_record_bytes: the host tier's record limit (None: the daemon's default, the capacity).
+        extra_config: keys merged over the top level of the config."""
         self.binary = binary or os.environ.get("SPARSEKVD_PATH", "build/release/api/sparsekvd")
         self.dir = tempfile.TemporaryDirectory(prefix="sparsekv_py_")
         self.port = _free_port()
         self.tcp = f"127.0.0.1:{self.port}"
         self.unix_path = os.path.join(self.dir.name, "d.sock")
         self.unix = "unix:" + self.unix_path
+        self.resp = resp
+        self.resp_port = None
+        self.resp_tcp = None
+        self.resp_unix_path = None
+        host = {"enabled": True, "capacity_bytes": host_bytes}
+        if max_record_bytes is not None:
+            host["max_record_bytes"] = max_record_bytes
+        ssd = {"enabled": False}
+        if ssd_bytes is not None:
+            # "path" left out: the daemon puts the tier's file at <data_dir>/ssd.
+            ssd = {"enabled": True, "capacity_bytes": ssd_bytes}
+            if ssd_durability is not None:
+                ssd["durability"] = ssd_durability
         config = {
             "listen": self.tcp,
             "unix_socket": self.unix_path,
@@ -31,31 +63,69 @@ class Daemon:
             "data_dir": self.dir.name,
             "log_level": "warn",
             "namespaces": [{"name": n, "token": t} for n, t in namespaces],
-            "offload": {"write_policy": "write-back", "host": {"enabled": True, "capacity_bytes": host_bytes},
-                        "ssd": {"enabled": False}},
+            "offload": {"write_policy": write_policy, "host": host, "ssd": ssd},
         }
+        if resp:
+            self.resp_port = _free_port()
+            self.resp_tcp = f"127.0.0.1:{self.resp_port}"
+            self.resp_unix_path = os.path.join(self.dir.name, "r.sock")
+            config["resp_listen"] = self.resp_tcp
+            config["resp_unix_socket"] = self.resp_unix_path
+        if extra_config:
+            config.update(extra_config)
+        self.config = config
         path = os.path.join(self.dir.name, "config.json")
         with open(path, "w") as f:
             json.dump(config, f)
-        self.proc = subprocess.Popen([self.binary, "--config", path], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 20
+        # stderr goes to a file, not a pipe: a daemon that logs much (a test of hostile input)
+        # must never block on a pipe nobody reads.
+        self.stderr_path = os.path.join(self.dir.name, "stderr.log")
+        self.config_path = path
+        self.start_timeout = start_timeout
+        self._launch()
+
+    def _launch(self):
+        start_timeout = self.start_timeout
+        with open(self.stderr_path, "ab") as err:
+            self.proc = subprocess.Popen([self.binary, "--config", self.config_path], stdout=subprocess.DEVNULL,
+                                         stderr=err)
+        deadline = time.monotonic() + start_timeout
         while not self._ready():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"sparsekvd exited: {self.proc.stderr.read().decode(errors='replace')}")
+                raise RuntimeError(f"sparsekvd exited: {self.stderr_text()}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError("sparsekvd did not start within 20 s")
+                raise RuntimeError(f"sparsekvd did not start within {start_timeout} s")
             time.sleep(0.05)
 
     def _ready(self):
-        if not os.path.exists(self.unix_path):
+        if not os.path.exists(self.unix_path) or not _port_open(self.port):
             return False
+        if self.resp:
+            return os.path.exists(self.resp_unix_path) and _port_open(self.resp_port)
+        return True
+
+    def stderr_text(self, limit=20000):
+        """The last `limit` characters the daemon wrote to stderr ("" once stopped)."""
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                return True
+            with open(self.stderr_path, "rb") as f:
+                return f.read().decode(errors="replace")[-limit:]
         except OSError:
-            return False
+            return ""
+
+    def kill_and_restart(self):
+        """SIGKILL (no drain, no flush), then start again on the same data directory."""
+        self.proc.kill()
+        self.proc.wait()
+        for p in (self.unix_path, self.resp_unix_path):
+            # The sockets' files are left behind by a killed daemon; the next one replaces them
+            # (stale), but _ready must not take them for the new daemon's.
+            if p and os.path.exists(p):
+                os.unlink(p)
+        self._launch()
+
+    def alive(self):
+        return self.proc.poll() is None
 
     def stop(self):
         if self.proc.poll() is None:
