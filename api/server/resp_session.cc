@@ -451,10 +451,16 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
             AppendValue(r, batch_keys_[i], st, bytes, keep);
           },
           /*check=*/true);
-      if (!fast) return false;
       Count(kGet, n);
       consumed_ = total;
-      Answer(std::move(r));
+      if (fast) {
+        Answer(std::move(r));
+      } else {
+        // Some are below host memory: the whole run goes to a worker as one store call, so an
+        // SSD tier reads them together (one io_uring batch), not one request at a time.
+        cmd_ = kGet;
+        OnWorker(std::move(r));
+      }
       return true;
     }
     // SETs: every key's stripe, each taken once, without waiting (a stripe another thread holds
@@ -1054,23 +1060,25 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
   void Get(Reply r, bool multi) {
     std::vector<wire::WireHash>& hashes = hashes_;
     hashes.clear();
+    batch_keys_.assign(args_.begin() + 1, args_.end());
     for (size_t i = 1; i < args_.size(); ++i) hashes.push_back(resp::KeyHash(args_[i]));
     if (multi) r.W().Array(hashes.size());
     // Host memory answers most GETs on this thread.
     const bool fast = host_.store->TryGetWithoutBlocking(
         ns_, hashes,
         [&](size_t i, const Status& st, std::span<const std::byte> bytes, const DaemonStore::Keep& keep) {
-          AppendValue(r, args_[i + 1], st, bytes, keep);
+          AppendValue(r, batch_keys_[i], st, bytes, keep);
         },
         /*check=*/true);
     if (fast) return Answer(std::move(r));
     OnWorker(std::move(r));
   }
 
+  // GET, MGET, or a run of pipelined GETs (ServeBatch): hashes_ and batch_keys_ name them.
   void GetOnWorker(Reply& r) {
     host_.store->Get(ns_, hashes_,
                      [&](size_t i, const Status& st, std::span<const std::byte> bytes, const DaemonStore::Keep& keep) {
-                       AppendValue(r, args_[i + 1], st, bytes, keep);
+                       AppendValue(r, batch_keys_[i], st, bytes, keep);
                      });
   }
 
