@@ -1663,7 +1663,8 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
       ++n;
     }
     writing_n_ = n;
-    asio::async_write(socket_, bufs,
+    // Everything gathered in one sendmsg, as far as the socket takes it (SendWhole).
+    asio::async_write(socket_, bufs, SendWhole(),
                       asio::bind_executor(strand_, [self = shared_from_this(), n, bytes, text](boost::system::error_code ec, size_t) {
                         self->writing_ = false;
                         self->writing_n_ = 0;

@@ -22,6 +22,13 @@ namespace sparsekv::server {
 
 using TransportClock = std::chrono::steady_clock;
 
+// A completion condition for asio::async_write that hands the socket everything gathered in one
+// call: asio's own transfer_all sends at most 64 KiB per call, so a reply of 64 KiB and a header
+// would take two sendmsg calls and wake the peer twice.
+struct SendWhole {
+  size_t operator()(const boost::system::error_code& ec, size_t) const { return ec ? 0 : (size_t{1} << 30); }
+};
+
 // "HOST:PORT" (IPv4, [IPv6] or localhost) as an endpoint; errors name the address.
 Result<boost::asio::ip::tcp::endpoint> ParseTcp(const std::string& address);
 

@@ -1,0 +1,1909 @@
+// The native protocol's connections (api/PROTOCOL.md): reading and checking frames, the
+// shared-memory staging areas and lent arena, serving each request from the store, writing
+// replies; and the server's admission, limits, parking and draining of them.
+#include "server/server_impl.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+#include <array>
+#include <atomic>
+#include <boost/asio.hpp>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+
+namespace sparsekv::server {
+namespace {
+
+// A connection's receive buffer: kSmall bytes in place, or a mapping grown to hold a whole PUT
+// (Session::StartDirect), so that one receive brings a PUT and the next request's header.
+// Bytes in it are [from, to); Grow and Shrink move them to the front. Not thread-safe: the
+// connection's strand uses it, and never while a read into it is under way.
+class ReadBuffer {
+ public:
+  static constexpr size_t kSmall = 16u << 10;
+  // `grown_total` counts the bytes of every grown buffer (a /metrics gauge).
+  explicit ReadBuffer(std::atomic<uint64_t>* grown_total) : grown_total_(grown_total) {}
+  ReadBuffer(const ReadBuffer&) = delete;
+  ReadBuffer& operator=(const ReadBuffer&) = delete;
+  ~ReadBuffer() { Unmap(); }
+
+  std::byte* data() { return big_ != nullptr ? big_ : small_.data(); }
+  size_t capacity() const { return big_ != nullptr ? cap_ : kSmall; }
+  bool grown() const { return big_ != nullptr; }
+
+  // Room for `need` bytes from the front, the bytes held moved there. False (nothing changed)
+  // when no memory can be mapped.
+  bool Grow(size_t need, size_t& from, size_t& to) {
+    const size_t held = to - from;
+    if (need > capacity()) {
+      const size_t cap = (need + 4095) & ~size_t{4095};
+      void* m = ::mmap(nullptr, cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (m == MAP_FAILED) return false;
+      std::memcpy(m, data() + from, held);
+      Unmap();
+      big_ = static_cast<std::byte*>(m);
+      cap_ = cap;
+      grown_total_->fetch_add(cap, std::memory_order_relaxed);
+    } else {
+      std::memmove(data(), data() + from, held);
+    }
+    from = 0;
+    to = held;
+    return true;
+  }
+
+  // Back to kSmall bytes in place, when what it holds fits them.
+  void Shrink(size_t& from, size_t& to) {
+    const size_t held = to - from;
+    if (big_ == nullptr || held > kSmall) return;
+    std::memcpy(small_.data(), big_ + from, held);
+    Unmap();
+    from = 0;
+    to = held;
+  }
+
+ private:
+  void Unmap() {
+    if (big_ != nullptr) {
+      ::munmap(big_, cap_);
+      grown_total_->fetch_sub(cap_, std::memory_order_relaxed);
+    }
+    big_ = nullptr;
+    cap_ = 0;
+  }
+
+  std::atomic<uint64_t>* grown_total_;
+  std::array<std::byte, kSmall> small_{};
+  std::byte* big_ = nullptr;
+  size_t cap_ = 0;
+};
+
+// A request payload, filled as its bytes arrive. Small ones live on the heap; larger ones in an
+// anonymous mapping reserved at the size the header announces but committed page by page as
+// bytes are written into it, so a header that claims 64 MiB and sends 4 KiB costs the daemon
+// 4 KiB of memory, not 64 MiB. (The bytes are charged to the budget as they are read, see
+// Session::StepPayload.) Move-only.
+class Payload {
+ public:
+  static constexpr size_t kMapAbove = 256u << 10;
+  Payload() = default;
+  Payload(Payload&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)),
+        size_(std::exchange(o.size_, 0)),
+        mapped_(o.mapped_),
+        advised_(o.advised_),
+        charge_(std::move(o.charge_)) {}
+  Payload& operator=(Payload&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+      mapped_ = o.mapped_;
+      advised_ = o.advised_;
+      charge_ = std::move(o.charge_);
+    }
+    return *this;
+  }
+  Payload(const Payload&) = delete;
+  Payload& operator=(const Payload&) = delete;
+  ~Payload() { Reset(); }
+
+  // Room for `n` bytes, uncommitted; false when not even address space is left.
+  bool Reserve(size_t n, Charge charge) {
+    Reset();
+    advised_ = false;
+    charge_ = std::move(charge);
+    if (n == 0) return true;
+    if (n > kMapAbove) {
+      void* m = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (m == MAP_FAILED) return false;
+      data_ = static_cast<std::byte*>(m);
+      mapped_ = true;
+    } else {
+      data_ = static_cast<std::byte*>(std::malloc(n));
+      if (data_ == nullptr) return false;
+      mapped_ = false;
+    }
+    size_ = n;
+    return true;
+  }
+  void Reset() {
+    if (data_ != nullptr) {
+      if (mapped_) {
+        ::munmap(data_, size_);
+      } else {
+        std::free(data_);
+      }
+    }
+    data_ = nullptr;
+    size_ = 0;
+    charge_.Release();
+  }
+  std::byte* data() { return data_; }
+  size_t size() const { return size_; }
+  std::span<const std::byte> span() const { return {data_, size_}; }
+  Charge& charge() { return charge_; }
+
+  // Once `arrived` bytes have come (at least 2 MiB: the peer is sending, not just claiming),
+  // asks for transparent huge pages past them: one fault per 2 MiB instead of per 4 KiB, which
+  // on a VM is the difference between ~0.3 and several GB/s. Memory then runs ahead of the
+  // bytes by at most one huge page.
+  void AdviseHugePages(size_t arrived) {
+    static constexpr size_t kHuge = 2u << 20;
+    if (!mapped_ || advised_ || arrived < kHuge) return;
+    advised_ = true;
+    const auto base = reinterpret_cast<uintptr_t>(data_);
+    const uintptr_t from = (base + arrived + kHuge - 1) & ~uintptr_t{kHuge - 1};
+    if (from < base + size_) ::madvise(reinterpret_cast<void*>(from), base + size_ - from, MADV_HUGEPAGE);
+  }
+
+ private:
+  std::byte* data_ = nullptr;
+  size_t size_ = 0;
+  bool mapped_ = false;
+  bool advised_ = false;
+  Charge charge_;
+};
+
+// A frame to send. Its bytes are `own`, except that a GET reply's bundle bytes are sent
+// straight from the store's memory (`pieces` with `ext` set), held by `keep` until written.
+struct OutFrame {
+  OutFrame() = default;
+  OutFrame(std::vector<std::byte> bytes) : own(std::move(bytes)), size(own.size()) {  // NOLINT: implicit
+    pieces.push_back({0, own.size(), {}});
+  }
+  struct Piece {
+    size_t off = 0, len = 0;          // own[off, off + len) when ext is empty
+    std::span<const std::byte> ext;   // else these bytes
+  };
+  std::vector<std::byte> own;
+  std::vector<Piece> pieces;
+  std::vector<DaemonStore::Keep> keep;
+  uint64_t size = 0;
+  // The ext pieces are host-tier pages, counted by the pin budget: not charged again.
+  bool ext_pinned = false;
+  Charge charge;  // this frame's bytes in the buffer budget, while it is queued
+  // A GET reply's items whose bytes go out unchecked: (item, hash, keep). Their verdicts, the
+  // last piece, are filled by `finish` once the rest of the frame is in the kernel.
+  struct Recheck {
+    size_t item;
+    wire::WireHash hash;
+    DaemonStore::Keep keep;
+  };
+  std::vector<Recheck> recheck;
+  size_t verdict_off = 0;
+  std::function<void(OutFrame&)> finish;  // runs once, just before the frame is first written
+
+  // Ends the current run of own bytes as a piece.
+  void CloseOwn(size_t& from) {
+    if (own.size() > from) pieces.push_back({from, own.size() - from, {}});
+    from = own.size();
+  }
+  std::span<const std::byte> Bytes(const Piece& p) const {
+    return p.ext.empty() ? std::span<const std::byte>(own.data() + p.off, p.len) : p.ext;
+  }
+  // Fills in the header reserved at the front of `own`. No payload checksum: the bundle bytes
+  // were checked against their record's checksum as the store read them, and a second pass
+  // over them here and another in the client would cost more than the rest of a GET
+  // (api/PROTOCOL.md).
+  void Finish(wire::Opcode op, uint16_t flags, uint64_t request_id) {
+    size = 0;
+    for (const Piece& p : pieces) size += Bytes(p).size();
+    wire::FrameHeader h;
+    h.opcode = op;
+    h.flags = flags;
+    h.request_id = request_id;
+    h.payload_bytes = static_cast<uint32_t>(size - wire::kHeaderBytes);
+    const auto header = wire::EncodeHeader(h);
+    std::memcpy(own.data(), header.data(), wire::kHeaderBytes);
+  }
+};
+
+// A handler's answer: a payload to be framed, or a gathered frame to finish (GET replies).
+struct Reply {
+  Reply(std::vector<std::byte> payload) : data(std::move(payload)) {}  // NOLINT: implicit
+  Reply(OutFrame f) : gathered(std::move(f)), is_gathered(true) {}    // NOLINT: implicit
+  std::vector<std::byte> data;
+  OutFrame gathered;
+  bool is_gathered = false;
+
+  OutFrame ToFrame(wire::Opcode op, uint64_t request_id) && {
+    if (is_gathered) {
+      gathered.Finish(op, wire::kFlagResponse, request_id);
+      return std::move(gathered);
+    }
+    return wire::EncodeFrame(op, wire::kFlagResponse, request_id, data);
+  }
+};
+
+std::vector<std::byte> ErrorFrame(uint64_t request_id, const Status& st) {
+  return wire::EncodeFrame(wire::Opcode::kError, wire::kFlagResponse, request_id,
+                           wire::Encode(wire::ErrorReply{st.code(), std::string(st.message())}));
+}
+
+}  // namespace
+
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  // Where a connection stands in the server's counts (guarded by Server::Impl::mu_).
+  enum class Counted { kHandshake, kAuthenticated, kNone };
+
+  Session(Server::Impl& srv, GenericSocket socket, bool is_unix, uint64_t id)
+      : srv_(srv),
+        socket_(std::move(socket)),
+        strand_(asio::make_strand(srv.io_)),
+        tick_(srv.io_),
+        linger_(srv.io_),
+        is_unix_(is_unix),
+        id_(id),
+        created_(Clock::now()) {}
+
+  ~Session() {
+    if (staging_) {
+      ::munmap(staging_, staging_bytes_);
+      srv_.staging_total_.fetch_sub(staging_bytes_, std::memory_order_relaxed);
+    }
+    if (staging_fd_ >= 0) ::close(staging_fd_);
+  }
+
+  void Start() {
+    std::weak_ptr<Session> weak = shared_from_this();
+    account_->wake = [weak] {
+      if (auto self = weak.lock()) asio::post(self->strand_, [self] { self->Unpark(); });
+    };
+    asio::post(strand_, [self = shared_from_this()] {
+      self->last_active_ = Clock::now();
+      self->ArmTick();
+      self->ReadHeader();
+    });
+  }
+
+  // Refuses the connection with an ERROR frame (over the hard limit on sockets).
+  void Refuse(const Status& st) {
+    asio::post(strand_, [self = shared_from_this(), st] {
+      self->closing_ = true;
+      self->QueueWrite(ErrorFrame(0, st));
+    });
+  }
+
+  // Closes the connection with an ERROR frame (id 0) that says why: replaced at a connection
+  // limit, a deadline missed. Whatever the connection was reading is dropped.
+  void CloseWithError(const Status& st) {
+    asio::post(strand_, [self = shared_from_this(), st] { self->CloseNow(st); });
+  }
+
+  void BeginDrain() {
+    asio::post(strand_, [self = shared_from_this()] {
+      self->closing_ = true;
+      boost::system::error_code ec;
+      self->socket_.shutdown(GenericSocket::shutdown_receive, ec);
+      self->MaybeClose();
+    });
+  }
+
+  // Looks again whether the budget has room for a parked connection (from any thread).
+  void ResumeFromPark() {
+    asio::post(strand_, [self = shared_from_this()] { self->Unpark(); });
+  }
+
+  // Read by the server under its mu_ (see Server::Impl::LongestIdle).
+  Counted counted_ = Counted::kHandshake;
+  uint32_t counted_ns_ = 0;
+  const Clock::time_point& created() const { return created_; }
+  // Since when the connection has had nothing in flight (steady-clock ticks), 0 while busy.
+  int64_t idle_since() const { return idle_since_.load(std::memory_order_relaxed); }
+
+ private:
+  enum class Resume { kNone, kHeader, kPayload };  // where a parked connection goes on
+
+  static constexpr size_t kReadChunk = 256u << 10;     // the most one read takes
+  static constexpr uint64_t kPutHereBytes = 1u << 20;  // as a GET's slice on a worker
+
+  // Reads and handles frames. Requests are read through a buffer, so that one receive
+  // usually brings a whole small request (often several); a payload's bytes past what is
+  // buffered are read straight into it (StepPayload).
+  void ReadHeader() {
+    // A connection that pipelines many requests hands the network thread over after a few, so
+    // that the others are read too.
+    static constexpr int kFramesPerTurn = 16;
+    for (int frames = 0;; ++frames) {
+      if (closing_) return MaybeClose();
+      if (frames == kFramesPerTurn) {
+        asio::post(strand_, [self = shared_from_this()] { self->ReadHeader(); });
+        return;
+      }
+      if (inflight_bytes_ + queued_bytes_ > srv_.options_.max_inflight_bytes) {
+        paused_ = true;  // resumed by a completed reply
+        PublishIdle();
+        return;
+      }
+      if (!srv_.budget_.Allows(account_->held.load(std::memory_order_relaxed), 0)) return Park(Resume::kHeader);
+      if (rend_ - rpos_ < wire::kHeaderBytes) break;
+      // Before HELLO the limit is kMaxHelloPayload, checked below with a message that says so.
+      auto h = wire::DecodeHeader(std::span<const std::byte>(rbuf_.data() + rpos_, wire::kHeaderBytes),
+                                  authed_ ? srv_.options_.max_frame_bytes : wire::kMaxPayloadBytes);
+      if (!h.ok()) {
+        FailFrame(0, h.status());
+        return;
+      }
+      // Before HELLO nothing but a HELLO-sized HELLO is read: an unauthenticated peer gets no
+      // more of the daemon's memory than that.
+      if (!authed_ && h->opcode != wire::Opcode::kHello && !(h->flags & wire::kFlagResponse)) {
+        srv_.metrics_.AuthFailure();
+        FailFrame(h->request_id,
+                  Status::PermissionDenied(fmt::format("{} before HELLO", wire::OpcodeName(h->opcode))));
+        return;
+      }
+      if (!authed_ && h->payload_bytes > kMaxHelloPayload) {
+        FailFrame(h->request_id,
+                  Status::InvalidArgument(fmt::format("a frame before HELLO may carry at most {} payload bytes; this "
+                                                      "one announces {}",
+                                                      kMaxHelloPayload, h->payload_bytes)));
+        return;
+      }
+      rpos_ += wire::kHeaderBytes;
+      header_ = *h;
+      last_active_ = frame_start_ = Clock::now();
+      in_frame_ = true;
+      got_ = 0;
+      if (DirectPut() && StartDirect()) {
+        PublishIdle();
+        if (!StepDirect()) return;
+        if (!HandleDirect()) return;
+        continue;
+      }
+      if (!payload_.Reserve(header_.payload_bytes, Charge(&srv_.budget_, account_))) {
+        FailFrame(header_.request_id, Status::ResourceExhausted(fmt::format(
+                                          "no address space for a {}-byte payload", header_.payload_bytes)));
+        return;
+      }
+      PublishIdle();
+      if (!StepPayload()) return;
+      if (!HandleFrame()) return;
+    }
+    // Not a whole header buffered: keep what there is and receive more.
+    if (rpos_ > 0) {
+      std::memmove(rbuf_.data(), rbuf_.data() + rpos_, rend_ - rpos_);
+      rend_ -= rpos_;
+      rpos_ = 0;
+    }
+    PublishIdle();
+    // Into a grown buffer, a read takes only what the budget allows.
+    size_t room = std::min(rbuf_.capacity() - rend_, kReadChunk);
+    if (rbuf_.grown() && !srv_.budget_.Allows(account_->held.load(std::memory_order_relaxed), room)) {
+      room = ReadBuffer::kSmall - rend_;  // rend_ < kHeaderBytes here
+    }
+    reading_ = true;
+    socket_.async_read_some(asio::buffer(rbuf_.data() + rend_, room),
+                            asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec,
+                                                                                     size_t n) {
+                              self->reading_ = false;
+                              if (ec == asio::error::operation_aborted && self->trimming_ && !self->closing_) {
+                                // OnTick cancelled it to give the grown buffer back.
+                                self->trimming_ = false;
+                                self->rbuf_.Shrink(self->rpos_, self->rend_);
+                                self->ChargeReadBuffer();
+                                return self->ReadHeader();
+                              }
+                              self->trimming_ = false;
+                              if (ec) {
+                                self->closing_ = true;
+                                return self->MaybeClose();
+                              }
+                              self->rend_ += n;
+                              self->ChargeReadBuffer();
+                              self->ReadHeader();
+                            }));
+  }
+
+  // A PUT that the network thread may store (TryPutHere) is read whole into the receive
+  // buffer, grown to hold it, and stored from there: no payload is allocated for it, its value
+  // is copied once (into host memory), and while the connection sends such PUTs one receive
+  // usually brings a whole one. A grown buffer's bytes are charged as they are first written
+  // (as a payload's are as they arrive) and stay charged while it is kept, as they stay in
+  // memory; it goes once the connection has been quiet for a tick.
+  bool DirectPut() const {
+    return authed_ && header_.opcode == wire::Opcode::kPut && header_.payload_bytes > 0 &&
+           header_.payload_bytes <= kPutHereBytes && srv_.store_->PutsWithoutBlocking();
+  }
+
+  // Makes room in rbuf_ for header_'s payload (and, past ReadBuffer::kSmall, for the start of
+  // what follows). False (the frame goes the usual way) when no memory can be had for it.
+  bool StartDirect() {
+    const size_t n = header_.payload_bytes;
+    if (rbuf_.capacity() - rpos_ >= n) return true;
+    const size_t before = rbuf_.capacity();
+    if (!rbuf_.Grow(n > ReadBuffer::kSmall ? n + ReadBuffer::kSmall : n, rpos_, rend_)) return false;
+    if (rbuf_.capacity() != before) {  // a new mapping: only what was moved into it is written
+      rbuf_charge_.Release();
+      ChargeReadBuffer();
+    }
+    return true;
+  }
+
+  // Charges the budget with the bytes of a grown rbuf_ that were ever written (the pages it
+  // holds in memory: as many as the largest PUT read into it, not its mapped size), until it
+  // goes back. The ReadBuffer::kSmall bytes in place are every connection's and not charged.
+  void ChargeReadBuffer() {
+    const uint64_t touched = rbuf_.grown() ? std::max<uint64_t>(rbuf_charge_.bytes(), rend_) : 0;
+    if (touched == rbuf_charge_.bytes()) return;
+    if (touched < rbuf_charge_.bytes()) rbuf_charge_.Release();
+    if (touched == 0) return;
+    if (rbuf_charge_.bytes() == 0) rbuf_charge_ = Charge(&srv_.budget_, account_);
+    rbuf_charge_.Add(touched - rbuf_charge_.bytes());
+  }
+
+  // Brings a direct PUT's payload into rbuf_. True when it is all there; false when a read is
+  // under way, or the frame went on the usual way: when the budget does not allow the next
+  // read, what came so far moves into a payload of its own and StepPayload parks it.
+  bool StepDirect() {
+    const size_t n = header_.payload_bytes;
+    got_ = std::min(rend_ - rpos_, n);
+    if (got_ == n) {
+      in_frame_ = false;
+      return true;
+    }
+    const size_t chunk = std::min(rbuf_.capacity() - rend_, kReadChunk);
+    if (!srv_.budget_.Allows(account_->held.load(std::memory_order_relaxed), chunk)) {
+      if (!payload_.Reserve(n, Charge(&srv_.budget_, account_))) {
+        FailFrame(header_.request_id,
+                  Status::ResourceExhausted(fmt::format("no address space for a {}-byte payload", n)));
+        return false;
+      }
+      payload_.charge().Add(got_);
+      std::memcpy(payload_.data(), rbuf_.data() + rpos_, got_);
+      rpos_ = rend_ = 0;
+      // The grown buffer goes (no read into it is under way): its pages would otherwise stay
+      // charged beside the payload's.
+      rbuf_.Shrink(rpos_, rend_);
+      ChargeReadBuffer();
+      // StepPayload parks (the budget refused already); were it to complete the frame, the
+      // next header is read from a fresh turn of the strand.
+      if (StepPayload() && HandleFrame()) asio::post(strand_, [self = shared_from_this()] { self->ReadHeader(); });
+      return false;
+    }
+    ReadPayload(asio::buffer(rbuf_.data() + rend_, chunk), [](Session& s, size_t k) {
+      s.rend_ += k;
+      s.ChargeReadBuffer();
+      if (s.StepDirect() && s.HandleDirect()) s.ReadHeader();
+    });
+    return false;
+  }
+
+  // Reads some of a frame's payload into `into`; then `arrived(session, bytes)` on the strand,
+  // or the connection closes when the read fails.
+  template <typename Arrived>
+  void ReadPayload(asio::mutable_buffer into, Arrived arrived) {
+    reading_ = true;
+    socket_.async_read_some(
+        into, asio::bind_executor(strand_, [self = shared_from_this(), arrived](boost::system::error_code ec, size_t k) {
+          self->reading_ = false;
+          if (ec) {
+            self->closing_ = true;
+            return self->MaybeClose();
+          }
+          arrived(*self, k);
+        }));
+  }
+
+  // Handles the direct PUT at rbuf_'s front. When the store cannot take it from this thread
+  // (or the frame is bad), its bytes are copied into a payload of their own and handled as any
+  // frame.
+  bool HandleDirect() {
+    const std::span<const std::byte> p(rbuf_.data() + rpos_, header_.payload_bytes);
+    rpos_ += p.size();  // the bytes stay where they are until this returns
+    bool stored = false;
+    if (!(header_.flags & wire::kFlagResponse) && wire::VerifyPayload(header_, p).ok()) {
+      auto req = wire::DecodePutRequest(p, srv_.options_.max_frame_bytes);
+      if (req.ok()) {
+        Decoded decoded;
+        decoded.put = std::move(*req);
+        stored = TryPutHere(header_, p.size(), decoded);  // copied by the time it returns
+      }
+    }
+    if (stored) {
+      srv_.metrics_.BytesIn(wire::kHeaderBytes + p.size());
+      return true;
+    }
+    if (!payload_.Reserve(p.size(), Charge(&srv_.budget_, account_))) {
+      return FailFrame(header_.request_id, Status::ResourceExhausted(fmt::format(
+                                               "no address space for a {}-byte payload", p.size())));
+    }
+    payload_.charge().Add(p.size());
+    std::memcpy(payload_.data(), p.data(), p.size());
+    return HandleFrame();
+  }
+
+  // Brings the payload of header_ in: first what the receive buffer holds, then reads from the
+  // socket, at most kReadChunk at a time, each read only when the budget allows that much and
+  // charged with what arrived (so memory follows the bytes that came, never the size
+  // announced; concurrent reads may pass the budget by a chunk each). True when the payload is
+  // complete; false when a read is under way, the connection is parked, or it is closing.
+  bool StepPayload() {
+    const size_t n = header_.payload_bytes;
+    const size_t buffered = std::min<size_t>(rend_ - rpos_, n - got_);
+    if (buffered > 0) {
+      if (!srv_.budget_.Allows(account_->held.load(std::memory_order_relaxed), buffered)) {
+        Park(Resume::kPayload, buffered);
+        return false;
+      }
+      payload_.charge().Add(buffered);
+      std::memcpy(payload_.data() + got_, rbuf_.data() + rpos_, buffered);
+      rpos_ += buffered;
+      got_ += buffered;
+    }
+    if (got_ == n) {
+      in_frame_ = false;
+      return true;
+    }
+    const size_t chunk = std::min(n - got_, kReadChunk);
+    if (!srv_.budget_.Allows(account_->held.load(std::memory_order_relaxed), chunk)) {
+      Park(Resume::kPayload, chunk);
+      return false;
+    }
+    ReadPayload(asio::buffer(payload_.data() + got_, chunk), [](Session& s, size_t k) {
+      s.payload_.charge().Add(k);  // what arrived, no more
+      s.got_ += k;
+      s.payload_.AdviseHugePages(s.got_);
+      if (s.StepPayload() && s.HandleFrame()) s.ReadHeader();
+    });
+    return false;
+  }
+
+  // Stops reading until the budget has room for `need` bytes, or this connection's own bytes
+  // drain.
+  void Park(Resume where, uint64_t need = 0) {
+    parked_ = where;
+    account_->parked.store(true, std::memory_order_release);
+    srv_.metrics_.BackpressurePause();
+    PublishIdle();
+    srv_.Park(weak_from_this(), in_park_list_);
+    // Bytes may have come back between the check and the parking. (The same `need` as the
+    // check that parked: a smaller one would wake and park again without end.)
+    if (srv_.budget_.Allows(account_->held.load(std::memory_order_acquire), need)) {
+      asio::post(strand_, [self = shared_from_this()] { self->Unpark(); });
+    }
+  }
+
+  void Unpark() {
+    if (parked_ == Resume::kNone || closed_) return;
+    const Resume where = parked_;
+    parked_ = Resume::kNone;
+    account_->parked.store(false, std::memory_order_release);
+    if (closing_) return MaybeClose();
+    if (where == Resume::kHeader) return ReadHeader();
+    if (StepPayload() && HandleFrame()) ReadHeader();
+  }
+
+  // Publishes whether the connection is idle, for the choice of a connection to close at a
+  // limit (Server::Impl::LongestIdle).
+  void PublishIdle() {
+    const bool busy = in_frame_ || inflight_requests_ > 0 || writing_ || !writes_.empty() || closing_;
+    idle_since_.store(busy ? 0 : std::max<int64_t>(1, last_active_.time_since_epoch().count()),
+                      std::memory_order_relaxed);
+  }
+
+  // One timer per connection checks its deadlines every srv_.tick_: HELLO within
+  // handshake_timeout_ms, a started frame complete within frame_timeout_ms of its header,
+  // replies taken within write_timeout_ms, and the idle timeout.
+  void ArmTick() {
+    tick_.expires_after(srv_.tick_);
+    tick_.async_wait(asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
+      if (ec || self->closed_) return;
+      self->OnTick();
+      if (!self->closed_) self->ArmTick();
+    }));
+  }
+
+  void OnTick() {
+    const ServerOptions& o = srv_.options_;
+    const auto now = Clock::now();
+    auto past = [&](Clock::time_point since, uint32_t ms) { return now - since >= std::chrono::milliseconds(ms); };
+    // First, and even while closing (a connection closing waits for its writes): a peer that
+    // takes none of its replies. Nothing more can reach it, so no ERROR frame.
+    if (writing_ && !write_failed_ && past(write_started_, o.write_timeout_ms)) {
+      write_failed_ = true;
+      srv_.metrics_.SlowClientDropped();
+      spdlog::warn("session {}: replies not taken for {} ms ({} bytes queued), disconnecting", id_,
+                   o.write_timeout_ms, queued_bytes_);
+      closing_ = true;
+      boost::system::error_code ignored;
+      socket_.shutdown(GenericSocket::shutdown_both, ignored);
+      socket_.cancel(ignored);
+      return MaybeClose();
+    }
+    if (closing_) return;
+    if (!authed_ && past(created_, o.handshake_timeout_ms)) {
+      srv_.metrics_.HandshakeTimedOut();
+      spdlog::info("session {}: no HELLO within {} ms, closing", id_, o.handshake_timeout_ms);
+      return CloseNow(Status::Aborted(fmt::format("no HELLO within {} ms", o.handshake_timeout_ms)));
+    }
+    // Parked time counts too: otherwise frames that never complete could hold the budget for
+    // good. The oldest go first, so a frame held back behind them resumes once they are gone.
+    if (in_frame_ && past(frame_start_, o.frame_timeout_ms)) {
+      srv_.metrics_.FrameTimedOut();
+      spdlog::warn("session {}: a {}-byte frame not complete after {} ms ({} bytes came), closing", id_,
+                   header_.payload_bytes, o.frame_timeout_ms, got_);
+      return CloseNow(Status::Aborted(fmt::format("a frame did not arrive within {} ms", o.frame_timeout_ms)));
+    }
+    // A receive buffer grown for PUTs goes back once the connection has been quiet for a tick:
+    // the read waiting for the next header is cancelled, and its handler shrinks the buffer
+    // (nothing may be read into it meanwhile) and reads again.
+    if (rbuf_.grown() && reading_ && !trimming_ && !in_frame_ && !writing_ && parked_ == Resume::kNone &&
+        now - last_active_ >= srv_.tick_) {
+      trimming_ = true;
+      boost::system::error_code ignored;
+      socket_.cancel(ignored);
+    }
+    if (!in_frame_ && parked_ == Resume::kNone && inflight_requests_ == 0 && !writing_ && writes_.empty() &&
+        past(last_active_, o.idle_timeout_ms)) {
+      spdlog::info("session {}: idle for {} ms, closing", id_, o.idle_timeout_ms);
+      closing_ = true;
+      boost::system::error_code ignored;
+      socket_.shutdown(GenericSocket::shutdown_both, ignored);
+      MaybeClose();
+    }
+  }
+
+  void CloseNow(const Status& st) {
+    if (closed_ || closing_) return;
+    closing_ = true;
+    PublishIdle();
+    QueueWrite(ErrorFrame(0, st));
+    boost::system::error_code ignored;
+    socket_.shutdown(GenericSocket::shutdown_receive, ignored);
+    MaybeClose();
+  }
+
+  // Handles the frame in header_ and payload_. False when reading must stop (the session is
+  // closing).
+  bool HandleFrame() {
+    srv_.metrics_.BytesIn(wire::kHeaderBytes + payload_.size());
+    if (Status st = wire::VerifyPayload(header_, payload_.span()); !st.ok()) return FailFrame(header_.request_id, st);
+    if (header_.flags & wire::kFlagResponse) {
+      return FailFrame(header_.request_id, Status::InvalidArgument("a client sent a frame marked as a response"));
+    }
+    const wire::Opcode op = header_.opcode;
+    if (op == wire::Opcode::kHello) {
+      const bool go_on = OnHello();
+      payload_.Reset();
+      return go_on;
+    }
+    if (!authed_) {
+      srv_.metrics_.AuthFailure();
+      return FailFrame(header_.request_id,
+                       Status::PermissionDenied(fmt::format("{} before HELLO", wire::OpcodeName(op))));
+    }
+    if (op == wire::Opcode::kEvent || op == wire::Opcode::kError) {
+      return FailFrame(header_.request_id,
+                       Status::InvalidArgument(fmt::format("{} is sent by the server only", wire::OpcodeName(op))));
+    }
+    // A payload that does not decode is a malformed frame: error, then close. GET hash lists
+    // and PUT item lists are decoded once here and handed to the paths served on this thread.
+    Decoded decoded;
+    Status valid = Status::OK();
+    if (op == wire::Opcode::kGet || op == wire::Opcode::kShmGet) {
+      auto req = wire::DecodeHashList(payload_.span());
+      valid = req.status();
+      if (req.ok()) decoded.get = std::move(*req);
+    } else if (op == wire::Opcode::kPut) {
+      auto req = wire::DecodePutRequest(payload_.span(), srv_.options_.max_frame_bytes);
+      valid = req.status();
+      if (req.ok()) decoded.put = std::move(*req);
+    } else if (op == wire::Opcode::kShmPut) {
+      auto req = wire::DecodeShmPutRequest(payload_.span());
+      valid = req.status();
+      if (req.ok()) decoded.shm_put = std::move(*req);
+    } else if (op == wire::Opcode::kGetRanges) {
+      auto req = wire::DecodeGetRangesRequest(payload_.span(), srv_.options_.max_frame_bytes);
+      valid = req.status();
+      if (req.ok()) decoded.ranges = std::move(*req);
+    } else {
+      valid = ValidateRequest(op, payload_.span());
+    }
+    if (!valid.ok()) return FailFrame(header_.request_id, valid);
+    if (op == wire::Opcode::kSubscribe) {
+      Subscribe();
+    } else if (op == wire::Opcode::kPing) {
+      QueueWrite(wire::EncodeFrame(op, wire::kFlagResponse, header_.request_id, payload_.span()));
+    } else {
+      Dispatch(header_, std::move(payload_), decoded);
+    }
+    payload_.Reset();
+    return true;
+  }
+
+  Status ValidateRequest(wire::Opcode op, std::span<const std::byte> p) const {
+    switch (op) {
+      case wire::Opcode::kLookup:
+      case wire::Opcode::kUnpin:
+      case wire::Opcode::kDelete:
+      case wire::Opcode::kShmRelease: return wire::DecodeHashList(p).status();
+      case wire::Opcode::kPin: return wire::DecodePinRequest(p).status();
+      case wire::Opcode::kStats:
+      case wire::Opcode::kSubscribe:
+        return p.empty() ? Status::OK()
+                         : Status::InvalidArgument(fmt::format("{} takes no payload", wire::OpcodeName(op)));
+      default: return Status::OK();
+    }
+  }
+
+  bool OnHello() {
+    const uint64_t rid = header_.request_id;
+    if (authed_) return FailFrame(rid, Status::FailedPrecondition("HELLO sent twice on one connection"));
+    auto hello = wire::DecodeHelloRequest(payload_.span());
+    if (!hello.ok()) return FailFrame(rid, hello.status());
+    if (hello->protocol_version != wire::kProtocolVersion) {
+      return FailFrame(rid, Status::NotSupported(fmt::format("HELLO asks for protocol {}; this daemon speaks {}",
+                                                             hello->protocol_version, wire::kProtocolVersion)));
+    }
+    int ns = -1;
+    for (size_t i = 0; i < srv_.options_.namespaces.size(); ++i) {
+      if (srv_.options_.namespaces[i].name == hello->namespace_name) ns = static_cast<int>(i);
+    }
+    // Unknown namespace and wrong token read the same, so neither leaks which namespaces exist.
+    const std::string& expected = ns >= 0 ? srv_.options_.namespaces[ns].token : std::string();
+    if (ns < 0 || (!expected.empty() && !TokenEquals(hello->token, expected))) {
+      srv_.metrics_.AuthFailure();
+      spdlog::warn("session {}: HELLO refused for namespace '{}' (client '{}')", id_, hello->namespace_name,
+                   hello->client_name);
+      return FailFrame(rid, Status::PermissionDenied("unknown namespace or wrong token"));
+    }
+    // Counted against the namespace's quota and the server's limit; at either, the longest-idle
+    // connection makes room, or this one is refused.
+    if (Status st = srv_.AdmitAuthenticated(this, static_cast<uint32_t>(ns) + 1); !st.ok()) {
+      srv_.metrics_.ConnectionRejected();
+      spdlog::warn("session {}: HELLO for namespace '{}' refused: {}", id_, hello->namespace_name, st.message());
+      return FailFrame(rid, st);
+    }
+    authed_ = true;
+    ns_ = static_cast<uint32_t>(ns) + 1;  // namespace ids start at 1
+    wire::HelloReply reply;
+    reply.session_id = id_;
+    reply.max_payload_bytes = srv_.options_.max_frame_bytes;
+    reply.block_tokens = srv_.options_.block_tokens;
+    reply.server_version = "sparsekvd 0.1.0";
+    if (hello->want_shared_memory && is_unix_) {
+      if (Status st = MakeStaging(); st.ok()) {
+        reply.shm_staging_bytes = staging_bytes_;
+        // With one namespace, every byte of the host arena is this namespace's: the client may
+        // map it (read-only) and GETs are lent in place instead of copied.
+        if (srv_.arena_ro_fd_ >= 0) {
+          lend_ = true;
+          reply.shm_arena_bytes = srv_.arena_.bytes;
+        }
+      } else {
+        spdlog::warn("session {}: no shared memory: {}", id_, st.ToString());
+      }
+    }
+    spdlog::info("session {}: client '{}' opened namespace '{}'{}", id_, hello->client_name, hello->namespace_name,
+                 lend_ ? " with shared memory and the host arena" : staging_ ? " with shared memory" : "");
+    const auto frame = wire::EncodeFrame(wire::Opcode::kHello, wire::kFlagResponse, rid, wire::Encode(reply));
+    if (staging_fd_ >= 0) {
+      // The staging fd rides with the reply's first bytes; nothing else is queued yet.
+      if (!SendWithFd(frame)) {
+        closing_ = true;
+        MaybeClose();
+        return false;
+      }
+      srv_.metrics_.BytesOut(frame.size());
+    } else {
+      QueueWrite(frame);
+    }
+    return true;
+  }
+
+  // The session's staging memfd, sized and then sealed (kSizeSeals and F_SEAL_SEAL) before the
+  // daemon maps it or the client sees it: the client's descriptor can neither shrink nor grow
+  // it, so no client can make the daemon's accesses to it fault. On failure the session has no
+  // shared memory (and no descriptor is passed).
+  Status MakeStaging() {
+    const int fd = ::memfd_create("sparsekv-staging", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) return Status::IOError(fmt::format("memfd_create for the staging area: {}", std::strerror(errno)));
+    auto fail = [fd](Status st) {
+      ::close(fd);
+      return st;
+    };
+    const uint64_t bytes = srv_.options_.staging_bytes;
+    // Staging areas are memory a client can fill at will: all of them together stay within
+    // max_shared_staging_bytes.
+    if (srv_.staging_total_.fetch_add(bytes, std::memory_order_relaxed) + bytes > srv_.options_.max_shared_staging_bytes) {
+      srv_.staging_total_.fetch_sub(bytes, std::memory_order_relaxed);
+      srv_.metrics_.SharedMemoryDenied();
+      return fail(Status::ResourceExhausted(fmt::format(
+          "the daemon's staging areas already take {} of max_shared_staging_bytes {}; use the socket",
+          srv_.staging_total_.load(std::memory_order_relaxed), srv_.options_.max_shared_staging_bytes)));
+    }
+    auto unreserve = [&](Status st) {
+      srv_.staging_total_.fetch_sub(bytes, std::memory_order_relaxed);
+      return fail(std::move(st));
+    };
+    if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      return unreserve(Status::IOError(fmt::format("sizing the staging area to {} bytes: {}", bytes, std::strerror(errno))));
+    }
+    if (Status st = SealMemfd(fd, kSizeSeals, "the staging area"); !st.ok()) return unreserve(st);
+    void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) {
+      return unreserve(Status::IOError(fmt::format("mapping the staging area: {}", std::strerror(errno))));
+    }
+    staging_fd_ = fd;
+    staging_bytes_ = bytes;
+    staging_ = static_cast<std::byte*>(m);
+    return Status::OK();
+  }
+
+  bool SendWithFd(const std::vector<std::byte>& frame) {
+    const int fd = socket_.native_handle();
+    const int fds[2] = {staging_fd_, srv_.arena_ro_fd_};
+    const size_t nfds = lend_ ? 2 : 1;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(fds))] = {};
+    iovec iov{const_cast<std::byte*>(frame.data()), frame.size()};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = CMSG_SPACE(nfds * sizeof(int));
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(nfds * sizeof(int));
+    std::memcpy(CMSG_DATA(c), fds, nfds * sizeof(int));
+    size_t sent = 0;
+    while (sent < frame.size()) {
+      ssize_t k = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
+      if (k < 0 && errno == EINTR) continue;
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));  // a fresh socket: rare
+        continue;
+      }
+      if (k <= 0) return false;
+      sent += static_cast<size_t>(k);
+      iov.iov_base = const_cast<std::byte*>(frame.data()) + sent;
+      iov.iov_len = frame.size() - sent;
+      msg.msg_control = nullptr;  // the fds go once
+      msg.msg_controllen = 0;
+    }
+    return true;
+  }
+
+  void Subscribe() {
+    const uint64_t rid = header_.request_id;
+    if (subscription_ == 0) {
+      std::weak_ptr<Session> weak = shared_from_this();
+      subscription_ = srv_.store_->Subscribe(ns_, [weak](const wire::EventRecord& e) {
+        if (auto self = weak.lock()) {
+          asio::post(self->strand_, [self, e] { self->PushEvent(e); });
+        }
+      });
+    }
+    QueueWrite(wire::EncodeFrame(wire::Opcode::kSubscribe, wire::kFlagResponse, rid, {}));
+  }
+
+  void PushEvent(const wire::EventRecord& e) {
+    if (closed_ || closing_) return;
+    if (queued_bytes_ > srv_.options_.max_inflight_bytes) {
+      // A subscriber that does not read its events must not hold memory without bound.
+      srv_.metrics_.SlowClientDropped();
+      spdlog::warn("session {}: {} bytes of replies and events unread; disconnecting", id_, queued_bytes_);
+      closing_ = true;
+      boost::system::error_code ignored;
+      socket_.shutdown(GenericSocket::shutdown_both, ignored);
+      return MaybeClose();
+    }
+    QueueWrite(wire::EncodeFrame(wire::Opcode::kEvent, 0, 0, wire::Encode(wire::EventBatch{event_seq_++, {e}})));
+  }
+
+  // A request's payload as HandleFrame decoded it (the lists hold spans into the payload).
+  struct Decoded {
+    std::optional<wire::HashList> get;          // GET, SHM_GET
+    std::optional<wire::PutRequest> put;        // PUT
+    std::optional<wire::ShmPutRequest> shm_put;  // SHM_PUT
+    std::optional<wire::GetRangesRequest> ranges;  // GET_RANGES (owns its lists)
+  };
+
+  void Dispatch(const wire::FrameHeader& h, Payload payload, Decoded& decoded) {
+    const std::vector<wire::WireHash>* get_hashes = decoded.get ? &decoded.get->hashes : nullptr;
+    // The client is done with what its previous SHM_GET lent it (api/PROTOCOL.md).
+    if (h.opcode == wire::Opcode::kShmGet || h.opcode == wire::Opcode::kShmRelease) {
+      lent_.clear();
+      lent_bytes_ = 0;
+    }
+    // A GET that memory can answer is served here, saving two thread hops.
+    if (h.opcode == wire::Opcode::kGet || h.opcode == wire::Opcode::kShmGet) {
+      const auto t0 = Clock::now();
+      std::optional<Reply> fast = h.opcode == wire::Opcode::kGet ? FastGet(*get_hashes) : FastShmGet(*get_hashes);
+      if (fast) {
+        OutFrame frame = std::move(*fast).ToFrame(h.opcode, h.request_id);
+        srv_.metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
+        if (frame.recheck.empty()) {
+          QueueWrite(std::move(frame));
+        } else {
+          SendChecked(std::move(frame));
+        }
+        return;
+      }
+    }
+    if ((decoded.put || decoded.shm_put) && TryPutHere(h, payload.size(), decoded)) return;
+    // A GET served by a worker builds its reply there: the bytes it may take are reserved from
+    // the budget now, and the reply defers what does not fit them (at least one item is always
+    // answered, so the client progresses).
+    uint64_t reply_limit = 0;
+    Charge reserved(&srv_.budget_, account_);
+    if (h.opcode == wire::Opcode::kGet) {
+      const uint64_t room = srv_.budget_.limit() - std::min(srv_.budget_.limit(), srv_.budget_.used());
+      reply_limit = std::clamp<uint64_t>(room, kConnectionAllowance, srv_.options_.max_frame_bytes);
+      reserved.Add(reply_limit);
+    } else if (decoded.ranges) {
+      // The most its reply can take, reserved for the worker that builds it, and counted in
+      // flight, so pipelined requests cannot pass the budget.
+      reply_limit = wire::GetRangesReplyBound(*decoded.ranges);
+      reserved.Add(reply_limit);
+    }
+    const uint64_t bytes = payload.size() + reply_limit;
+    inflight_bytes_ += bytes;
+    ++inflight_requests_;
+    auto self = shared_from_this();
+    const auto t0 = Clock::now();
+    // On a worker: frames the reply, then hands it to the connection's strand.
+    auto complete = [self, h, bytes, t0, reserved = std::make_shared<Charge>(std::move(reserved))](Result<Reply> reply) {
+      OutFrame frame = reply.ok() ? std::move(*reply).ToFrame(h.opcode, h.request_id)
+                                  : OutFrame(ErrorFrame(h.request_id, reply.status()));
+      self->srv_.metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), !reply.ok());
+      asio::post(self->strand_, [self, bytes, frame = std::move(frame), reserved]() mutable {
+        self->inflight_bytes_ -= bytes;
+        --self->inflight_requests_;
+        self->QueueWrite(std::move(frame));  // charged as queued; the reservation goes now
+        reserved->Release();
+      });
+    };
+    if (h.opcode == wire::Opcode::kGet) {
+      auto job = std::make_shared<SlicedGet>();
+      job->request.hashes = *get_hashes;
+      job->builder.emplace(*this, job->request.hashes, reply_limit, /*unchecked=*/false, /*host_pages=*/false);
+      payload.Reset();
+      srv_.SubmitWork(id_, [self, job, complete = std::move(complete)]() mutable {
+        self->StepGet(job, [complete = std::move(complete)](Reply r) mutable { complete(std::move(r)); });
+      });
+      return;
+    }
+    if (decoded.ranges) {  // served from the request HandleFrame decoded, moved to the worker
+      payload.Reset();
+      srv_.SubmitWork(id_, [self, req = std::move(*decoded.ranges), complete = std::move(complete)]() mutable {
+        complete(self->HandleGetRanges(req));
+      });
+      return;
+    }
+    srv_.SubmitWork(id_, [self, h, payload = std::move(payload), complete = std::move(complete)]() mutable {
+      Result<Reply> reply = self->Handle(h, payload.span());
+      payload.Reset();
+      complete(std::move(reply));
+    });
+  }
+
+  // Runs on a worker thread: only reads the session's immutable-after-HELLO state.
+  Result<Reply> Handle(const wire::FrameHeader& h, std::span<const std::byte> p) {
+    DaemonStore& store = *srv_.store_;
+    Metrics& m = srv_.metrics_;
+    const uint32_t max_bundle = srv_.options_.max_frame_bytes;
+    switch (h.opcode) {
+      case wire::Opcode::kLookup: {
+        SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
+        wire::LookupReply r = store.Lookup(ns_, req.hashes);
+        m.Hits(r.prefix_blocks);
+        m.Misses(req.hashes.size() - r.prefix_blocks);
+        return wire::Encode(r);
+      }
+      case wire::Opcode::kPut: {
+        SPARSEKV_ASSIGN_OR_RETURN(wire::PutRequest req, wire::DecodePutRequest(p, max_bundle));
+        return wire::Encode(wire::StatusListReply{store.Put(ns_, req.items)});
+      }
+      case wire::Opcode::kPin: {
+        SPARSEKV_ASSIGN_OR_RETURN(wire::PinRequest req, wire::DecodePinRequest(p));
+        return wire::Encode(wire::StatusListReply{store.Pin(ns_, req.hashes, req.priority)});
+      }
+      case wire::Opcode::kUnpin: {
+        SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
+        return wire::Encode(wire::StatusListReply{store.Unpin(ns_, req.hashes)});
+      }
+      case wire::Opcode::kDelete: {
+        SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
+        return wire::Encode(wire::StatusListReply{store.Delete(ns_, req.hashes)});
+      }
+      case wire::Opcode::kStats: {
+        if (!p.empty()) return Status::InvalidArgument("STATS takes no payload");
+        wire::PayloadWriter w;
+        w.String(store.StatsJson(ns_));
+        return w.Take();
+      }
+      case wire::Opcode::kShmPut: return HandleShmPut(p);
+      case wire::Opcode::kShmGet: return HandleShmGet(p);
+      case wire::Opcode::kShmRelease: {
+        SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
+        return wire::Encode(wire::StatusListReply{std::vector<wire::ItemStatus>(req.hashes.size())});
+      }
+      default:
+        return Status::InvalidArgument(fmt::format("{} is not a request", wire::OpcodeName(h.opcode)));
+    }
+  }
+
+  // A GET reply built around the store's bytes, one item at a time, in order: bundles the store
+  // keeps alive (`keep`) are sent from where they lie, small ones copied.
+  //
+  // No reply exceeds max_frame_bytes (api/PROTOCOL.md): once the next item would take the
+  // payload past `soft_limit` (or past max_frame_bytes), it and every item after it are
+  // answered as deferred, and the client asks for them again. The first item is always
+  // answered, so every reply makes progress: with its bytes if they fit max_frame_bytes, else
+  // with ResourceExhausted.
+  //
+  // With `host_pages`, the bytes are host-tier pages that stay pinned while the reply holds
+  // them: they are charged to the server's pin budget (pin_cap_), not to the buffer budget.
+  class GetReplyBuilder {
+   public:
+    GetReplyBuilder(Session& session, std::span<const wire::WireHash> hashes, uint64_t soft_limit, bool unchecked,
+                    bool host_pages)
+        : s_(session),
+          hashes_(hashes),
+          hard_limit_(session.srv_.options_.max_frame_bytes),
+          soft_limit_(std::min<uint64_t>(soft_limit, hard_limit_)),
+          unchecked_(unchecked),
+          host_pages_(host_pages),
+          w_(wire::PayloadWriter::ReserveHeader{}),
+          size_(4 + 2 * uint64_t{hashes.size()}) {
+      w_.U32(static_cast<uint32_t>(hashes.size()));
+      f_.ext_pinned = host_pages;
+    }
+
+    // Item `i` (the next one) as the store answered it.
+    void Add(size_t i, const Status& st, std::span<const std::byte> bytes, const DaemonStore::Keep& keep) {
+      static constexpr size_t kGatherAtLeast = 4096;
+      static constexpr size_t kMaxMessage = 512;  // an item's error message, at most
+      next_ = i + 1;
+      const std::string_view message = st.message().substr(0, kMaxMessage);
+      if (!deferring_) {
+        const uint64_t item = 4 + (st.ok() ? bytes.size() : message.size());
+        if (size_ + item > (answered_ == 0 ? hard_limit_ : soft_limit_)) {
+          if (answered_ == 0 && st.ok()) {
+            // Larger than any reply may be: no request can ever fetch it.
+            const std::string why = fmt::format("a bundle of {} bytes does not fit a reply of at most {} bytes",
+                                                bytes.size(), hard_limit_);
+            w_.U8(static_cast<uint8_t>(StatusCode::kResourceExhausted));
+            w_.String(why);
+            size_ += 4 + why.size();
+            ++answered_;
+            return;
+          }
+          deferring_ = true;
+        }
+      }
+      if (deferring_) {
+        w_.U8(wire::kDeferredCode);
+        ++deferred_;
+        return;
+      }
+      ++answered_;
+      size_ += 4 + (st.ok() ? bytes.size() : message.size());
+      w_.U8(static_cast<uint8_t>(st.code()));
+      if (!st.ok()) {
+        w_.String(message);
+        return;
+      }
+      ++hits_;
+      bytes_ += bytes.size();
+      if (unchecked_) f_.recheck.push_back({i, hashes_[i], keep});
+      if (keep && (unchecked_ || bytes.size() >= kGatherAtLeast)) pinned_ += bytes.size();
+      if (keep && bytes.size() >= kGatherAtLeast) {
+        w_.U32(static_cast<uint32_t>(bytes.size()));
+        f_.own = w_.Take();
+        f_.CloseOwn(from_);
+        f_.pieces.push_back({0, 0, bytes});
+        f_.keep.push_back(keep);
+        w_.bytes() = std::move(f_.own);
+      } else {
+        w_.Reserve(bytes.size() + 64);
+        w_.Blob(bytes);
+      }
+    }
+    const DaemonStore::GetSink Sink(size_t offset = 0) {
+      return [this, offset](size_t i, const Status& st, std::span<const std::byte> bytes,
+                            const DaemonStore::Keep& keep) { Add(offset + i, st, bytes, keep); };
+    }
+    bool full() const { return deferring_; }
+    size_t next() const { return next_; }
+    uint64_t bundle_bytes() const { return bytes_; }
+
+    // The reply: the items not added yet are deferred.
+    Reply Finish() {
+      const size_t n = hashes_.size();
+      for (; next_ < n; ++next_) {
+        w_.U8(wire::kDeferredCode);
+        ++deferred_;
+      }
+      if (host_pages_ && pinned_ > 0) f_.keep.push_back(s_.srv_.ChargePins(pinned_));
+      f_.own = w_.Take();
+      f_.CloseOwn(from_);
+      // The verdict bytes, a piece of their own at the end (0: checked; set by RunRechecks).
+      f_.verdict_off = f_.own.size();
+      f_.own.resize(f_.own.size() + n, std::byte{0});
+      f_.CloseOwn(from_);
+      s_.srv_.metrics_.Hits(hits_);
+      s_.srv_.metrics_.Misses(n - hits_ - deferred_);
+      return Reply(std::move(f_));
+    }
+
+   private:
+    Session& s_;
+    std::span<const wire::WireHash> hashes_;
+    const uint64_t hard_limit_, soft_limit_;
+    const bool unchecked_, host_pages_;
+    wire::PayloadWriter w_;
+    OutFrame f_;
+    size_t from_ = 0;
+    uint64_t size_;  // the payload so far, counting 2 bytes for every item not added yet
+    uint64_t hits_ = 0, pinned_ = 0, deferred_ = 0, bytes_ = 0;
+    size_t next_ = 0, answered_ = 0;
+    bool deferring_ = false;
+  };
+
+  // A worker's GET, in slices: each turn on a worker reads at most about kSliceBytes of bundles
+  // and then goes to the back of the round (Server::Impl::SubmitWork), so a GET of many large
+  // bundles delays another connection's request by a slice, not by the whole GET. Items the
+  // reply defers are never read.
+  struct SlicedGet {
+    wire::HashList request;
+    std::optional<GetReplyBuilder> builder;
+    size_t step = 4;  // items asked of the store at a time, adapted to their size
+  };
+
+  void StepGet(const std::shared_ptr<SlicedGet>& job, std::function<void(Reply)> done) {
+    static constexpr uint64_t kSliceBytes = 1u << 20;
+    GetReplyBuilder& b = *job->builder;
+    const std::span<const wire::WireHash> all(job->request.hashes);
+    const uint64_t start_bytes = b.bundle_bytes();
+    while (b.next() < all.size() && !b.full() && b.bundle_bytes() - start_bytes < kSliceBytes) {
+      const size_t at = b.next();
+      const size_t k = std::min(job->step, all.size() - at);
+      srv_.store_->Get(ns_, all.subspan(at, k), b.Sink(at));
+      const uint64_t per_item = std::max<uint64_t>(1, b.bundle_bytes() / std::max<size_t>(1, b.next()));
+      job->step = std::clamp<size_t>(kSliceBytes / 4 / per_item, 1, 64);
+    }
+    if (b.next() < all.size() && !b.full()) {
+      srv_.SubmitWork(id_, [self = shared_from_this(), job, done = std::move(done)]() mutable {
+        self->StepGet(job, std::move(done));
+      });
+      return;
+    }
+    done(b.Finish());
+  }
+
+  // A GET served on the network thread: `serve(sink)` calls the sink for every item, in order,
+  // or returns false having called it for none (the fast path declined).
+  template <typename Serve>
+  std::optional<Reply> BuildGetReply(std::span<const wire::WireHash> hashes, Serve&& serve, uint64_t soft_limit,
+                                     bool unchecked, bool host_pages) {
+    GetReplyBuilder b(*this, hashes, soft_limit, unchecked, host_pages);
+    if (!serve(b.Sink())) return std::nullopt;
+    return b.Finish();
+  }
+
+  // From memory, the records not checked yet: SendChecked checks them once their bytes are in
+  // the kernel, and the reply's verdict bytes carry the outcome. The bytes are sent from the
+  // host tier's pages, so past the pin budget (slow readers hold many pages) the fast path
+  // declines: a worker then checks and copies them, off the network thread, within the buffer
+  // budget.
+  std::optional<Reply> FastGet(std::span<const wire::WireHash> hashes) {
+    if (!srv_.PinsBelowCap(0)) return std::nullopt;
+    return BuildGetReply(
+        hashes,
+        [&](const DaemonStore::GetSink& sink) {
+          return srv_.store_->TryGetWithoutBlocking(ns_, hashes, sink, /*check=*/false);
+        },
+        srv_.options_.max_frame_bytes, /*unchecked=*/true, /*host_pages=*/true);
+  }
+
+  // Checks what went out unchecked and fills the verdicts of `f` (its last piece).
+  void RunRechecks(OutFrame& f) {
+    for (const OutFrame::Recheck& r : f.recheck) {
+      if (!srv_.store_->Recheck(ns_, r.hash, r.keep).ok()) {
+        f.own[f.verdict_off + r.item] = std::byte{1};
+        spdlog::warn("session {}: a bundle failed its checksum as it was sent; the client is told", id_);
+      }
+    }
+    f.recheck.clear();
+  }
+
+  // Sends pieces [first, last) of `f` now, without blocking; `skip` bytes of the first were
+  // sent before. Returns the bytes sent (less than asked when the socket is full), or -1.
+  ssize_t SendNow(const OutFrame& f, size_t first, size_t last, size_t skip, int flags) {
+    std::array<iovec, 66> iov;
+    size_t n = 0;
+    for (size_t i = first; i < last && n < iov.size(); ++i) {
+      auto b = f.Bytes(f.pieces[i]);
+      if (i == first) b = b.subspan(skip);
+      iov[n++] = {const_cast<std::byte*>(b.data()), b.size()};
+    }
+    msghdr msg{};
+    msg.msg_iov = iov.data();
+    msg.msg_iovlen = n;
+    ssize_t k;
+    do {
+      k = ::sendmsg(socket_.native_handle(), &msg, flags | MSG_DONTWAIT | MSG_NOSIGNAL);
+    } while (k < 0 && errno == EINTR);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+    return k;
+  }
+
+  // A GET reply with unchecked bytes: everything but the verdicts is handed to the kernel first
+  // (MSG_MORE: the last partial segment waits for them), which brings the bytes into the cache;
+  // the check then reads them from there, and the verdicts follow. What cannot be sent at once
+  // is queued, the verdicts as a frame whose `finish` runs the checks when its turn comes.
+  void SendChecked(OutFrame f) {
+    const size_t last = f.pieces.size() - 1;  // the verdict piece
+    size_t piece = 0, skip = 0;
+    if (writes_.empty() && !writing_ && !closed_ && !write_failed_ && last <= 64) {
+      uint64_t body = 0;
+      for (size_t i = 0; i < last; ++i) body += f.pieces[i].ext.empty() ? f.pieces[i].len : f.pieces[i].ext.size();
+      const ssize_t k = SendNow(f, 0, last, 0, MSG_MORE);
+      if (k < 0) {  // the connection failed: the usual write path reports and closes
+        RunRechecks(f);  // nothing went out unchecked, should a later write succeed
+        return QueueWrite(std::move(f));
+      }
+      srv_.metrics_.BytesOut(static_cast<uint64_t>(k));
+      if (static_cast<uint64_t>(k) == body) {
+        RunRechecks(f);
+        const ssize_t v = SendNow(f, last, last + 1, 0, 0);
+        if (v == static_cast<ssize_t>(f.pieces[last].len)) {
+          srv_.metrics_.BytesOut(static_cast<uint64_t>(v));
+          return;
+        }
+        piece = last;
+        skip = v > 0 ? static_cast<size_t>(v) : 0;
+      } else {
+        for (uint64_t left = static_cast<uint64_t>(k); piece < last; ++piece) {
+          const size_t len = f.Bytes(f.pieces[piece]).size();
+          if (left < len) {
+            skip = left;
+            break;
+          }
+          left -= len;
+        }
+      }
+    }
+    // Queue the unsent rest: the body (if any), then the verdicts.
+    auto tail = std::make_shared<OutFrame>(std::move(f));
+    if (piece < last) {
+      OutFrame body;
+      body.own = tail->own;
+      body.keep = tail->keep;
+      body.ext_pinned = tail->ext_pinned;
+      for (size_t i = piece; i < last; ++i) {
+        OutFrame::Piece p = tail->pieces[i];
+        if (i == piece) {
+          if (p.ext.empty()) {
+            p.off += skip;
+            p.len -= skip;
+          } else {
+            p.ext = p.ext.subspan(skip);
+          }
+        }
+        body.pieces.push_back(p);
+        body.size += p.ext.empty() ? p.len : p.ext.size();
+      }
+      QueueWrite(std::move(body));
+      skip = 0;
+    }
+    OutFrame verdicts;
+    verdicts.own = tail->own;
+    verdicts.verdict_off = tail->verdict_off;
+    verdicts.recheck = std::move(tail->recheck);
+    OutFrame::Piece p = tail->pieces[last];
+    p.off += skip;
+    p.len -= skip;
+    verdicts.pieces.push_back(p);
+    verdicts.size = p.len;
+    if (!verdicts.recheck.empty()) {
+      verdicts.finish = [this](OutFrame& v) { RunRechecks(v); };
+    }
+    QueueWrite(std::move(verdicts));
+  }
+
+  std::optional<Reply> FastShmGet(std::span<const wire::WireHash> hashes) {
+    if (staging_ == nullptr) return std::nullopt;
+    return BuildShmGetReply(
+        hashes,
+        [&](const DaemonStore::GetSink& sink) {
+          return srv_.store_->TryGetWithoutBlocking(ns_, hashes, sink, /*check=*/true);
+        },
+        /*may_lend=*/true);
+  }
+
+  // A PUT's or SHM_PUT's items for the store, and the answers of those refused before it.
+  struct PutBatch {
+    std::vector<wire::PutItem> items;
+    std::vector<size_t> index;  // request item of each of `items`
+    std::vector<wire::ItemStatus> out;
+    uint64_t bytes = 0;
+
+    void Answer(std::vector<wire::ItemStatus> stored) {
+      for (size_t k = 0; k < stored.size(); ++k) out[index[k]] = std::move(stored[k]);
+    }
+  };
+
+  // Checks each SHM_PUT slot against the staging area's PUT half.
+  PutBatch ShmPutItems(const wire::ShmPutRequest& req) const {
+    const uint64_t put_area = staging_bytes_ / 2;
+    PutBatch b;
+    b.out.resize(req.slots.size());
+    for (size_t i = 0; i < req.slots.size(); ++i) {
+      const wire::ShmSlot& s = req.slots[i];
+      if (s.offset > put_area || s.bytes > put_area - s.offset) {
+        b.out[i] = {StatusCode::kOutOfRange,
+                    fmt::format("slot [{}, +{}) is outside the {}-byte PUT area", s.offset, s.bytes, put_area)};
+        continue;
+      }
+      if (s.bytes > srv_.options_.max_frame_bytes - 64) {  // a GET reply could never carry it
+        b.out[i] = {StatusCode::kInvalidArgument,
+                    fmt::format("a bundle of {} bytes is larger than a reply may carry (max_frame_bytes {})",
+                                s.bytes, srv_.options_.max_frame_bytes)};
+        continue;
+      }
+      b.items.push_back({s.hash, std::span<const std::byte>(staging_ + s.offset, s.bytes)});
+      b.index.push_back(i);
+      b.bytes += s.bytes;
+    }
+    return b;
+  }
+
+  Result<Reply> HandleShmPut(std::span<const std::byte> p) {
+    if (staging_ == nullptr) return Status::FailedPrecondition("SHM_PUT on a session without shared memory");
+    SPARSEKV_ASSIGN_OR_RETURN(wire::ShmPutRequest req, wire::DecodeShmPutRequest(p));
+    PutBatch b = ShmPutItems(req);
+    b.Answer(srv_.store_->Put(ns_, b.items));
+    return wire::Encode(wire::StatusListReply{std::move(b.out)});
+  }
+
+  // A PUT (or SHM_PUT) of at most kPutHereBytes is stored from the network thread when the
+  // store can take it without waiting for tier I/O: copying it into host memory costs less
+  // than the two thread hops to a worker and back, which on two cores were most of a 64 KiB
+  // PUT's time. Larger ones go to a worker, so that no connection holds this thread long.
+  // False: nothing was done, the caller dispatches the request to a worker.
+  bool TryPutHere(const wire::FrameHeader& h, size_t payload_bytes, const Decoded& decoded) {
+    PutBatch b;
+    if (decoded.put) {
+      if (payload_bytes > kPutHereBytes) return false;
+      b.items = decoded.put->items;
+      b.out.resize(b.items.size());
+      for (size_t i = 0; i < b.items.size(); ++i) b.index.push_back(i);
+    } else {
+      if (staging_ == nullptr) return false;  // the worker answers with the error
+      b = ShmPutItems(*decoded.shm_put);
+      if (b.bytes > kPutHereBytes) return false;
+    }
+    auto batch = std::make_shared<PutBatch>(std::move(b));
+    const auto t0 = Clock::now();
+    ++inflight_requests_;
+    srv_.BeginAsyncCall();
+    // The answer may come from a tier's thread, and copies of this callback may outlive the
+    // call there: it holds the session weakly and the server by pointer, so that nothing it
+    // leaves behind touches either once EndAsyncCall has let a shutdown go on.
+    Server::Impl* srv = &srv_;
+    const bool taken = srv_.store_->TryPutWithoutBlocking(
+        ns_, batch->items,
+        [weak = weak_from_this(), srv, h, t0, batch](std::vector<wire::ItemStatus> stored) {
+          batch->items.clear();  // their bytes are the request's, gone by now
+          batch->Answer(std::move(stored));
+          OutFrame frame = Reply(wire::Encode(wire::StatusListReply{std::move(batch->out)}))
+                               .ToFrame(h.opcode, h.request_id);
+          srv->metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
+          if (std::shared_ptr<Session> self = weak.lock()) {
+            asio::post(self->strand_, [self, frame = std::move(frame)]() mutable {
+              --self->inflight_requests_;
+              self->QueueWrite(std::move(frame));
+            });
+          }  // a session already gone needs no answer
+          srv->EndAsyncCall();
+        });
+    if (!taken) {
+      --inflight_requests_;
+      srv_.EndAsyncCall();
+    }
+    return taken;
+  }
+
+  // Runs on a worker thread, from the request HandleFrame decoded.
+  Result<Reply> HandleGetRanges(const wire::GetRangesRequest& req) {
+    // Written as the store answers: u32 count, then per item its status and, when OK, a blob.
+    wire::PayloadWriter w;
+    w.Reserve(wire::GetRangesReplyBound(req));
+    w.U32(static_cast<uint32_t>(req.items.size()));
+    srv_.store_->GetRanges(ns_, req.items, [&](size_t, const Status& st, std::span<const std::byte> bytes) {
+      if (st.ok()) {
+        w.U8(0);
+        w.Blob(bytes);
+        return;
+      }
+      w.U8(static_cast<uint8_t>(st.code()));
+      const std::string_view msg = st.message();
+      w.String(msg.substr(0, wire::kMaxRangesMessageBytes));
+    });
+    return w.Take();
+  }
+
+  Result<Reply> HandleShmGet(std::span<const std::byte> p) {
+    if (staging_ == nullptr) return Status::FailedPrecondition("SHM_GET on a session without shared memory");
+    SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
+    return *BuildShmGetReply(
+        req.hashes,
+        [&](const DaemonStore::GetSink& sink) {
+          srv_.store_->Get(ns_, req.hashes, sink);
+          return true;
+        },
+        /*may_lend=*/false);  // a worker thread: lent_ belongs to the strand
+  }
+
+  // Answers with where each bundle lies: in the host arena, lent in place (the session maps it
+  // and holds the page until its next SHM_GET), or copied into the GET half of the staging area.
+  template <typename Serve>
+  std::optional<Reply> BuildShmGetReply(std::span<const wire::WireHash> hashes, Serve&& serve, bool may_lend) {
+    const DaemonStore::Arena& arena = srv_.arena_;
+    const uint64_t limit = staging_bytes_;
+    uint64_t off = staging_bytes_ / 2;
+    wire::ShmGetReply reply;
+    reply.status.resize(hashes.size());
+    uint64_t hits = 0;
+    const bool served = serve([&](size_t i, const Status& st, std::span<const std::byte> bytes,
+                                  const DaemonStore::Keep& keep) {
+      if (!st.ok()) {
+        reply.status[i] = {st.code(), std::string(st.message())};
+        return;
+      }
+      if (may_lend && lend_ && keep && bytes.data() >= arena.base &&
+          bytes.data() + bytes.size() <= arena.base + arena.bytes && lent_bytes_ + bytes.size() <= staging_bytes_ / 2 &&
+          srv_.PinsBelowCap(bytes.size())) {
+        // Offsets at or past the staging area's size name the arena.
+        reply.slots.push_back({hashes[i], staging_bytes_ + static_cast<uint64_t>(bytes.data() - arena.base),
+                               static_cast<uint32_t>(bytes.size())});
+        lent_.push_back(keep);
+        lent_.push_back(srv_.ChargePins(bytes.size()));
+        lent_bytes_ += bytes.size();
+        ++hits;
+        return;
+      }
+      if (bytes.size() > limit - off) {
+        reply.status[i] = {StatusCode::kResourceExhausted, "bundle does not fit the shared GET area; use GET"};
+        return;
+      }
+      std::memcpy(staging_ + off, bytes.data(), bytes.size());
+      reply.slots.push_back({hashes[i], off, static_cast<uint32_t>(bytes.size())});
+      off += (bytes.size() + 63) & ~uint64_t{63};
+      ++hits;
+    });
+    if (!served) return std::nullopt;
+    srv_.metrics_.Hits(hits);
+    srv_.metrics_.Misses(hashes.size() - hits);
+    return Reply(wire::Encode(reply));
+  }
+
+  void Discard() {
+    socket_.async_read_some(asio::buffer(discard_),
+                            asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t) {
+                              if (ec) {
+                                self->reading_ = false;
+                                return self->MaybeClose();
+                              }
+                              self->Discard();
+                            }));
+  }
+
+  // Answers a malformed frame with an ERROR frame and closes. Returns false (stop reading).
+  bool FailFrame(uint64_t request_id, const Status& st) {
+    payload_.Reset();
+    in_frame_ = false;
+    srv_.metrics_.BadFrame();
+    // Rate-limited: a client can open connections that each send a bad frame faster than a log
+    // should grow (sparsekv_bad_frames_total counts them all).
+    if (const uint64_t quiet = srv_.bad_frame_log_.Allow(); quiet != kLogSuppressed) {
+      spdlog::warn("session {}: closing after a bad frame: {}{}", id_, st.ToString(),
+                   quiet > 0 ? fmt::format(" ({} more bad frames not logged before this one)", quiet) : "");
+    }
+    closing_ = true;
+    QueueWrite(ErrorFrame(request_id, st));
+    MaybeClose();
+    return false;
+  }
+
+  void QueueWrite(OutFrame frame) {
+    // Once a write failed, or the peer was given up on, nothing more can reach it: a reply
+    // finished meanwhile (by a worker) is dropped, and its bytes go back to the budget.
+    if (closed_ || write_failed_) return;
+    // Charged to the buffer budget while queued: what the frame owns, and bytes it sends from
+    // elsewhere unless they are host pages (the pin budget counts those).
+    uint64_t charge = frame.own.size();
+    if (!frame.ext_pinned) {
+      for (const OutFrame::Piece& p : frame.pieces) charge += p.ext.size();
+    }
+    frame.charge = Charge(&srv_.budget_, account_);
+    frame.charge.Add(charge);
+    queued_bytes_ += frame.size;
+    writes_.push_back(std::move(frame));
+    if (!writing_) DoWrite();
+  }
+
+  // Writes every queued frame, up to kMaxGather pieces, with one gathering write.
+  void DoWrite() {
+    if (writes_.empty()) {
+      writing_ = false;
+      PublishIdle();
+      if (paused_ && !closing_) {
+        paused_ = false;
+        ReadHeader();
+      }
+      return MaybeClose();
+    }
+    static constexpr size_t kMaxGather = 64;
+    writing_ = true;
+    gather_.clear();
+    size_t frames = 0;
+    for (OutFrame& f : writes_) {
+      if (frames > 0 && gather_.size() + f.pieces.size() > kMaxGather) break;
+      if (f.finish) {
+        // Its checks read what the frames before it sent: those must be written first.
+        if (frames > 0) break;
+        auto finish = std::move(f.finish);
+        f.finish = nullptr;
+        finish(f);
+      }
+      for (const auto& p : f.pieces) {
+        const auto b = f.Bytes(p);
+        gather_.emplace_back(b.data(), b.size());
+      }
+      ++frames;
+    }
+    write_started_ = Clock::now();
+    asio::async_write(socket_, gather_, SendWhole(),
+                      asio::bind_executor(strand_, [self = shared_from_this(), frames](boost::system::error_code ec,
+                                                                                       size_t n) {
+                        self->srv_.metrics_.BytesOut(n);
+                        self->last_active_ = Clock::now();
+                        for (size_t i = 0; i < frames; ++i) {
+                          self->queued_bytes_ -= self->writes_.front().size;
+                          self->writes_.pop_front();
+                        }
+                        if (ec) {
+                          self->write_failed_ = true;
+                          self->writes_.clear();
+                          self->queued_bytes_ = 0;
+                          self->closing_ = true;
+                          self->writing_ = false;
+                          return self->MaybeClose();
+                        }
+                        self->DoWrite();
+                      }));
+  }
+
+  // Closes once nothing is being read, served or written. First a lingering close: FIN after the
+  // last reply, then read and discard until the peer closes (at most 1 s), because closing a
+  // socket with unread input sends a reset that can destroy the ERROR frame before it is read.
+  void MaybeClose() {
+    if (closed_ || !closing_ || reading_ || writing_ || inflight_requests_ > 0) return;
+    if (!lingering_) {
+      lingering_ = true;
+      boost::system::error_code ignored;
+      socket_.shutdown(GenericSocket::shutdown_send, ignored);
+      reading_ = true;
+      Discard();
+      linger_.expires_after(std::chrono::seconds(1));
+      linger_.async_wait(asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
+        if (ec || self->closed_) return;
+        boost::system::error_code ignored2;
+        self->socket_.cancel(ignored2);
+      }));
+      return;
+    }
+    closed_ = true;
+    linger_.cancel();
+    tick_.cancel();
+    if (parked_ != Resume::kNone) {
+      parked_ = Resume::kNone;
+      account_->parked.store(false, std::memory_order_release);
+    }
+    payload_.Reset();
+    if (subscription_) srv_.store_->Unsubscribe(subscription_);
+    boost::system::error_code ignored;
+    socket_.close(ignored);
+    srv_.OnSessionClosed(this);
+  }
+
+  Server::Impl& srv_;
+  GenericSocket socket_;
+  asio::strand<asio::io_context::executor_type> strand_;
+  asio::steady_timer tick_;
+  asio::steady_timer linger_;
+  const bool is_unix_;
+  const uint64_t id_;
+  const Clock::time_point created_;
+  std::shared_ptr<Account> account_ = std::make_shared<Account>();  // this connection's share of the budget
+  std::atomic<int64_t> idle_since_{0};
+  std::atomic<bool> in_park_list_{false};
+  Resume parked_ = Resume::kNone;
+  bool in_frame_ = false;           // a header was read and its payload is not all in
+  bool write_failed_ = false;       // a write failed, or the write timeout struck
+  size_t got_ = 0;                  // payload bytes in so far
+  Clock::time_point frame_start_{}, write_started_{};
+
+  ReadBuffer rbuf_{&srv_.grown_rbuf_total_};  // received, not yet handled: [rpos_, rend_)
+  size_t rpos_ = 0, rend_ = 0;
+  Charge rbuf_charge_;     // the bytes of a grown rbuf_ written so far
+  bool trimming_ = false;  // the read under way was cancelled to give a grown rbuf_ back
+  Clock::time_point last_active_{};
+  wire::FrameHeader header_;
+  Payload payload_;
+  std::deque<OutFrame> writes_;
+  std::vector<asio::const_buffer> gather_;  // the write in progress
+  uint64_t queued_bytes_ = 0;
+  uint64_t inflight_bytes_ = 0;
+  int inflight_requests_ = 0;
+  bool reading_ = false, writing_ = false, paused_ = false, closing_ = false, closed_ = false;
+  bool lingering_ = false;
+  std::array<std::byte, 4096> discard_{};
+  bool authed_ = false;
+  uint32_t ns_ = 0;
+  uint64_t subscription_ = 0;
+  uint64_t event_seq_ = 1;
+  int staging_fd_ = -1;
+  std::byte* staging_ = nullptr;
+  uint64_t staging_bytes_ = 0;
+  bool lend_ = false;                     // the client mapped the host arena
+  std::vector<DaemonStore::Keep> lent_;  // what the last SHM_GET lent in place
+  uint64_t lent_bytes_ = 0;
+};
+
+void Server::Impl::Accept(asio::ip::tcp::acceptor& acceptor) {
+  acceptor.async_accept([this, &acceptor](boost::system::error_code ec, asio::ip::tcp::socket s) {
+    if (ec) {
+      if (ec != asio::error::operation_aborted) Accept(acceptor);
+      return;
+    }
+    boost::system::error_code ignored;
+    s.set_option(asio::ip::tcp::no_delay(true), ignored);
+    Admit(GenericSocket(std::move(s)), false);
+    Accept(acceptor);
+  });
+}
+
+void Server::Impl::AcceptUnix() {
+  unix_->async_accept([this](boost::system::error_code ec, asio::local::stream_protocol::socket s) {
+    if (ec) {
+      if (ec != asio::error::operation_aborted) AcceptUnix();
+      return;
+    }
+    Admit(GenericSocket(std::move(s)), true);
+    AcceptUnix();
+  });
+}
+
+// A new connection. Before HELLO it counts against max_handshakes: at that limit the oldest
+// handshake is closed to make room (a well-behaved client sends HELLO at once, so the oldest is
+// the likeliest to be stuck). Sockets past twice every limit (connections still closing) are
+// refused outright.
+void Server::Impl::Admit(GenericSocket socket, bool is_unix) {
+  auto s = std::make_shared<Session>(*this, std::move(socket), is_unix, next_session_.fetch_add(1));
+  std::shared_ptr<Session> oldest;
+  bool refuse = false;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (draining_) return;  // the socket closes with `s`
+    const uint64_t hard = 2ull * (uint64_t{options_.max_connections} + options_.max_handshakes) + 16;
+    if (sessions_.size() >= hard) {
+      refuse = true;
+      s->counted_ = Session::Counted::kNone;
+    } else {
+      if (handshaking_ >= std::max(1u, options_.max_handshakes)) {
+        for (const auto& other : sessions_) {
+          if (other->counted_ == Session::Counted::kHandshake && (!oldest || other->created() < oldest->created())) {
+            oldest = other;
+          }
+        }
+        if (oldest) {
+          oldest->counted_ = Session::Counted::kNone;
+          --handshaking_;
+        }
+      }
+      ++handshaking_;
+    }
+    sessions_.insert(s);
+  }
+  metrics_.ConnectionOpened();
+  if (refuse) {
+    metrics_.ConnectionRejected();
+    s->Refuse(Status::ResourceExhausted(
+        fmt::format("sparsekvd has too many connections open or closing (limit {})", options_.max_connections)));
+    return;
+  }
+  if (oldest) {
+    metrics_.HandshakeTimedOut();
+    oldest->CloseWithError(Status::ResourceExhausted(fmt::format(
+        "closed: {} connections had not finished HELLO and this was the oldest", options_.max_handshakes)));
+  }
+  s->Start();
+}
+
+Status Server::Impl::AdmitAuthenticated(Session* s, uint32_t ns) {
+  std::shared_ptr<Session> victim;
+  std::string why;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (s->counted_ != Session::Counted::kHandshake) {
+      return Status::Aborted("the connection was closed while it said HELLO");
+    }
+    const NamespaceConfig& nc = options_.namespaces[ns - 1];
+    if (nc.max_connections > 0 && namespace_conns_[ns] >= nc.max_connections) {
+      victim = LongestIdle(ns, s);
+      if (!victim) {
+        return Status::ResourceExhausted(fmt::format(
+            "namespace '{}' has its {} connections and none is idle; try again later", nc.name, nc.max_connections));
+      }
+      why = fmt::format("closed to admit a new connection: namespace '{}' has at most {} and this one was idle the "
+                        "longest",
+                        nc.name, nc.max_connections);
+    } else if (authenticated_ + resp_conns_ >= options_.max_connections) {
+      victim = LongestIdle(0, s);
+      if (!victim) {
+        return Status::ResourceExhausted(fmt::format(
+            "sparsekvd serves at most {} connections and none is idle; try again later", options_.max_connections));
+      }
+      why = fmt::format("closed to admit a new connection: sparsekvd serves at most {} and this one was idle the "
+                        "longest",
+                        options_.max_connections);
+    }
+    if (victim) {
+      --authenticated_;
+      --namespace_conns_[victim->counted_ns_];
+      victim->counted_ = Session::Counted::kNone;
+    }
+    --handshaking_;
+    ++authenticated_;
+    ++namespace_conns_[ns];
+    s->counted_ = Session::Counted::kAuthenticated;
+    s->counted_ns_ = ns;
+  }
+  if (victim) {
+    metrics_.IdleConnectionReplaced();
+    spdlog::info("{}", why);
+    victim->CloseWithError(Status::ResourceExhausted(why));
+  }
+  return Status::OK();
+}
+
+std::shared_ptr<Session> Server::Impl::LongestIdle(uint32_t ns, const Session* except) {
+  std::shared_ptr<Session> best;
+  int64_t best_since = 0;
+  for (const auto& other : sessions_) {
+    if (other.get() == except || other->counted_ != Session::Counted::kAuthenticated) continue;
+    if (ns != 0 && other->counted_ns_ != ns) continue;
+    const int64_t since = other->idle_since();
+    if (since == 0) continue;  // busy
+    if (!best || since < best_since) {
+      best = other;
+      best_since = since;
+    }
+  }
+  return best;
+}
+
+void Server::Impl::Park(std::weak_ptr<Session> s, std::atomic<bool>& listed) {
+  if (listed.exchange(true, std::memory_order_acq_rel)) return;  // listed already
+  std::lock_guard<std::mutex> l(park_mu_);
+  parked_.emplace_back(std::move(s), &listed);
+  budget_.waiters_.store(static_cast<int>(parked_.size()), std::memory_order_release);
+}
+
+// Every parked connection looks again (posted to its strand); those that still find no room
+// park again.
+void Server::Impl::WakeParked() {
+  std::vector<std::pair<std::weak_ptr<Session>, std::atomic<bool>*>> woken;
+  {
+    std::lock_guard<std::mutex> l(park_mu_);
+    woken.swap(parked_);
+    budget_.waiters_.store(0, std::memory_order_release);
+  }
+  for (auto& [weak, listed] : woken) {
+    if (auto s = weak.lock()) {
+      listed->store(false, std::memory_order_release);
+      s->ResumeFromPark();
+    }
+  }
+}
+
+void Server::Impl::Shutdown() {
+  std::vector<std::shared_ptr<Session>> sessions;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (draining_) return;
+    draining_ = true;
+    sessions.assign(sessions_.begin(), sessions_.end());
+  }
+  asio::post(control_, [this] {
+    boost::system::error_code ignored;
+    if (tcp_) tcp_->close(ignored);
+    ReleaseUnixPath();
+    if (unix_) unix_->close(ignored);
+    if (metrics_acceptor_) metrics_acceptor_->close(ignored);
+    signals_.cancel(ignored);
+    std::lock_guard<std::mutex> l(mu_);  // FinishIfDrained's handler cancels it from another thread
+    if (stopped_) return;
+    drain_deadline_ = std::make_unique<asio::steady_timer>(io_, std::chrono::seconds(10));
+    drain_deadline_->async_wait(asio::bind_executor(control_, [this](boost::system::error_code ec) {
+      if (ec) return;
+      spdlog::warn("drain deadline passed with connections still open; stopping");
+      std::lock_guard<std::mutex> l(mu_);
+      sessions_.clear();
+      if (resp_) resp_->CloseAll();
+      FinishIfDrained();
+    }));
+  });
+  for (auto& s : sessions) s->BeginDrain();
+  if (resp_) resp_->BeginDrain();
+  std::lock_guard<std::mutex> l(mu_);
+  FinishIfDrained();
+}
+
+void Server::Impl::OnSessionClosed(Session* s) {
+  metrics_.ConnectionClosed();
+  std::lock_guard<std::mutex> l(mu_);
+  if (s->counted_ == Session::Counted::kHandshake) {
+    --handshaking_;
+  } else if (s->counted_ == Session::Counted::kAuthenticated) {
+    --authenticated_;
+    --namespace_conns_[s->counted_ns_];
+  }
+  s->counted_ = Session::Counted::kNone;
+  for (auto it = sessions_.begin(); it != sessions_.end(); ++it) {
+    if (it->get() == s) {
+      // The session may be running its last handler: release it after that returns.
+      asio::post(io_, [keep = *it] {});
+      sessions_.erase(it);
+      break;
+    }
+  }
+  FinishIfDrained();
+}
+
+}  // namespace sparsekv::server
