@@ -264,11 +264,13 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
   // ---- reading and parsing ----
 
   void MaybeRead() {
-    if (reading_ || closing_ || busy_ || closed_ || eof_) return;
+    if (reading_ || closing_ || busy_ || closed_ || eof_ || parked_) return;
     if (out_bytes_ >= host_.options->max_inflight_bytes) return;  // DoWrite's completion reads again
-    // Room: at least what the request under way needs, else a chunk.
+    // Room for what the request under way needs, but grown as its bytes arrive (at most doubling
+    // what is held, plus a chunk), never at the size a header claims: `*1048576` or `$60000000`
+    // followed by nothing costs the daemon a chunk, not 4 or 60 MiB.
     const size_t held = end_ - begin_;
-    size_t want = std::max(need_, held + 4096);
+    size_t want = std::max(held + 4096, std::min(need_, 2 * held + kReadChunk));
     // A client that fills every read (a deep pipeline) gets a larger buffer, up to kReadChunk:
     // its whole pipeline is then read, served as one batch and answered with one send.
     if (last_read_full_ && cap_ < kReadChunk) want = std::max(want, std::min(2 * std::max(cap_, kSmall), kReadChunk));
@@ -318,6 +320,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
             self->Process();
             return self->MaybeClose();
           }
+          self->shrinking_ = false;
           self->last_read_full_ = self->end_ + n == self->cap_;
           self->end_ += n;
           self->last_active_ = Clock::now();
@@ -335,7 +338,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     if (!parked_) return;
     parked_ = false;
     account_->parked.store(false, std::memory_order_release);
-    MaybeRead();
+    if (!busy_) Process();  // serves what is buffered, then reads
   }
 
   // Serves the buffered requests, in order, until one has to wait (a worker, a tier) or the

@@ -1232,6 +1232,59 @@ def test_write_through_survives_kill_9():
         assert d.stop() == 0
 
 
+@sparsekv_only
+def test_metrics_and_the_connection_limit():
+    """/metrics counts RESP commands by name; past max_connections a RESP client gets Redis's
+    refusal and the connection is closed, while the ones admitted go on being served."""
+    import urllib.request
+    mport = _free_port()
+    d = Daemon(resp=True, extra_config={"metrics_listen": f"127.0.0.1:{mport}", "max_connections": 4})
+    socks = []
+    try:
+        c = redis.Redis(host="127.0.0.1", port=d.resp_port)
+        assert c.set("m", "v") is True
+        assert c.get("m") == b"v" and c.get("m") == b"v"
+        with pytest.raises(redis.ResponseError):
+            c.execute_command("NOSUCH")
+        for _ in range(3):
+            s = socket.create_connection(("127.0.0.1", d.resp_port), timeout=10)
+            s.sendall(b"PING\r\n")
+            assert s.recv(100) == b"+PONG\r\n"
+            socks.append(s)
+        extra = socket.create_connection(("127.0.0.1", d.resp_port), timeout=10)
+        extra.sendall(b"PING\r\n")
+        data = b""
+        while True:
+            chunk = extra.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        extra.close()
+        assert data == b"-ERR max number of clients reached\r\n"
+        assert c.get("m") == b"v"  # the admitted ones are served
+        for s in socks:
+            s.close()
+        socks = []
+        deadline = time.monotonic() + 10
+        while True:  # the slots come back once the server has seen the closes
+            try:
+                assert redis.Redis(host="127.0.0.1", port=d.resp_port).ping() is True
+                break
+            except (redis.ConnectionError, AssertionError):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
+        assert 'sparsekv_resp_commands_total{command="get"} 3' in text, text
+        assert 'sparsekv_resp_commands_total{command="set"} 1' in text
+        assert 'sparsekv_resp_commands_total{command="unknown"} 1' in text
+        assert 'sparsekv_resp_command_errors_total{command="unknown"} 1' in text
+        assert re.search(r"^sparsekv_resp_rejected_total [1-9]", text, re.M), text
+    finally:
+        for s in socks:
+            s.close()
+        assert d.stop() == 0
+
+
 # --- hiredis ------------------------------------------------------------------------------------
 
 
