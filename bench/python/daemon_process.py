@@ -137,3 +137,47 @@ class Daemon:
                 self.proc.wait()
         self.dir.cleanup()
         return self.proc.returncode
+
+
+class RedisServer:
+    """A plain redis-server child on a free loopback port and a Unix socket, with no persistence:
+    the attributes a Daemon(resp=True) has that RESP tests and benchmarks use (resp_port,
+    resp_tcp, resp_unix_path, stop). `config_lines` go into its redis.conf."""
+
+    def __init__(self, binary="redis-server", config_lines=(), maxmemory=None):
+        self.dir = tempfile.TemporaryDirectory(prefix="sparsekv_redis_")
+        self.resp_port = _free_port()
+        self.resp_tcp = f"127.0.0.1:{self.resp_port}"
+        self.resp_unix_path = os.path.join(self.dir.name, "r.sock")
+        lines = [f"port {self.resp_port}", "bind 127.0.0.1", 'save ""', "appendonly no",
+                 f"unixsocket {self.resp_unix_path}", "unixsocketperm 700", f"dir {self.dir.name}",
+                 'logfile ""', *config_lines]
+        if maxmemory is not None:
+            lines += [f"maxmemory {maxmemory}", "maxmemory-policy allkeys-lru"]
+        conf = os.path.join(self.dir.name, "redis.conf")
+        with open(conf, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        self.proc = subprocess.Popen([binary, conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not _port_open(self.resp_port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def stderr_text(self):
+        return ""
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.dir.cleanup()
+        return self.proc.returncode

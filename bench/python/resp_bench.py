@@ -48,7 +48,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from daemon_process import Daemon, _free_port  # noqa: E402
+from daemon_process import Daemon, RedisServer, _free_port  # noqa: E402
 
 _CHILDREN = []  # servers to stop at exit
 
@@ -103,36 +103,10 @@ def tool_version(argv):
 # --- servers ------------------------------------------------------------------------------------
 
 
-class RedisChild:
-    def __init__(self, binary, maxmemory=None):
-        self.dir = tempfile.TemporaryDirectory(prefix="resp_bench_redis_")
-        self.resp_port = _free_port()
-        argv = [binary, "--port", str(self.resp_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", self.dir.name, "--logfile", ""]
-        if maxmemory is not None:
-            argv += ["--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru"]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _CHILDREN.append(self)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.resp_port), timeout=0.2):
-                    return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start")
-                time.sleep(0.05)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.dir.cleanup()
-        return self.proc.returncode
+def redis_child(binary, maxmemory=None):
+    r = RedisServer(binary, maxmemory=maxmemory)
+    _CHILDREN.append(r)
+    return r
 
 
 def start_sparsekvd(binary, host_bytes, ssd_bytes=None, ssd_durability=None):
@@ -359,7 +333,7 @@ def working_set(args):
            "ssd_durability": None if args.redis_only else args.ws_ssd_durability,
            "driver": "python, one connection, pipelined 64 deep",
            "redis_benchmark": f"GET -r {keys} -c {args.clients} -P 1 (uniform random keys)"}
-    r = RedisChild(args.redis_server, maxmemory=h)
+    r = redis_child(args.redis_server, maxmemory=h)
     try:
         out["redis"] = working_set_on(args, r.resp_port, keys, order, base)
     finally:
@@ -474,7 +448,7 @@ def main(argv=None):
               f"median of {args.repeats} interleaved runs")
         print(format_header(), flush=True)
 
-    redis_server = RedisChild(args.redis_server)
+    redis_server = redis_child(args.redis_server)
     servers = [("redis", redis_server.resp_port)]
     daemon = None
     if not args.redis_only:

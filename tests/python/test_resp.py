@@ -31,7 +31,8 @@ import pytest
 redis = pytest.importorskip("redis", reason="python3-redis is not installed")
 import redis.asyncio  # noqa: E402  (redis-py 4.2 and later)
 
-from daemon_process import Daemon, _free_port  # noqa: E402  (conftest puts bench/python on the path)
+import daemon_process  # noqa: E402  (conftest puts bench/python on the path)
+from daemon_process import Daemon, _free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
@@ -53,51 +54,11 @@ def need_tool(name):
 # --- Servers ------------------------------------------------------------------------------------
 
 
-class RedisServer:
-    """A plain redis-server child with the attributes of a Daemon(resp=True) that tests use."""
-
-    def __init__(self, config_lines=()):
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.skip("SPARSEKV_RESP_TARGET=redis needs redis-server")
-        self.dir = tempfile.TemporaryDirectory(prefix="sparsekv_redis_")
-        self.resp_port = _free_port()
-        self.resp_tcp = f"127.0.0.1:{self.resp_port}"
-        self.resp_unix_path = os.path.join(self.dir.name, "r.sock")
-        lines = [f"port {self.resp_port}", "bind 127.0.0.1", 'save ""', "appendonly no",
-                 f"unixsocket {self.resp_unix_path}", "unixsocketperm 700", f"dir {self.dir.name}",
-                 "logfile \"\"", *config_lines]
-        conf = os.path.join(self.dir.name, "redis.conf")
-        with open(conf, "w") as f:
-            f.write("\n".join(lines) + "\n")
-        self.proc = subprocess.Popen([binary, conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.resp_port), timeout=0.2):
-                    break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError("redis-server did not start")
-                time.sleep(0.05)
-
-    def alive(self):
-        return self.proc.poll() is None
-
-    def stderr_text(self):
-        return ""
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.dir.cleanup()
-        return self.proc.returncode
+def RedisServer(config_lines=()):  # noqa: N802  (stands where a class stood)
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("SPARSEKV_RESP_TARGET=redis needs redis-server")
+    return daemon_process.RedisServer(binary, config_lines)
 
 
 @pytest.fixture(scope="module")
