@@ -780,6 +780,20 @@ void TierChain::GetFrom(size_t tier, std::vector<size_t> slots,
         if (has[j] && lower[j] < 0) lower[j] = static_cast<int>(t);
       }
     }
+    // A key that left this tier after the read was routed here (evicted, on its way down, not
+    // yet in the tier below's index) is served from the bundle moving down, when it is the
+    // newest version: a read racing a write-back move must not miss a key the chain holds.
+    std::vector<BundlePtr> in_flight(failed_keys.size());
+    {
+      MutexLock lock(shared_->mu);
+      for (size_t j = 0; j < failed_keys.size(); ++j) {
+        if (lower[j] >= 0) continue;
+        auto m = shared_->moving.find(failed_keys[j]);
+        if (m != shared_->moving.end() && shared_->LatestLocked(failed_keys[j]) <= m->second.bundle->sequence()) {
+          in_flight[j] = m->second.bundle;
+        }
+      }
+    }
     // Below the local tiers, the remote tier is tried without asking first.
     if (tier < local_ && local_ < tiers_.size()) {
       for (int& l : lower) {
@@ -800,7 +814,14 @@ void TierChain::GetFrom(size_t tier, std::vector<size_t> slots,
           --state->unresolved;
           continue;
         }
+        BundlePtr moving_copy = std::move(in_flight[f]);
         const int next = lower[f++];
+        if (moving_copy && (next < 0 || next >= static_cast<int>(local_))) {
+          state->results[i] = std::move(moving_copy);
+          ++promoted;
+          --state->unresolved;
+          continue;
+        }
         if (next >= 0) {
           retry[static_cast<size_t>(next)].push_back(i);
           ++fallbacks;
