@@ -102,7 +102,14 @@ struct Piece {
 
 class Reply {
  public:
-  explicit Reply(int protocol) : protocol_(protocol) {}
+  // `first`: a buffer to build the first text in (a spare one keeps its capacity: no fresh
+  // pages to fault in for every reply).
+  explicit Reply(int protocol, std::string first = {}) : protocol_(protocol) {
+    if (first.capacity() > 0) {
+      pieces_.emplace_back();
+      pieces_.back().text = std::move(first);
+    }
+  }
   resp::RespWriter W() { return resp::RespWriter(Text(), protocol_); }
   std::string& Text() {
     if (pieces_.empty() || pieces_.back().keep) pieces_.emplace_back();
@@ -237,7 +244,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
   void Refuse() {
     asio::post(strand_, [self = shared_from_this()] {
       Reply r(2);
-      r.W().Error("ERR max number of clients reached");
+      r.W().Error("ERR max number of clients reached");  // (once per connection: no spare)
       self->closing_ = true;
       self->Queue(std::move(r));
       self->DoWrite();
@@ -377,7 +384,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
       if (p.outcome == resp::Outcome::kError) {
         fe_.protocol_errors_.fetch_add(1, std::memory_order_relaxed);
         host_.metrics->BadFrame();
-        Reply r(protocol_);
+        Reply r(protocol_, TakeSpare());
         r.W().Error(p.error);
         closing_ = true;
         Queue(std::move(r));
@@ -446,7 +453,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     cmd_ = cmd;
     hashes_.clear();
     for (std::string_view k : batch_keys_) hashes_.push_back(resp::KeyHash(k));
-    Reply r(protocol_);
+    Reply r(protocol_, TakeSpare());
     if (cmd == kGet) {
       const bool fast = host_.store->TryGetWithoutBlocking(
           ns_, hashes_,
@@ -514,7 +521,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     cmd_ = cmd;
     fe_.calls_[cmd].fetch_add(1, std::memory_order_relaxed);
     fe_.commands_total_.fetch_add(1, std::memory_order_relaxed);
-    Reply r(protocol_);
+    Reply r(protocol_, TakeSpare());
     auto w = r.W();
     const CmdSpec& spec = kSpecs[cmd];
     if (cmd == kUnknown) {
@@ -1623,11 +1630,27 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
         // million PINGs costs a few bytes per reply, not a string each.
         if (!out_.empty() && out_.size() > writing_n_ && !out_.back().keep && out_.back().text.size() < (64u << 10)) {
           out_.back().text += p.text;
+          KeepSpare(std::move(p.text));
           continue;
         }
       }
       out_.push_back(std::move(p));
     }
+  }
+
+  // Reply buffers written out are kept (up to kSpares, each at most kSpareBytes) and built in
+  // again, cleared: a reply of 64 KiB of values then costs no allocation and no page faults.
+  static constexpr size_t kSpares = 4;
+  static constexpr size_t kSpareBytes = 1u << 20;
+  std::string TakeSpare() {
+    if (spare_.empty()) return {};
+    std::string s = std::move(spare_.back());
+    spare_.pop_back();
+    s.clear();
+    return s;
+  }
+  void KeepSpare(std::string&& s) {
+    if (s.capacity() >= 4096 && s.capacity() <= kSpareBytes && spare_.size() < kSpares) spare_.push_back(std::move(s));
   }
 
   // The connection's share of the daemon-wide budget, taken and given back here (not by
@@ -1671,7 +1694,10 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
                       asio::bind_executor(strand_, [self = shared_from_this(), n, bytes, text](boost::system::error_code ec, size_t) {
                         self->writing_ = false;
                         self->writing_n_ = 0;
-                        for (size_t i = 0; i < n; ++i) self->out_.pop_front();
+                        for (size_t i = 0; i < n; ++i) {
+                          if (!self->out_.front().keep) self->KeepSpare(std::move(self->out_.front().text));
+                          self->out_.pop_front();
+                        }
                         self->out_bytes_ -= bytes;
                         if (!self->closed_) {
                           self->out_charged_ -= text;
@@ -1781,6 +1807,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
   std::vector<std::string> batch_storage_, batch_key_copies_;
 
   std::deque<Piece> out_;
+  std::vector<std::string> spare_;  // reply buffers to build in again (TakeSpare)
   uint64_t out_bytes_ = 0;
   size_t writing_n_ = 0;  // pieces at the front of out_ being written (not to be appended to)
 
