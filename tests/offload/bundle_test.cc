@@ -188,7 +188,12 @@ TEST(RecordBuffer, BlockSizedBuffersAreReusedWithoutFaults) {
         << "round " << round << ": padding not zeroed";
     std::memset(b.data(), 0x77, b.capacity());  // the whole buffer, padding included
   }
+#if !SPARSEKV_TSAN
+  // (Not under TSan: its runtime releases and faults in again the shadow of every large range
+  // written, 81 faults in 10 rounds here, whatever the buffer does. The reuse checks above hold
+  // there too.)
   EXPECT_LT(MinorFaults() - faults_after_warmup, 10) << "10 rounds of 6 MB buffers faulted";
+#endif
   // A smaller record of the same mapped size (three 2 MiB pages) reuses the mapping: its own
   // capacity, and its own padding zeroed over what the last owner wrote.
   {
