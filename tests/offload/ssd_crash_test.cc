@@ -49,7 +49,16 @@ TEST(SsdCrashChild, DISABLED_PutUntilKilled) {
   uint64_t id = std::strtoull(std::getenv("SPARSEKV_CRASH_BASE"), nullptr, 10);
   auto tier = SsdTier::Open(CrashOptions(dir));
   ASSERT_TRUE(tier.ok()) << tier.status().ToString();
-  for (;;) {
+  // At most kMaxPerCycle bundles a cycle (then it waits to be killed): three cycles then write
+  // at most ~380 MB, below the tier's 512 MiB, so nothing acknowledged is evicted. On a fast
+  // machine three unbounded cycles wrote 8,830 bundles (~556 MB), the tier evicted the oldest,
+  // and the whole first cycle read as lost.
+  constexpr uint64_t kMaxPerCycle = 2000;
+  for (uint64_t written = 0;; written += 4) {
+    if (written >= kMaxPerCycle) {
+      pause();
+      continue;
+    }
     std::vector<BundlePtr> batch;
     for (int i = 0; i < 4; ++i, ++id) batch.push_back(MakeBundleOfBytes(id, PayloadOf(id)));
     auto st = (*tier)->Put(batch).get();
