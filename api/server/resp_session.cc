@@ -223,7 +223,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
         strand_(asio::make_strand(*fe.host_.io)),
         tick_(*fe.host_.io),
         id_(id),
-        ns_(fe.StartNamespace()),
+        start_ns_(fe.StartNamespace()),
         account_(std::make_shared<Account>()),
         created_(Clock::now()),
         last_active_(Clock::now()) {}
@@ -235,6 +235,15 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
       if (auto self = weak.lock()) asio::post(self->strand_, [self] { self->Resume(); });
     };
     asio::post(strand_, [self = shared_from_this()] {
+      const uint32_t start = self->start_ns_;
+      if (start != 0 && !self->EnterNamespace(start)) {
+        // The start namespace is at its quota: refused as at the server's limit.
+        Reply r(2);
+        r.W().Error(self->QuotaError(start));
+        self->closing_ = true;
+        self->Queue(std::move(r));
+        return self->DoWrite();
+      }
       self->ArmTick();
       self->MaybeRead();
     });
@@ -598,7 +607,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
       case kReset:
         protocol_ = 2;
         name_.clear();
-        ns_ = fe_.StartNamespace();
+        if (const uint32_t start = fe_.StartNamespace(); start == 0 || !EnterNamespace(start)) LeaveNamespace();
         r.set_protocol(2);
         r.W().Simple("RESET");
         return Answer(std::move(r));
@@ -1363,6 +1372,26 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     r.W().Simple("OK");
   }
 
+  // ---- namespaces ----
+
+  // Moves the connection into namespace `ns`, holding one of its connections (its quota counts
+  // native and RESP connections together); false, changing nothing, at the quota.
+  bool EnterNamespace(uint32_t ns) {
+    if (ns == ns_) return true;
+    if (!host_.take_namespace(ns)) return false;
+    LeaveNamespace();
+    ns_ = ns;
+    return true;
+  }
+  void LeaveNamespace() {
+    if (ns_ != 0) host_.give_namespace(ns_);
+    ns_ = 0;
+  }
+  std::string QuotaError(uint32_t ns) const {
+    const NamespaceConfig& nc = host_.options->namespaces[ns - 1];
+    return fmt::format("ERR max number of clients reached for namespace '{}' ({})", nc.name, nc.max_connections);
+  }
+
   // ---- connection-level commands ----
 
   void Hello(Reply r) {
@@ -1397,7 +1426,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
                                              "otherwise the HELLO <proto> AUTH <user> <pass> option can be used to "
                                              "authenticate the client and select the RESP protocol version at the same "
                                              "time");
-    ns_ = ns;
+    if (!EnterNamespace(ns)) return Answer(std::move(r), QuotaError(ns));
     name_ = std::move(name);
     protocol_ = proto;
     r.set_protocol(proto);
@@ -1437,7 +1466,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
       host_.metrics->AuthFailure();
       return Answer(std::move(r), "WRONGPASS invalid username-password pair or user is disabled.");
     }
-    ns_ = ns;
+    if (!EnterNamespace(ns)) return Answer(std::move(r), QuotaError(ns));
     r.W().Simple("OK");
     Answer(std::move(r));
   }
@@ -1772,6 +1801,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     // A worker's or a write's completion may still run on this strand: it finds closed_. The
     // budget is given back now, whatever is still queued.
     GiveBudget(std::exchange(buf_charged_, 0) + std::exchange(out_charged_, 0));
+    LeaveNamespace();
     if (!writing_) {
       out_.clear();
       out_bytes_ = 0;
@@ -1785,7 +1815,8 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
   asio::strand<asio::io_context::executor_type> strand_;
   asio::steady_timer tick_;
   const uint64_t id_;
-  uint32_t ns_;  // 0 until authenticated
+  const uint32_t start_ns_;  // the namespace a connection starts in (0: it must AUTH)
+  uint32_t ns_ = 0;          // 0 until in a namespace (holding one of its connections)
   int protocol_ = 2;
   std::string name_;
   std::shared_ptr<Account> account_;

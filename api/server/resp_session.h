@@ -9,8 +9,9 @@
 //
 // Limits are the server's (ServerOptions): the same daemon-wide budget of buffered bytes, the
 // per-connection bytes in flight, the connection limit (native and RESP connections together),
-// the idle, frame and write deadlines, and the pin budget for replies sent from host memory in
-// place. A request larger than max_frame_bytes, a malformed one, a client that does not read
+// the idle, frame and write deadlines, a namespace's max_connections (a connection past it is
+// refused at connect, or its AUTH into that namespace is), and the pin budget for replies sent
+// from host memory in place. A request larger than max_frame_bytes, a malformed one, a client that does not read
 // its replies, or one that sends a request too slowly gets an error (where it can still be
 // sent) and is closed; other connections are served meanwhile and nothing stored changes.
 //
@@ -49,6 +50,10 @@ struct RespHost {
   // Takes one of the server's max_connections (false at the limit) and gives it back.
   std::function<bool()> take_slot;
   std::function<void()> give_slot;
+  // Takes one of namespace `ns`'s connections (its max_connections, native and RESP together;
+  // false at the quota) and gives it back.
+  std::function<bool(uint32_t ns)> take_namespace;
+  std::function<void(uint32_t ns)> give_namespace;
   // The pin budget for replies sent from the store's memory in place (server.cc).
   std::function<bool(uint64_t)> pins_below_cap;
   std::function<DaemonStore::Keep(uint64_t)> charge_pins;

@@ -183,6 +183,17 @@ Status Server::Impl::BindResp() {
     std::lock_guard<std::mutex> l(mu_);
     --resp_conns_;
   };
+  h.take_namespace = [this](uint32_t ns) {
+    std::lock_guard<std::mutex> l(mu_);
+    const NamespaceConfig& nc = options_.namespaces[ns - 1];
+    if (nc.max_connections > 0 && namespace_conns_[ns] >= nc.max_connections) return false;
+    ++namespace_conns_[ns];
+    return true;
+  };
+  h.give_namespace = [this](uint32_t ns) {
+    std::lock_guard<std::mutex> l(mu_);
+    --namespace_conns_[ns];
+  };
   h.pins_below_cap = [this](uint64_t n) { return PinsBelowCap(n); };
   h.charge_pins = [this](uint64_t n) { return ChargePins(n); };
   h.begin_async = [this] { BeginAsyncCall(); };

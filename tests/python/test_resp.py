@@ -1229,6 +1229,47 @@ def test_reads_racing_write_back_moves_never_miss():
 
 
 @sparsekv_only
+def test_namespace_quota_counts_resp_connections():
+    """A namespace's max_connections holds for RESP connections too: past it, an AUTH into that
+    namespace is refused (the connection stays where it was and is served), and a connection that
+    would start in it is refused; a slot given back is taken again."""
+    d = Daemon(resp=True, extra_config={"namespaces": [
+        {"name": "default", "token": "", "max_connections": 2},
+        {"name": "alpha", "token": "alpha-token", "max_connections": 1}]})
+    try:
+        time.sleep(0.3)  # the start-up probes' connections are closed and counted out
+        a1 = redis.Redis(host="127.0.0.1", port=d.resp_port, username="alpha", password="alpha-token")
+        assert a1.set("q", "alpha's") is True  # holds alpha's one connection
+        d1 = redis.Redis(host="127.0.0.1", port=d.resp_port)
+        assert d1.set("q", "default's") is True  # one of default's two
+        raw = Raw(d.resp_port)  # default's second
+        assert raw.cmd("AUTH", "alpha", "alpha-token").startswith("ERR max number of clients reached for namespace")
+        assert raw.cmd("GET", "q") == b"default's"  # still in default, still served
+        third = socket.create_connection(("127.0.0.1", d.resp_port), timeout=10)
+        data = b""
+        while True:
+            chunk = third.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        third.close()
+        assert data.startswith(b"-ERR max number of clients reached for namespace 'default'"), data
+        a1.connection_pool.disconnect()  # alpha's slot comes back once the server has seen the close
+        deadline = time.monotonic() + 10
+        while True:
+            reply = raw.cmd("AUTH", "alpha", "alpha-token")
+            if reply == "OK":
+                break
+            assert time.monotonic() < deadline, reply
+            time.sleep(0.05)
+        assert raw.cmd("GET", "q") == b"alpha's"
+        raw.close()
+        d1.close()
+    finally:
+        assert d.stop() == 0
+
+
+@sparsekv_only
 def test_metrics_and_the_connection_limit():
     """/metrics counts RESP commands by name; past max_connections a RESP client gets Redis's
     refusal and the connection is closed, while the ones admitted go on being served."""
