@@ -1228,6 +1228,17 @@ def test_reads_racing_write_back_moves_never_miss():
         assert d.stop() == 0
 
 
+def read_until_closed(sock):
+    """Everything `sock` receives until the server closes it; the socket is closed then."""
+    data = b""
+    with sock:
+        while True:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return data
+            data += chunk
+
+
 @sparsekv_only
 def test_namespace_quota_counts_resp_connections():
     """A namespace's max_connections holds for RESP connections too: past it, an AUTH into that
@@ -1245,14 +1256,7 @@ def test_namespace_quota_counts_resp_connections():
         raw = Raw(d.resp_port)  # default's second
         assert raw.cmd("AUTH", "alpha", "alpha-token").startswith("ERR max number of clients reached for namespace")
         assert raw.cmd("GET", "q") == b"default's"  # still in default, still served
-        third = socket.create_connection(("127.0.0.1", d.resp_port), timeout=10)
-        data = b""
-        while True:
-            chunk = third.recv(4096)
-            if not chunk:
-                break
-            data += chunk
-        third.close()
+        data = read_until_closed(socket.create_connection(("127.0.0.1", d.resp_port), timeout=10))
         assert data.startswith(b"-ERR max number of clients reached for namespace 'default'"), data
         a1.connection_pool.disconnect()  # alpha's slot comes back once the server has seen the close
         deadline = time.monotonic() + 10
@@ -1290,13 +1294,7 @@ def test_metrics_and_the_connection_limit():
             socks.append(s)
         extra = socket.create_connection(("127.0.0.1", d.resp_port), timeout=10)
         extra.sendall(b"PING\r\n")
-        data = b""
-        while True:
-            chunk = extra.recv(4096)
-            if not chunk:
-                break
-            data += chunk
-        extra.close()
+        data = read_until_closed(extra)
         assert data == b"-ERR max number of clients reached\r\n"
         assert c.get("m") == b"v"  # the admitted ones are served
         for s in socks:
