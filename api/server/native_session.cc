@@ -1709,7 +1709,7 @@ void Server::Impl::Accept(asio::ip::tcp::acceptor& acceptor) {
 }
 
 void Server::Impl::AcceptUnix() {
-  unix_->async_accept([this](boost::system::error_code ec, asio::local::stream_protocol::socket s) {
+  unix_.acceptor()->async_accept([this](boost::system::error_code ec, asio::local::stream_protocol::socket s) {
     if (ec) {
       if (ec != asio::error::operation_aborted) AcceptUnix();
       return;
@@ -1863,8 +1863,8 @@ void Server::Impl::Shutdown() {
   asio::post(control_, [this] {
     boost::system::error_code ignored;
     if (tcp_) tcp_->close(ignored);
-    ReleaseUnixPath();
-    if (unix_) unix_->close(ignored);
+    unix_.Release();
+    if (unix_.acceptor()) unix_.acceptor()->close(ignored);
     if (metrics_acceptor_) metrics_acceptor_->close(ignored);
     signals_.cancel(ignored);
     std::lock_guard<std::mutex> l(mu_);  // FinishIfDrained's handler cancels it from another thread

@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,7 +14,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <filesystem>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -151,14 +149,12 @@ class RespFrontEnd::Impl {
       if (o.namespaces[i].name == "default") default_ns_ = static_cast<uint32_t>(i + 1);
     }
   }
-  ~Impl() { ReleaseUnixPath(); }
 
   Status Bind(const std::string& tcp_listen, const std::string& unix_path);
   void Accept();
   void AcceptUnix();
   void Admit(GenericSocket socket, bool is_unix);
   void Closed(RespConnection* c);
-  void ReleaseUnixPath();
 
   // The namespace id a fresh connection starts in (0: it must AUTH first).
   uint32_t StartNamespace() const {
@@ -191,9 +187,7 @@ class RespFrontEnd::Impl {
   std::chrono::milliseconds tick_{1000};
   uint32_t default_ns_ = 0;
   std::unique_ptr<asio::ip::tcp::acceptor> tcp_;
-  std::unique_ptr<asio::local::stream_protocol::acceptor> unix_;
-  std::string unix_path_;
-  std::optional<std::pair<dev_t, ino_t>> unix_bound_;
+  UnixListener unix_;
   std::string tcp_address_;
   std::array<std::mutex, 64> stripes_;
   LogLimiter log_;
@@ -1851,43 +1845,13 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
 // ---- the front end ----
 
 Status RespFrontEnd::Impl::Bind(const std::string& tcp_listen, const std::string& unix_path) {
-  boost::system::error_code ec;
   if (!tcp_listen.empty()) {
-    SPARSEKV_ASSIGN_OR_RETURN(auto ep, ParseTcp(tcp_listen));
-    tcp_ = std::make_unique<asio::ip::tcp::acceptor>(*host_.io);
-    tcp_->open(ep.protocol(), ec);
-    if (!ec) tcp_->set_option(asio::socket_base::reuse_address(true), ec);
-    if (!ec) tcp_->bind(ep, ec);
-    if (!ec) tcp_->listen(asio::socket_base::max_listen_connections, ec);
-    if (ec) return Status::IOError(fmt::format("RESP: listening on {}: {}", tcp_listen, ec.message()));
-    const auto bound = tcp_->local_endpoint();
-    tcp_address_ = fmt::format("{}:{}", bound.address().to_string(), bound.port());
-    tcp_port_ = bound.port();
+    SPARSEKV_ASSIGN_OR_RETURN(tcp_, ListenTcp(*host_.io, tcp_listen, "RESP: listening on"));
+    tcp_address_ = BoundAddress(*tcp_);
+    tcp_port_ = tcp_->local_endpoint().port();
   }
-  if (!unix_path.empty()) {
-    DirectoryLock dir_lock(std::filesystem::path(unix_path).parent_path().string());
-    SPARSEKV_RETURN_IF_ERROR(ClaimUnixPath(unix_path));
-    unix_ = std::make_unique<asio::local::stream_protocol::acceptor>(*host_.io);
-    asio::local::stream_protocol::endpoint ep(unix_path);
-    unix_->open(ep.protocol(), ec);
-    if (!ec) unix_->bind(ep, ec);
-    if (ec) return Status::IOError(fmt::format("RESP: listening on unix:{}: {}", unix_path, ec.message()));
-    unix_path_ = unix_path;
-    struct stat st{};
-    if (::stat(unix_path.c_str(), &st) == 0) unix_bound_ = std::make_pair(st.st_dev, st.st_ino);
-    unix_->listen(asio::socket_base::max_listen_connections, ec);
-    if (ec) return Status::IOError(fmt::format("RESP: listening on unix:{}: {}", unix_path, ec.message()));
-  }
+  if (!unix_path.empty()) SPARSEKV_RETURN_IF_ERROR(unix_.Listen(*host_.io, unix_path, "RESP: listening on"));
   return Status::OK();
-}
-
-void RespFrontEnd::Impl::ReleaseUnixPath() {
-  if (!unix_bound_) return;
-  struct stat st{};
-  if (::stat(unix_path_.c_str(), &st) == 0 && st.st_dev == unix_bound_->first && st.st_ino == unix_bound_->second) {
-    ::unlink(unix_path_.c_str());
-  }
-  unix_bound_.reset();
 }
 
 void RespFrontEnd::Impl::Accept() {
@@ -1904,7 +1868,7 @@ void RespFrontEnd::Impl::Accept() {
 }
 
 void RespFrontEnd::Impl::AcceptUnix() {
-  unix_->async_accept([this](boost::system::error_code ec, asio::local::stream_protocol::socket s) {
+  unix_.acceptor()->async_accept([this](boost::system::error_code ec, asio::local::stream_protocol::socket s) {
     if (ec) {
       if (ec != asio::error::operation_aborted) AcceptUnix();
       return;
@@ -1977,7 +1941,7 @@ RespFrontEnd::~RespFrontEnd() = default;
 
 void RespFrontEnd::Start() {
   if (impl_->tcp_) impl_->Accept();
-  if (impl_->unix_) impl_->AcceptUnix();
+  if (impl_->unix_.acceptor()) impl_->AcceptUnix();
 }
 
 void RespFrontEnd::BeginDrain() {
@@ -1990,8 +1954,8 @@ void RespFrontEnd::BeginDrain() {
   asio::post(*impl_->host_.io, [impl = impl_.get()] {
     boost::system::error_code ignored;
     if (impl->tcp_) impl->tcp_->close(ignored);
-    impl->ReleaseUnixPath();
-    if (impl->unix_) impl->unix_->close(ignored);
+    impl->unix_.Release();
+    if (impl->unix_.acceptor()) impl->unix_.acceptor()->close(ignored);
   });
   for (auto& c : conns) c->BeginDrain();
 }

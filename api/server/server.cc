@@ -5,10 +5,8 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <fcntl.h>
-#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -20,7 +18,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <filesystem>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -103,65 +100,17 @@ Status Server::Impl::Bind() {
     }
   }
   if (!options_.tcp_listen.empty()) {
-    SPARSEKV_ASSIGN_OR_RETURN(auto ep, ParseTcp(options_.tcp_listen));
-    tcp_ = std::make_unique<asio::ip::tcp::acceptor>(io_);
-    tcp_->open(ep.protocol(), ec);
-    if (!ec) tcp_->set_option(asio::socket_base::reuse_address(true), ec);
-    if (!ec) tcp_->bind(ep, ec);
-    if (!ec) tcp_->listen(asio::socket_base::max_listen_connections, ec);
-    if (ec) return Status::IOError(fmt::format("listening on {}: {}", options_.tcp_listen, ec.message()));
-    const auto bound = tcp_->local_endpoint();
-    tcp_address_ = fmt::format("{}:{}", bound.address().to_string(), bound.port());
+    SPARSEKV_ASSIGN_OR_RETURN(tcp_, ListenTcp(io_, options_.tcp_listen, "listening on"));
+    tcp_address_ = BoundAddress(*tcp_);
   }
-  if (!options_.unix_path.empty()) SPARSEKV_RETURN_IF_ERROR(BindUnix());
+  if (!options_.unix_path.empty()) SPARSEKV_RETURN_IF_ERROR(unix_.Listen(io_, options_.unix_path, "listening on"));
   SPARSEKV_RETURN_IF_ERROR(BindResp());
   if (!options_.metrics_listen.empty()) {
-    SPARSEKV_ASSIGN_OR_RETURN(auto ep, ParseTcp(options_.metrics_listen));
-    metrics_acceptor_ = std::make_unique<asio::ip::tcp::acceptor>(io_);
-    metrics_acceptor_->open(ep.protocol(), ec);
-    if (!ec) metrics_acceptor_->set_option(asio::socket_base::reuse_address(true), ec);
-    if (!ec) metrics_acceptor_->bind(ep, ec);
-    if (!ec) metrics_acceptor_->listen(64, ec);
-    if (ec) return Status::IOError(fmt::format("listening for metrics on {}: {}", options_.metrics_listen, ec.message()));
+    SPARSEKV_ASSIGN_OR_RETURN(metrics_acceptor_,
+                              ListenTcp(io_, options_.metrics_listen, "listening for metrics on", 64));
     metrics_port_ = metrics_acceptor_->local_endpoint().port();
   }
   return Status::OK();
-}
-
-// One daemon per socket path: a live socket there refuses the start (ClaimUnixPath). The
-// probe, the removal of a stale file and the bind run under the directory's lock, and the
-// socket is listening before the lock is released, so a daemon starting at the same moment
-// finds it alive.
-Status Server::Impl::BindUnix() {
-  const std::string& path = options_.unix_path;
-  DirectoryLock dir_lock(std::filesystem::path(path).parent_path().string());
-  SPARSEKV_RETURN_IF_ERROR(ClaimUnixPath(path));
-  boost::system::error_code ec;
-  unix_ = std::make_unique<asio::local::stream_protocol::acceptor>(io_);
-  asio::local::stream_protocol::endpoint ep(path);
-  unix_->open(ep.protocol(), ec);
-  if (!ec) unix_->bind(ep, ec);
-  if (ec) return Status::IOError(fmt::format("listening on unix:{}: {}", path, ec.message()));
-  struct stat st{};
-  if (::stat(path.c_str(), &st) == 0) unix_bound_ = std::make_pair(st.st_dev, st.st_ino);
-  unix_->listen(asio::socket_base::max_listen_connections, ec);
-  if (ec) return Status::IOError(fmt::format("listening on unix:{}: {}", path, ec.message()));
-  return Status::OK();
-}
-
-// Removes the socket file this server bound, if the path still names it. Called while the
-// acceptor still listens: until then no other daemon takes the file for stale, so the one
-// removed is ours.
-void Server::Impl::ReleaseUnixPath() {
-  if (!unix_bound_) return;
-  struct stat st{};
-  if (::stat(options_.unix_path.c_str(), &st) == 0 && st.st_dev == unix_bound_->first &&
-      st.st_ino == unix_bound_->second) {
-    ::unlink(options_.unix_path.c_str());
-  } else {
-    spdlog::warn("unix socket {} no longer names this daemon's socket; left in place", options_.unix_path);
-  }
-  unix_bound_.reset();
 }
 
 Status Server::Impl::BindResp() {
@@ -210,7 +159,7 @@ Status Server::Impl::BindResp() {
 void Server::Impl::Run() {
   if (resp_) resp_->Start();
   if (tcp_) Accept(*tcp_);
-  if (unix_) AcceptUnix();
+  if (unix_.acceptor()) AcceptUnix();
   if (metrics_acceptor_) AcceptMetrics();
   if (options_.handle_signals) {
     signals_.add(SIGINT);

@@ -62,7 +62,6 @@ class Server::Impl {
     tick_ = std::chrono::milliseconds(std::clamp<uint32_t>(shortest / 4, 10, 1000));
   }
   ~Impl() {
-    ReleaseUnixPath();  // a Start that failed after binding it
     if (arena_ro_fd_ >= 0) ::close(arena_ro_fd_);
   }
 
@@ -95,8 +94,6 @@ class Server::Impl {
   void OnSessionClosed(Session* s);
   void FinishIfDrained();
   Status Wait();
-  Status BindUnix();
-  void ReleaseUnixPath();
 
   ServerOptions options_;
   DaemonStore* store_;
@@ -108,7 +105,7 @@ class Server::Impl {
   // Serializes the shutdown handlers (the drain deadline is touched by several of them).
   asio::strand<asio::io_context::executor_type> control_;
   std::unique_ptr<asio::ip::tcp::acceptor> tcp_;
-  std::unique_ptr<asio::local::stream_protocol::acceptor> unix_;
+  UnixListener unix_;
   std::unique_ptr<asio::ip::tcp::acceptor> metrics_acceptor_;
   std::vector<std::thread> threads_;
   std::atomic<uint64_t> next_session_{1};
@@ -116,9 +113,6 @@ class Server::Impl {
   uint16_t metrics_port_ = 0;
   DaemonStore::Arena arena_;  // the store's arena, when lent to clients
   int arena_ro_fd_ = -1;      // a read-only descriptor of it, passed at HELLO
-  // The socket file this server bound (st_dev, st_ino), removed at shutdown only while the path
-  // still names it: another daemon's socket there is never ours to remove.
-  std::optional<std::pair<dev_t, ino_t>> unix_bound_;
   // Host-tier pages that replies in flight and lent bundles hold pinned, and the most they may:
   // a quarter of the host tier, so that slow or idle clients cannot leave PUTs without pages.
   std::shared_ptr<std::atomic<uint64_t>> pinned_bytes_ = std::make_shared<std::atomic<uint64_t>>(0);

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 
 namespace sparsekv::server {
@@ -120,6 +121,54 @@ DirectoryLock::DirectoryLock(const std::string& dir) {
   spdlog::warn("could not lock directory {} while claiming its unix socket; going on without", dir);
   ::close(fd_);
   fd_ = -1;
+}
+
+Result<std::unique_ptr<asio::ip::tcp::acceptor>> ListenTcp(asio::io_context& io, const std::string& address,
+                                                            std::string_view what, int backlog) {
+  SPARSEKV_ASSIGN_OR_RETURN(auto ep, ParseTcp(address));
+  boost::system::error_code ec;
+  auto acceptor = std::make_unique<asio::ip::tcp::acceptor>(io);
+  acceptor->open(ep.protocol(), ec);
+  if (!ec) acceptor->set_option(asio::socket_base::reuse_address(true), ec);
+  if (!ec) acceptor->bind(ep, ec);
+  if (!ec) acceptor->listen(backlog, ec);
+  if (ec) return Status::IOError(fmt::format("{} {}: {}", what, address, ec.message()));
+  return acceptor;
+}
+
+std::string BoundAddress(const asio::ip::tcp::acceptor& acceptor) {
+  boost::system::error_code ec;
+  const auto bound = acceptor.local_endpoint(ec);
+  return ec ? std::string() : fmt::format("{}:{}", bound.address().to_string(), bound.port());
+}
+
+Status UnixListener::Listen(asio::io_context& io, const std::string& path, std::string_view what) {
+  DirectoryLock dir_lock(std::filesystem::path(path).parent_path().string());
+  SPARSEKV_RETURN_IF_ERROR(ClaimUnixPath(path));
+  boost::system::error_code ec;
+  auto acceptor = std::make_unique<asio::local::stream_protocol::acceptor>(io);
+  asio::local::stream_protocol::endpoint ep(path);
+  acceptor->open(ep.protocol(), ec);
+  if (!ec) acceptor->bind(ep, ec);
+  if (ec) return Status::IOError(fmt::format("{} unix:{}: {}", what, path, ec.message()));
+  path_ = path;
+  struct stat st{};
+  if (::stat(path.c_str(), &st) == 0) bound_ = std::make_pair(st.st_dev, st.st_ino);
+  acceptor->listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) return Status::IOError(fmt::format("{} unix:{}: {}", what, path, ec.message()));
+  acceptor_ = std::move(acceptor);
+  return Status::OK();
+}
+
+void UnixListener::Release() {
+  if (!bound_) return;
+  struct stat st{};
+  if (::stat(path_.c_str(), &st) == 0 && st.st_dev == bound_->first && st.st_ino == bound_->second) {
+    ::unlink(path_.c_str());
+  } else {
+    spdlog::warn("unix socket {} no longer names this daemon's socket; left in place", path_);
+  }
+  bound_.reset();
 }
 
 }  // namespace sparsekv::server

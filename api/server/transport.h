@@ -12,7 +12,10 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <sys/types.h>
 #include <utility>
 
 #include "server/server.h"
@@ -31,6 +34,41 @@ struct SendWhole {
 
 // "HOST:PORT" (IPv4, [IPv6] or localhost) as an endpoint; errors name the address.
 Result<boost::asio::ip::tcp::endpoint> ParseTcp(const std::string& address);
+
+// A TCP acceptor listening on `address` (HOST:PORT; port 0: the kernel picks), SO_REUSEADDR set.
+// An error reads "<what> <address>: <reason>".
+Result<std::unique_ptr<boost::asio::ip::tcp::acceptor>> ListenTcp(
+    boost::asio::io_context& io, const std::string& address, std::string_view what,
+    int backlog = boost::asio::socket_base::max_listen_connections);
+// "IP:PORT" an acceptor is bound to.
+std::string BoundAddress(const boost::asio::ip::tcp::acceptor& acceptor);
+
+// A listening Unix socket. One daemon per socket path: a live socket there refuses the listen
+// (ClaimUnixPath). The probe, the removal of a stale file and the bind run under the directory's
+// lock, and the socket listens before the lock is released, so a daemon starting at the same
+// moment finds it alive. The socket file is removed (Release, or destruction) only while the path
+// still names the socket bound here: another daemon's socket there is never ours to remove.
+// Not thread-safe.
+class UnixListener {
+ public:
+  UnixListener() = default;
+  UnixListener(const UnixListener&) = delete;
+  UnixListener& operator=(const UnixListener&) = delete;
+  ~UnixListener() { Release(); }
+
+  // An error reads "<what> unix:<path>: <reason>".
+  Status Listen(boost::asio::io_context& io, const std::string& path, std::string_view what);
+  // Removes the socket file if the path still names it (else logs and leaves it). Call while
+  // still listening: until then no other daemon takes the file for stale. Idempotent.
+  void Release();
+  // Null until Listen succeeded.
+  boost::asio::local::stream_protocol::acceptor* acceptor() const { return acceptor_.get(); }
+
+ private:
+  std::unique_ptr<boost::asio::local::stream_protocol::acceptor> acceptor_;
+  std::string path_;
+  std::optional<std::pair<dev_t, ino_t>> bound_;
+};
 
 // Claims `path` for a listening Unix socket. Nothing there, or a stale socket file (nobody
 // accepts on it: ECONNREFUSED) is fine, and the stale file is removed; a socket a process still
