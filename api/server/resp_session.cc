@@ -1181,10 +1181,6 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
   void Set(Reply r) {
     SetOptions o;
     if (std::string e = ParseSetOptions(o); !e.empty()) return Answer(std::move(r), e);
-    if (args_[1].size() > resp::kMaxKeyBytes) {
-      return Answer(std::move(r), fmt::format("ERR key too long: {} bytes, sparsekv takes at most {}",
-                                              args_[1].size(), resp::kMaxKeyBytes));
-    }
     if (std::string e = TooLarge(args_[1], args_[2]); !e.empty()) return Answer(std::move(r), e);
     if (o.nx || o.xx || o.get || !host_.store->PutsWithoutBlocking()) return OnWorker(std::move(r));
     const wire::WireHash h = resp::KeyHash(args_[1]);
@@ -1330,12 +1326,6 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
   void Mset(Reply r) {
     for (size_t i = 1; i + 1 < args_.size(); i += 2) {
       if (std::string e = TooLarge(args_[i], args_[i + 1]); !e.empty()) return Answer(std::move(r), e);
-    }
-    for (size_t i = 1; i < args_.size(); i += 2) {
-      if (args_[i].size() > resp::kMaxKeyBytes) {
-        return Answer(std::move(r), fmt::format("ERR key too long: {} bytes, sparsekv takes at most {}",
-                                                args_[i].size(), resp::kMaxKeyBytes));
-      }
     }
     OnWorker(std::move(r));
   }
