@@ -110,6 +110,10 @@ std::string_view OpcodeName(Opcode op) {
     case Opcode::kShmRelease: return "SHM_RELEASE";
     case Opcode::kPing: return "PING";
     case Opcode::kGetRanges: return "GET_RANGES";
+    case Opcode::kShmView: return "SHM_VIEW";
+    case Opcode::kShmViewEnd: return "SHM_VIEW_END";
+    case Opcode::kShmGetOverlap: return "SHM_GET_OVERLAP";
+    case Opcode::kShmVerdicts: return "SHM_VERDICTS";
   }
   return "UNKNOWN";
 }
@@ -525,6 +529,57 @@ Result<ShmGetReply> DecodeShmGetReply(std::span<const std::byte> p) {
   }
   SPARSEKV_RETURN_IF_ERROR(r.Finish("SHM_GET reply"));
   return m;
+}
+
+std::vector<std::byte> Encode(const ShmViewReply& m) {
+  std::vector<std::byte> items = Encode(m.items);
+  PayloadWriter w;
+  w.Reserve(8 + items.size());
+  w.U64(m.lease);
+  w.Bytes(items);
+  return w.Take();
+}
+
+Result<ShmViewReply> DecodeShmViewReply(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  ShmViewReply m;
+  SPARSEKV_ASSIGN_OR_RETURN(m.lease, r.U64("SHM_VIEW lease"));
+  SPARSEKV_ASSIGN_OR_RETURN(m.items, DecodeShmGetReply(p.subspan(8)));
+  return m;
+}
+
+std::vector<std::byte> EncodeLease(uint64_t lease) {
+  PayloadWriter w;
+  w.U64(lease);
+  return w.Take();
+}
+
+Result<uint64_t> DecodeLease(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  SPARSEKV_ASSIGN_OR_RETURN(uint64_t lease, r.U64("SHM_VIEW_END lease"));
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("SHM_VIEW_END"));
+  return lease;
+}
+
+std::vector<std::byte> EncodeVerdicts(std::span<const uint8_t> verdicts) {
+  PayloadWriter w;
+  w.Reserve(4 + verdicts.size());
+  w.U32(static_cast<uint32_t>(verdicts.size()));
+  w.Bytes(std::as_bytes(verdicts));
+  return w.Take();
+}
+
+Result<std::vector<uint8_t>> DecodeVerdicts(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count("SHM_VERDICTS count", kMaxBatchItems, 1));
+  SPARSEKV_ASSIGN_OR_RETURN(std::span<const std::byte> b, r.Bytes(n, "SHM_VERDICTS"));
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("SHM_VERDICTS"));
+  std::vector<uint8_t> out(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    out[i] = static_cast<uint8_t>(b[i]);
+    if (out[i] > 1) return Status::InvalidArgument(fmt::format("SHM_VERDICTS: verdict {} of item {}", out[i], i));
+  }
+  return out;
 }
 
 uint64_t GetRangesReplyBound(const GetRangesRequest& m) {

@@ -46,8 +46,12 @@ enum class Opcode : uint16_t {
   kShmRelease = 14, // reserved; answered OK per item
   kPing = 15,
   kGetRanges = 16,  // chosen byte ranges of stored values (entry-granular reads)
+  kShmView = 17,    // shared-memory path: bundles lent in place under a lease the client ends
+  kShmViewEnd = 18, // ends a SHM_VIEW lease: its pages are unpinned
+  kShmGetOverlap = 19,  // SHM_GET whose lent bundles are checked while the client copies them
+  kShmVerdicts = 20,    // server -> client: the checks of a SHM_GET_OVERLAP, after its reply
 };
-inline constexpr uint16_t kMaxOpcode = 16;
+inline constexpr uint16_t kMaxOpcode = 20;
 std::string_view OpcodeName(Opcode op);
 
 // Header flags.
@@ -222,6 +226,14 @@ struct ShmGetReply {
   std::vector<ShmSlot> slots;  // one per OK item, in order
 };
 
+// SHM_VIEW's reply: a lease (0 when nothing was lent) and where each lent bundle lies in the
+// host arena. Items not lent carry a status: NotFound, or FailedPrecondition/ResourceExhausted
+// when the bundle cannot be lent (not in host memory, the pin budget spent), to be read with GET.
+struct ShmViewReply {
+  uint64_t lease = 0;
+  ShmGetReply items;
+};
+
 // GET_RANGES: byte ranges of one stored value, read without reading the rest of it.
 struct ByteRange {
   uint64_t offset = 0;  // into the value (the bytes a PUT stored)
@@ -277,6 +289,12 @@ std::vector<std::byte> Encode(const StatusListReply& m);
 std::vector<std::byte> Encode(const GetReply& m);
 std::vector<std::byte> Encode(const ShmPutRequest& m);
 std::vector<std::byte> Encode(const ShmGetReply& m);
+std::vector<std::byte> Encode(const ShmViewReply& m);
+// SHM_VIEW_END's request: the lease, a u64 and nothing else.
+std::vector<std::byte> EncodeLease(uint64_t lease);
+// SHM_VERDICTS: list<u8>, per item of the request 0 (checked, or nothing to check) or 1 (its
+// lent bytes failed their record's checksum).
+std::vector<std::byte> EncodeVerdicts(std::span<const uint8_t> verdicts);
 std::vector<std::byte> Encode(const GetRangesRequest& m);
 std::vector<std::byte> Encode(const GetRangesReply& m);
 std::vector<std::byte> Encode(const ErrorReply& m);
@@ -293,6 +311,9 @@ Result<StatusListReply> DecodeStatusListReply(std::span<const std::byte> p);
 Result<GetReply> DecodeGetReply(std::span<const std::byte> p, uint32_t max_bundle_bytes);
 Result<ShmPutRequest> DecodeShmPutRequest(std::span<const std::byte> p);
 Result<ShmGetReply> DecodeShmGetReply(std::span<const std::byte> p);
+Result<ShmViewReply> DecodeShmViewReply(std::span<const std::byte> p);
+Result<uint64_t> DecodeLease(std::span<const std::byte> p);
+Result<std::vector<uint8_t>> DecodeVerdicts(std::span<const std::byte> p);
 // Errors: as for every list, plus more than kMaxRangesPerRequest ranges in all, an item of no
 // ranges, a range of 0 bytes or reaching past 2^64, a reply that could exceed
 // `max_reply_bytes` (GetRangesReplyBound).

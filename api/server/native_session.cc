@@ -22,6 +22,7 @@
 #include <deque>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -616,7 +617,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // Publishes whether the connection is idle, for the choice of a connection to close at a
   // limit (Server::Impl::LongestIdle).
   void PublishIdle() {
-    const bool busy = in_frame_ || inflight_requests_ > 0 || writing_ || !writes_.empty() || closing_;
+    const bool busy = in_frame_ || inflight_requests_ > 0 || writing_ || !writes_.empty() || closing_ || !views_.empty();
     idle_since_.store(busy ? 0 : std::max<int64_t>(1, last_active_.time_since_epoch().count()),
                       std::memory_order_relaxed);
   }
@@ -674,7 +675,7 @@ class Session : public std::enable_shared_from_this<Session> {
       socket_.cancel(ignored);
     }
     if (!in_frame_ && parked_ == Resume::kNone && inflight_requests_ == 0 && !writing_ && writes_.empty() &&
-        past(last_active_, o.idle_timeout_ms)) {
+        views_.empty() && past(last_active_, o.idle_timeout_ms)) {
       spdlog::info("session {}: idle for {} ms, closing", id_, o.idle_timeout_ms);
       closing_ = true;
       boost::system::error_code ignored;
@@ -712,7 +713,7 @@ class Session : public std::enable_shared_from_this<Session> {
       return FailFrame(header_.request_id,
                        Status::PermissionDenied(fmt::format("{} before HELLO", wire::OpcodeName(op))));
     }
-    if (op == wire::Opcode::kEvent || op == wire::Opcode::kError) {
+    if (op == wire::Opcode::kEvent || op == wire::Opcode::kError || op == wire::Opcode::kShmVerdicts) {
       return FailFrame(header_.request_id,
                        Status::InvalidArgument(fmt::format("{} is sent by the server only", wire::OpcodeName(op))));
     }
@@ -720,7 +721,8 @@ class Session : public std::enable_shared_from_this<Session> {
     // and PUT item lists are decoded once here and handed to the paths served on this thread.
     Decoded decoded;
     Status valid = Status::OK();
-    if (op == wire::Opcode::kGet || op == wire::Opcode::kShmGet) {
+    if (op == wire::Opcode::kGet || op == wire::Opcode::kShmGet || op == wire::Opcode::kShmView ||
+        op == wire::Opcode::kShmGetOverlap) {
       auto req = wire::DecodeHashList(payload_.span());
       valid = req.status();
       if (req.ok()) decoded.get = std::move(*req);
@@ -758,6 +760,7 @@ class Session : public std::enable_shared_from_this<Session> {
       case wire::Opcode::kDelete:
       case wire::Opcode::kShmRelease: return wire::DecodeHashList(p).status();
       case wire::Opcode::kPin: return wire::DecodePinRequest(p).status();
+      case wire::Opcode::kShmViewEnd: return wire::DecodeLease(p).status();
       case wire::Opcode::kStats:
       case wire::Opcode::kSubscribe:
         return p.empty() ? Status::OK()
@@ -942,14 +945,26 @@ class Session : public std::enable_shared_from_this<Session> {
   void Dispatch(const wire::FrameHeader& h, Payload payload, Decoded& decoded) {
     const std::vector<wire::WireHash>* get_hashes = decoded.get ? &decoded.get->hashes : nullptr;
     // The client is done with what its previous SHM_GET lent it (api/PROTOCOL.md).
-    if (h.opcode == wire::Opcode::kShmGet || h.opcode == wire::Opcode::kShmRelease) {
+    const bool overlap = h.opcode == wire::Opcode::kShmGetOverlap;
+    if (h.opcode == wire::Opcode::kShmGet || h.opcode == wire::Opcode::kShmRelease || overlap) {
       lent_.clear();
       lent_bytes_ = 0;
     }
-    // A GET that memory can answer is served here, saving two thread hops.
-    if (h.opcode == wire::Opcode::kGet || h.opcode == wire::Opcode::kShmGet) {
+    // Leases are served here, on the strand that owns them.
+    if (h.opcode == wire::Opcode::kShmView || h.opcode == wire::Opcode::kShmViewEnd) {
       const auto t0 = Clock::now();
-      std::optional<Reply> fast = h.opcode == wire::Opcode::kGet ? FastGet(*get_hashes) : FastShmGet(*get_hashes);
+      Reply r = h.opcode == wire::Opcode::kShmView ? ShmView(*get_hashes) : EndView(payload.span());
+      srv_.metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
+      QueueWrite(std::move(r).ToFrame(h.opcode, h.request_id));
+      PublishIdle();
+      return;
+    }
+    // A GET that memory can answer is served here, saving two thread hops.
+    if (h.opcode == wire::Opcode::kGet || h.opcode == wire::Opcode::kShmGet || overlap) {
+      const auto t0 = Clock::now();
+      std::vector<Unchecked> unchecked;
+      std::optional<Reply> fast = h.opcode == wire::Opcode::kGet ? FastGet(*get_hashes)
+                                                                 : FastShmGet(*get_hashes, overlap ? &unchecked : nullptr);
       if (fast) {
         OutFrame frame = std::move(*fast).ToFrame(h.opcode, h.request_id);
         srv_.metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
@@ -958,6 +973,7 @@ class Session : public std::enable_shared_from_this<Session> {
         } else {
           SendChecked(std::move(frame));
         }
+        if (overlap) CheckLent(h.request_id, get_hashes->size(), std::move(unchecked));
         return;
       }
     }
@@ -983,14 +999,23 @@ class Session : public std::enable_shared_from_this<Session> {
     auto self = shared_from_this();
     const auto t0 = Clock::now();
     // On a worker: frames the reply, then hands it to the connection's strand.
-    auto complete = [self, h, bytes, t0, reserved = std::make_shared<Charge>(std::move(reserved))](Result<Reply> reply) {
-      OutFrame frame = reply.ok() ? std::move(*reply).ToFrame(h.opcode, h.request_id)
-                                  : OutFrame(ErrorFrame(h.request_id, reply.status()));
-      self->srv_.metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), !reply.ok());
-      asio::post(self->strand_, [self, bytes, frame = std::move(frame), reserved]() mutable {
+    // SHM_GET_OVERLAP served by a worker is checked there before its reply: its verdicts are 0.
+    const size_t verdicts = overlap ? get_hashes->size() : 0;
+    auto complete = [self, h, bytes, t0, verdicts,
+                     reserved = std::make_shared<Charge>(std::move(reserved))](Result<Reply> reply) {
+      const bool ok = reply.ok();
+      OutFrame frame = ok ? std::move(*reply).ToFrame(h.opcode, h.request_id)
+                          : OutFrame(ErrorFrame(h.request_id, reply.status()));
+      self->srv_.metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), !ok);
+      asio::post(self->strand_, [self, bytes, frame = std::move(frame), reserved, ok, verdicts, h]() mutable {
         self->inflight_bytes_ -= bytes;
         --self->inflight_requests_;
         self->QueueWrite(std::move(frame));  // charged as queued; the reservation goes now
+        if (ok && h.opcode == wire::Opcode::kShmGetOverlap) {
+          const std::vector<uint8_t> zeros(verdicts, 0);
+          self->QueueWrite(wire::EncodeFrame(wire::Opcode::kShmVerdicts, wire::kFlagResponse, h.request_id,
+                                             wire::EncodeVerdicts(zeros)));
+        }
         reserved->Release();
       });
     };
@@ -1054,7 +1079,8 @@ class Session : public std::enable_shared_from_this<Session> {
         return w.Take();
       }
       case wire::Opcode::kShmPut: return HandleShmPut(p);
-      case wire::Opcode::kShmGet: return HandleShmGet(p);
+      case wire::Opcode::kShmGet:
+      case wire::Opcode::kShmGetOverlap: return HandleShmGet(p);
       case wire::Opcode::kShmRelease: {
         SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
         return wire::Encode(wire::StatusListReply{std::vector<wire::ItemStatus>(req.hashes.size())});
@@ -1344,14 +1370,123 @@ class Session : public std::enable_shared_from_this<Session> {
     QueueWrite(std::move(verdicts));
   }
 
-  std::optional<Reply> FastShmGet(std::span<const wire::WireHash> hashes) {
+  // SHM_VIEW: lends each bundle the host tier holds in its arena under a new lease, pinned until
+  // SHM_VIEW_END or the connection's end (api/PROTOCOL.md). Only what this thread can read
+  // without waiting for tier I/O is lent, within the server's pin budget; every other item is
+  // answered FailedPrecondition or ResourceExhausted for the client to read with GET.
+  Reply ShmView(std::span<const wire::WireHash> hashes) {
+    wire::ShmViewReply reply;
+    wire::ShmGetReply& items = reply.items;
+    items.status.resize(hashes.size());
+    auto all = [&](StatusCode code, const char* why) {
+      for (wire::ItemStatus& st : items.status) st = {code, why};
+    };
+    std::vector<DaemonStore::Keep> keeps;
+    std::vector<wire::ShmSlot> slots(hashes.size());
+    const DaemonStore::Arena& arena = srv_.arena_;
+    if (staging_ == nullptr || !lend_) {
+      all(StatusCode::kFailedPrecondition, "this session has no shared host arena: read with GET");
+    } else if (views_.size() >= kMaxViews) {
+      all(StatusCode::kResourceExhausted, "this session holds the most views it may: end some, or read with GET");
+    } else {
+      // Item `first + i` of the request, as the store answers it.
+      auto lend = [&](size_t first) {
+        return [&, first](size_t i, const Status& st, std::span<const std::byte> bytes, const DaemonStore::Keep& keep) {
+          i += first;
+          if (!st.ok()) {
+            items.status[i] = {st.code(), std::string(st.message())};
+            return;
+          }
+          if (!keep || bytes.data() < arena.base || bytes.data() + bytes.size() > arena.base + arena.bytes) {
+            items.status[i] = {StatusCode::kFailedPrecondition, "not lendable in place: read with GET"};
+            return;
+          }
+          if (!srv_.PinsBelowCap(bytes.size())) {
+            items.status[i] = {StatusCode::kResourceExhausted, "the daemon's pin budget is spent: read with GET"};
+            return;
+          }
+          slots[i] = {hashes[i], staging_bytes_ + static_cast<uint64_t>(bytes.data() - arena.base),
+                      static_cast<uint32_t>(bytes.size())};
+          keeps.push_back(keep);
+          keeps.push_back(srv_.ChargePins(bytes.size()));
+        };
+      };
+      // The whole batch at once when memory holds all of it, else item by item (a miss, or a
+      // bundle on a lower tier, answered on its own).
+      if (!srv_.store_->TryGetWithoutBlocking(ns_, hashes, lend(0), /*check=*/true)) {
+        for (size_t i = 0; i < hashes.size(); ++i) {
+          if (!srv_.store_->TryGetWithoutBlocking(ns_, hashes.subspan(i, 1), lend(i), /*check=*/true)) {
+            // Absent, or on a lower tier: GET finds out (this thread does no tier I/O).
+            items.status[i] = {StatusCode::kFailedPrecondition, "not in host memory: read with GET"};
+          }
+        }
+      }
+      for (size_t i = 0; i < hashes.size(); ++i) {
+        if (items.status[i].code == StatusCode::kOk) items.slots.push_back(slots[i]);
+      }
+    }
+    if (!keeps.empty()) {
+      reply.lease = next_view_++;
+      views_.emplace(reply.lease, std::move(keeps));
+    }
+    srv_.metrics_.Hits(items.slots.size());
+    srv_.metrics_.Misses(hashes.size() - items.slots.size());
+    return Reply(wire::Encode(reply));
+  }
+
+  // SHM_VIEW_END: unpins a lease's pages. NotFound for a lease this session does not hold.
+  Reply EndView(std::span<const std::byte> p) {
+    const uint64_t lease = *wire::DecodeLease(p);  // checked as the frame was decoded
+    wire::StatusListReply r;
+    r.items.resize(1);
+    if (views_.erase(lease) == 0) {
+      r.items[0] = {StatusCode::kNotFound, fmt::format("lease {} is not held by this session", lease)};
+    }
+    return Reply(wire::Encode(r));
+  }
+
+  // A bundle lent in place before its check (SHM_GET_OVERLAP): item, hash, and what keeps it.
+  struct Unchecked {
+    size_t item;
+    wire::WireHash hash;
+    DaemonStore::Keep keep;
+  };
+
+  // With `unchecked` (SHM_GET_OVERLAP), bundles are lent before their checksum is checked and
+  // listed there for CheckLent; those copied into the GET area are checked before the copy.
+  std::optional<Reply> FastShmGet(std::span<const wire::WireHash> hashes, std::vector<Unchecked>* unchecked) {
     if (staging_ == nullptr) return std::nullopt;
     return BuildShmGetReply(
         hashes,
         [&](const DaemonStore::GetSink& sink) {
-          return srv_.store_->TryGetWithoutBlocking(ns_, hashes, sink, /*check=*/true);
+          return srv_.store_->TryGetWithoutBlocking(ns_, hashes, sink, /*check=*/unchecked == nullptr);
         },
-        /*may_lend=*/true);
+        /*may_lend=*/true, unchecked);
+  }
+
+  // SHM_GET_OVERLAP: checks the bundles its reply lent unchecked on a worker, while the client
+  // copies them on its own core, then sends the verdicts (api/PROTOCOL.md). The job holds the
+  // bundles itself, so a client that moves on early cannot make the daemon read a page reused.
+  void CheckLent(uint64_t request_id, size_t items, std::vector<Unchecked> unchecked) {
+    auto send = [](const std::shared_ptr<Session>& self, uint64_t rid, const std::vector<uint8_t>& verdicts) {
+      self->QueueWrite(wire::EncodeFrame(wire::Opcode::kShmVerdicts, wire::kFlagResponse, rid,
+                                         wire::EncodeVerdicts(verdicts)));
+    };
+    if (unchecked.empty()) return send(shared_from_this(), request_id, std::vector<uint8_t>(items, 0));
+    ++inflight_requests_;
+    auto self = shared_from_this();
+    srv_.SubmitWork(id_, [self, request_id, items, unchecked = std::move(unchecked), send]() mutable {
+      std::vector<uint8_t> verdicts(items, 0);
+      for (const Unchecked& u : unchecked) {
+        if (!self->srv_.store_->Recheck(self->ns_, u.hash, u.keep).ok()) verdicts[u.item] = 1;
+      }
+      unchecked.clear();
+      asio::post(self->strand_, [self, request_id, verdicts = std::move(verdicts), send]() {
+        --self->inflight_requests_;
+        send(self, request_id, verdicts);
+        self->MaybeClose();  // a connection closing waited for this check
+      });
+    });
   }
 
   // A PUT's or SHM_PUT's items for the store, and the answers of those refused before it.
@@ -1481,7 +1616,8 @@ class Session : public std::enable_shared_from_this<Session> {
   // Answers with where each bundle lies: in the host arena, lent in place (the session maps it
   // and holds the page until its next SHM_GET), or copied into the GET half of the staging area.
   template <typename Serve>
-  std::optional<Reply> BuildShmGetReply(std::span<const wire::WireHash> hashes, Serve&& serve, bool may_lend) {
+  std::optional<Reply> BuildShmGetReply(std::span<const wire::WireHash> hashes, Serve&& serve, bool may_lend,
+                                        std::vector<Unchecked>* unchecked = nullptr) {
     const DaemonStore::Arena& arena = srv_.arena_;
     const uint64_t limit = staging_bytes_;
     uint64_t off = staging_bytes_ / 2;
@@ -1503,8 +1639,15 @@ class Session : public std::enable_shared_from_this<Session> {
         lent_.push_back(keep);
         lent_.push_back(srv_.ChargePins(bytes.size()));
         lent_bytes_ += bytes.size();
+        if (unchecked != nullptr) unchecked->push_back({i, hashes[i], keep});
         ++hits;
         return;
+      }
+      if (unchecked != nullptr) {  // handed out unchecked: checked before it is copied
+        if (Status c = srv_.store_->Recheck(ns_, hashes[i], keep); !c.ok()) {
+          reply.status[i] = {c.code(), std::string(c.message())};
+          return;
+        }
       }
       if (bytes.size() > limit - off) {
         reply.status[i] = {StatusCode::kResourceExhausted, "bundle does not fit the shared GET area; use GET"};
@@ -1693,6 +1836,11 @@ class Session : public std::enable_shared_from_this<Session> {
   bool lend_ = false;                     // the client mapped the host arena
   std::vector<DaemonStore::Keep> lent_;  // what the last SHM_GET lent in place
   uint64_t lent_bytes_ = 0;
+  // SHM_VIEW leases, each holding its pages pinned (and charged to the pin budget) until
+  // SHM_VIEW_END or the session's end. A session holding one is never idle.
+  static constexpr size_t kMaxViews = 4096;
+  std::map<uint64_t, std::vector<DaemonStore::Keep>> views_;
+  uint64_t next_view_ = 1;
 };
 
 void Server::Impl::Accept(asio::ip::tcp::acceptor& acceptor) {
