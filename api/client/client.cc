@@ -12,6 +12,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -31,8 +32,21 @@ namespace {
 namespace w = wire;
 using Clock = std::chrono::steady_clock;
 
+// Where a GET reply's bundles go as they arrive, instead of buffers of the reply's own: the
+// caller's destinations (GetInto) or its reused results (Get into results). Owned by the
+// waiting caller; `busy` (guarded by Impl::mu_) is set while a reader writes into it, and the
+// caller does not leave while it is.
+struct IntoTarget {
+  std::span<const std::span<std::byte>> dests;    // GetInto: one per item of the request
+  std::vector<GetIntoResult>* results = nullptr;  // GetInto: sized like `dests`
+  std::vector<GetResult>* reuse = nullptr;        // Get into results: sized like the request
+  bool busy = false;
+  size_t size() const { return results ? results->size() : reuse->size(); }
+};
+
 struct Frame {
   w::FrameHeader header;
+  IntoTarget* into = nullptr;  // a GET reply read into the caller's memory (see IntoTarget)
   std::vector<std::byte> payload;
   // A GET reply read straight into its results (see ReadGetPayload); `payload` is then empty.
   std::shared_ptr<std::vector<GetResult>> get_items;
@@ -234,6 +248,7 @@ class Client::Impl {
 
   Status Open(const ClientOptions& o) {
     timeout_ = o.timeout;
+    spin_ = o.spin;
     SPARSEKV_ASSIGN_OR_RETURN(fd_, ConnectTo(o.address, &is_unix_, timeout_));
     // The handshake is bounded by the timeout too: a daemon that never answers HELLO fails the
     // Connect instead of hanging it. Later calls keep their own deadlines (poll).
@@ -396,6 +411,16 @@ class Client::Impl {
         if (got < 0) return ReadOutcome::kBroken;
         if (at_boundary && until <= Clock::now()) return ReadOutcome::kIdle;
       }
+      // A synchronous caller may spin for its reply a while first (ClientOptions::spin).
+      if (at_boundary && spin_.count() > 0 && deadline != Clock::time_point::max() && Clock::now() < deadline) {
+        const Clock::time_point spin_end = std::min(deadline, Clock::now() + spin_);
+        int got = 0;
+        while (got == 0 && Clock::now() < spin_end && !stopping_.load(std::memory_order_relaxed)) {
+          got = RecvSome(dst, n, begun, why);
+        }
+        if (got < 0) return ReadOutcome::kBroken;
+        if (got > 0) continue;
+      }
       // Wait with poll, never asleep inside recv: on a Unix socket the daemon's reading of our
       // request wakes every task asleep on the socket (a write-space wakeup, which recv's wait
       // does not filter), which costs a context switch per call; poll waits for input only.
@@ -473,6 +498,7 @@ class Client::Impl {
     }
     f->header = *h;
     if (h->opcode == w::Opcode::kGet && !(h->flags & w::kFlagPayloadChecksum)) {
+      f->into = ClaimInto(h->request_id);
       return ReadGetPayload(h->payload_bytes, at_boundary, deadline, f, why);
     }
     f->payload.resize(h->payload_bytes);
@@ -485,9 +511,22 @@ class Client::Impl {
     return ReadOutcome::kFrame;
   }
 
+  // The caller's memory a GET reply with this id is read into, if its caller gave any; marked
+  // busy until the frame is read (ReadOnce clears it).
+  IntoTarget* ClaimInto(uint64_t request_id) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = pending_.find(request_id);
+    if (it == pending_.end()) return nullptr;
+    Waiter** waiter = std::get_if<Waiter*>(&it->second);
+    if (waiter == nullptr || (*waiter)->into == nullptr) return nullptr;
+    (*waiter)->into->busy = true;
+    return (*waiter)->into;
+  }
+
   // A GET reply without a payload checksum (as sparsekvd sends them): each bundle is read from
-  // the socket straight into its result's own buffer, sparing a copy of every byte. The
-  // layout is checked as DecodeGetReply checks it; anything amiss breaks the connection.
+  // the socket straight into its result's own buffer, or the caller's (f->into), sparing a copy
+  // of every byte. The layout is checked as DecodeGetReply checks it; anything amiss breaks the
+  // connection.
   ReadOutcome ReadGetPayload(uint32_t payload_bytes, bool& at_boundary, Clock::time_point deadline, Frame* f,
                              Status* why) {
     uint64_t left = payload_bytes;
@@ -506,13 +545,27 @@ class Client::Impl {
       *v = uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24;
       return o;
     };
+    // Bytes of a value that does not fit its destination: read and dropped.
+    auto skip = [&](uint64_t n) {
+      std::array<std::byte, 16384> scratch;
+      while (n > 0) {
+        const size_t k = static_cast<size_t>(std::min<uint64_t>(n, scratch.size()));
+        if (ReadOutcome o = take(scratch.data(), k); o != ReadOutcome::kFrame) return o;
+        n -= k;
+      }
+      return ReadOutcome::kFrame;
+    };
     uint32_t count = 0;
     if (ReadOutcome o = take_u32(&count); o != ReadOutcome::kFrame) return o;
     if (count > w::kMaxBatchItems || 2ull * count > left) return bad("item count " + std::to_string(count));
-    auto items = std::make_shared<std::vector<GetResult>>(count);
+    IntoTarget* into = f->into;
+    if (into != nullptr && into->size() != count) return bad("an item count unlike the request's");
+    std::shared_ptr<std::vector<GetResult>> items;
+    if (into == nullptr) items = std::make_shared<std::vector<GetResult>>(count);
     std::vector<size_t> deferred;
+    GetResult unused;
     for (size_t i = 0; i < count; ++i) {
-      GetResult& g = (*items)[i];
+      GetResult& g = items ? (*items)[i] : into->reuse ? (*into->reuse)[i] : unused;
       uint8_t code = 0;
       if (ReadOutcome o = take(&code, 1); o != ReadOutcome::kFrame) return o;
       if (code == w::kDeferredCode) {  // not answered here: asked for again
@@ -523,13 +576,32 @@ class Client::Impl {
       uint32_t n = 0;
       if (ReadOutcome o = take_u32(&n); o != ReadOutcome::kFrame) return o;
       if (n > left || (code != 0 && n > 4096)) return bad("a length past the end of the frame");
-      if (code == 0) {
-        g.bytes.resize(n);
+      if (code == 0 && into != nullptr && into->results != nullptr) {
+        GetIntoResult& r = (*into->results)[i];
+        const std::span<std::byte> dst = into->dests[i];
+        r.bytes = n;
+        if (n <= dst.size()) {
+          r.status = Status::OK();
+          if (ReadOutcome o = take(dst.data(), n); o != ReadOutcome::kFrame) return o;
+        } else {
+          r.status = Status::OutOfRange(
+              fmt::format("a value of {} bytes does not fit its destination of {} bytes", n, dst.size()));
+          if (ReadOutcome o = skip(n); o != ReadOutcome::kFrame) return o;
+        }
+      } else if (code == 0) {
+        g.status = Status::OK();
+        g.bytes.resize(n);  // a reused buffer of this size: no allocation, pages already touched
         if (ReadOutcome o = take(g.bytes.data(), n); o != ReadOutcome::kFrame) return o;
       } else {
         std::string message(n, '\0');
         if (ReadOutcome o = take(message.data(), n); o != ReadOutcome::kFrame) return o;
-        g.status = FromItem(w::ItemStatus{static_cast<StatusCode>(code), std::move(message)});
+        Status st = FromItem(w::ItemStatus{static_cast<StatusCode>(code), std::move(message)});
+        if (into != nullptr && into->results != nullptr) {
+          (*into->results)[i] = {std::move(st), 0};
+        } else {
+          g.status = std::move(st);
+          g.bytes.clear();
+        }
       }
     }
     // The verdict bytes: an item whose bytes failed their check as the daemon sent them is
@@ -537,15 +609,21 @@ class Client::Impl {
     std::vector<bool> is_deferred(count, false);
     for (size_t d : deferred) is_deferred[d] = true;
     for (size_t i = 0; i < count; ++i) {
-      GetResult& g = (*items)[i];
       uint8_t verdict = 0;
       if (ReadOutcome o = take(&verdict, 1); o != ReadOutcome::kFrame) return o;
       if (verdict > 1) return bad("unknown verdict");
       if (verdict != 0 && is_deferred[i]) return bad("a deferred item has a verdict");
-      if (verdict != 0 && g.status.ok()) {
-        g.status = Status::Corruption("the bundle failed its checksum as sparsekvd sent it");
+      if (verdict == 0) continue;
+      const Status damaged = Status::Corruption("the bundle failed its checksum as sparsekvd sent it");
+      if (into != nullptr && into->results != nullptr) {
+        if ((*into->results)[i].status.ok()) (*into->results)[i].status = damaged;
+        continue;
+      }
+      GetResult& g = items ? (*items)[i] : (*into->reuse)[i];
+      if (g.status.ok()) {
+        g.status = damaged;
         g.bytes.clear();
-        g.bytes.shrink_to_fit();
+        if (items) g.bytes.shrink_to_fit();
       }
     }
     if (left != 0) return bad("bytes left over");
@@ -557,6 +635,10 @@ class Client::Impl {
   // A synchronous caller's slot for its reply.
   struct Waiter {
     std::optional<Result<Frame>> result;
+    IntoTarget* into = nullptr;  // a GET reply goes there (see IntoTarget)
+    // SHM_GET_OVERLAP: a SHM_VERDICTS frame follows the reply; the waiter stays registered for it.
+    bool verdicts_expected = false;
+    std::optional<std::vector<uint8_t>> verdicts;
   };
   using FrameCallback = std::function<void(Result<Frame>)>;
   using Pending = std::variant<Waiter*, FrameCallback>;
@@ -577,11 +659,22 @@ class Client::Impl {
     }
     auto it = pending_.find(f.header.request_id);
     if (it == pending_.end()) return;  // a reply nobody waits for (the caller timed out)
-    Result<Frame> r = f.header.opcode == w::Opcode::kError ? Result<Frame>(ErrorStatus(f.payload))
-                                                           : Result<Frame>(std::move(f));
-    if (Waiter** w = std::get_if<Waiter*>(&it->second)) {
-      (*w)->result.emplace(std::move(r));
+    if (Waiter** w = std::get_if<Waiter*>(&it->second); w != nullptr && f.header.opcode == w::Opcode::kShmVerdicts) {
+      auto v = w::DecodeVerdicts(f.payload);
+      if (!(*w)->verdicts_expected || !(*w)->result.has_value() || !v.ok()) {
+        return Break(l, v.ok() ? Status::Internal("SHM_VERDICTS nobody asked for") : v.status());
+      }
+      (*w)->verdicts.emplace(std::move(*v));
       pending_.erase(it);
+      cv_.notify_all();
+      return;
+    }
+    const bool error = f.header.opcode == w::Opcode::kError;
+    Result<Frame> r = error ? Result<Frame>(ErrorStatus(f.payload)) : Result<Frame>(std::move(f));
+    if (Waiter** w = std::get_if<Waiter*>(&it->second)) {
+      const bool more = (*w)->verdicts_expected && !error && !(*w)->result.has_value();
+      (*w)->result.emplace(std::move(r));
+      if (!more) pending_.erase(it);
       cv_.notify_all();
       return;
     }
@@ -598,7 +691,7 @@ class Client::Impl {
     std::vector<Pending> others;
     for (auto& [id, p] : pending_) {
       if (Waiter** w = std::get_if<Waiter*>(&p)) {
-        (*w)->result.emplace(broken_);
+        if (!(*w)->result.has_value() || !(*w)->verdicts_expected) (*w)->result.emplace(broken_);
       } else {
         others.push_back(std::move(p));
       }
@@ -620,6 +713,7 @@ class Client::Impl {
     const ReadOutcome o = ReadFrame(deadline, &f, &why);
     l.lock();
     role_taken_ = false;
+    if (f.into != nullptr) f.into->busy = false;  // its caller may leave now
     if (o == ReadOutcome::kFrame) {
       Deliver(l, std::move(f));
     } else if (o == ReadOutcome::kBroken) {
@@ -953,7 +1047,10 @@ class Client::Impl {
       }
       GetResult& g = (*out)[i];
       g.status = FromItem(r.status[i]);
-      if (!g.status.ok()) continue;
+      if (!g.status.ok()) {
+        g.bytes.clear();
+        continue;
+      }
       if (slot >= r.slots.size()) return Status::Internal("SHM_GET named fewer slots than OK items");
       const w::ShmSlot& s = r.slots[slot++];
       if (s.offset >= staging_bytes_) {  // lent in place from the host arena
@@ -976,24 +1073,309 @@ class Client::Impl {
 
   Result<std::vector<GetResult>> GetShared(std::span<const WireBlockHash> hashes) {
     std::vector<GetResult> out;
+    SPARSEKV_RETURN_IF_ERROR(GetShared(hashes, out));
+    return out;
+  }
+
+  // SHM_GET into `out`, each item's bytes copied into its buffer there (reused when large
+  // enough); what does not fit the GET area goes over the socket, into the same buffers.
+  Status GetShared(std::span<const WireBlockHash> hashes, std::vector<GetResult>& out) {
     std::vector<size_t> too_big;
     {
       // The daemon writes into the GET half; nothing else may ask for it until we copied out.
       SPARSEKV_RETURN_IF_ERROR(Acquire(kGetArea));
-      w::HashList req{{hashes.begin(), hashes.end()}};
-      auto f = Call(w::Opcode::kShmGet, w::Encode(req));
-      if (!f.ok()) AbandonAreas();
-      Status st = f.ok() ? CopyOutShmGet(*f, hashes.size(), &out, &too_big) : f.status();
+      auto verdicts = ShmGetOverlap(hashes, [&](const Frame& f) { return CopyOutShmGet(f, hashes.size(), &out, &too_big); });
       Release(kGetArea);
-      SPARSEKV_RETURN_IF_ERROR(st);
+      SPARSEKV_RETURN_IF_ERROR(verdicts.status());
+      for (size_t i = 0; i < hashes.size(); ++i) {
+        if ((*verdicts)[i] != 0 && out[i].status.ok()) {
+          out[i].status = Status::Corruption("the bundle failed its checksum as sparsekvd lent it");
+          out[i].bytes.clear();
+        }
+      }
     }
     if (!too_big.empty()) {
       std::vector<WireBlockHash> subset;
-      for (size_t i : too_big) subset.push_back(hashes[i]);
-      SPARSEKV_ASSIGN_OR_RETURN(auto rest, GetSocket(subset));
+      std::vector<GetResult> rest(too_big.size());
+      for (size_t k = 0; k < too_big.size(); ++k) {
+        subset.push_back(hashes[too_big[k]]);
+        rest[k] = std::move(out[too_big[k]]);
+      }
+      Status st = GetReusingSocket(subset, rest);
       for (size_t k = 0; k < rest.size(); ++k) out[too_big[k]] = std::move(rest[k]);
+      SPARSEKV_RETURN_IF_ERROR(st);
     }
-    return out;
+    return Status::OK();
+  }
+
+  // SHM_GET_OVERLAP (api/PROTOCOL.md): the reply names where each bundle lies, and the daemon
+  // checks the ones it lent while the caller copies them; `copy` runs on the reply, then the
+  // verdicts come. Returns them, one per hash (1: that item's bytes failed their check).
+  template <typename Copy>
+  Result<std::vector<uint8_t>> ShmGetOverlap(std::span<const WireBlockHash> hashes, Copy&& copy) {
+    Waiter waiter;
+    waiter.verdicts_expected = true;
+    w::HashList req{{hashes.begin(), hashes.end()}};
+    auto id = SendFrame(w::Opcode::kShmGetOverlap, w::Encode(req), &waiter);
+    if (!id.ok()) {
+      AbandonAreas();
+      return id.status();
+    }
+    auto fail = [&](std::unique_lock<std::mutex>&, Status st) {
+      pending_.erase(*id);  // nothing more is delivered to this stack frame
+      AbandonAreas();  // the daemon may still write the GET area: it cannot be reused
+      return st;
+    };
+    Result<Frame> reply = Status::OK();
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      if (!WaitReading(l, Clock::now() + timeout_, [&] { return waiter.result.has_value(); })) {
+        return fail(l, waiter.result && !waiter.result->ok() ? waiter.result->status()
+                                                             : broken_.ok() ? TimedOut() : broken_);
+      }
+      reply = std::move(*waiter.result);
+      if (!reply.ok()) {
+        pending_.erase(*id);
+        return fail(l, reply.status());
+      }
+    }
+    Status copied = copy(*reply);
+    std::unique_lock<std::mutex> l(mu_);
+    if (!WaitReading(l, Clock::now() + timeout_, [&] { return waiter.verdicts.has_value(); })) {
+      return fail(l, broken_.ok() ? TimedOut() : broken_);
+    }
+    DrainBuffered(l);
+    if (!copied.ok()) return copied;
+    if (waiter.verdicts->size() != hashes.size()) {
+      return Status::Internal("SHM_VERDICTS answered the wrong number of items");
+    }
+    return std::move(*waiter.verdicts);
+  }
+
+  // ---- GET into the caller's memory ----
+
+  // GETs over the socket whose replies are read into targets (IntoTarget), `targets[k]` for
+  // items `index[k]` of `hashes`: every request is sent, then every reply read (pipelined), each
+  // within the largest frame. Returns per request the items the daemon deferred (indexes into
+  // `hashes`). On a failure the connection is given up, and this returns only once no reader
+  // writes into the targets any more.
+  struct IntoRequest {
+    std::vector<size_t> index;  // items of `hashes`
+    IntoTarget target;
+    Waiter waiter;
+    uint64_t id = 0;
+    bool sent = false;
+  };
+  Status RunIntoRequests(std::span<const WireBlockHash> hashes, std::vector<std::unique_ptr<IntoRequest>>& reqs,
+                         std::vector<size_t>* deferred) {
+    Status failed;
+    for (auto& r : reqs) {
+      r->waiter.into = &r->target;
+      w::HashList list;
+      list.hashes.reserve(r->index.size());
+      for (size_t i : r->index) list.hashes.push_back(hashes[i]);
+      auto id = SendFrame(w::Opcode::kGet, w::Encode(list), &r->waiter);
+      if (!id.ok()) {
+        failed = id.status();
+        break;
+      }
+      r->id = *id;
+      r->sent = true;
+    }
+    std::unique_lock<std::mutex> l(mu_);
+    auto all_answered = [&] {
+      for (auto& r : reqs) {
+        if (r->sent && !r->waiter.result.has_value()) return false;
+      }
+      return true;
+    };
+    if (failed.ok() && !WaitReading(l, Clock::now() + timeout_, all_answered)) {
+      failed = broken_.ok() ? TimedOut() : broken_;
+    }
+    if (!failed.ok()) {
+      // Nothing may be written into the caller's memory once we return: forget the requests,
+      // and wait for a reader in the middle of one of their replies (the shutdown ends it).
+      for (auto& r : reqs) {
+        if (r->sent) pending_.erase(r->id);
+      }
+      l.unlock();
+      AbandonAreas();
+      l.lock();
+      cv_.wait(l, [&] {
+        for (auto& r : reqs) {
+          if (r->target.busy) return false;
+        }
+        return true;
+      });
+      return failed;
+    }
+    DrainBuffered(l);
+    l.unlock();
+    for (auto& r : reqs) {
+      Result<Frame>& f = *r->waiter.result;
+      if (!f.ok()) return f.status();
+      if (f->into == nullptr) return Status::Internal("a GET reply was not read into its destinations");
+      for (size_t k : f->get_deferred) deferred->push_back(r->index[k]);
+    }
+    return Status::OK();
+  }
+
+  // GetInto over the socket, for items `todo` of `hashes`.
+  Status GetIntoSocket(std::span<const WireBlockHash> hashes, std::span<const std::span<std::byte>> dests,
+                       std::vector<size_t> todo, std::vector<GetIntoResult>& out) {
+    const uint64_t limit = hello_.max_payload_bytes;
+    while (!todo.empty()) {
+      // Requests whose replies fit one frame by the destinations' sizes (at least one item each).
+      std::vector<std::unique_ptr<IntoRequest>> reqs;
+      uint64_t size = 0;
+      for (size_t i : todo) {
+        const uint64_t item = 6 + dests[i].size();  // status, length, bytes, verdict
+        if (reqs.empty() || reqs.back()->index.size() == w::kMaxBatchItems || size + item > limit) {
+          reqs.push_back(std::make_unique<IntoRequest>());
+          size = 4;
+        }
+        reqs.back()->index.push_back(i);
+        size += item;
+      }
+      std::vector<std::vector<std::span<std::byte>>> spans(reqs.size());
+      std::vector<std::vector<GetIntoResult>> results(reqs.size());
+      for (size_t k = 0; k < reqs.size(); ++k) {
+        for (size_t i : reqs[k]->index) spans[k].push_back(dests[i]);
+        results[k].resize(reqs[k]->index.size());
+        reqs[k]->target.dests = spans[k];
+        reqs[k]->target.results = &results[k];
+      }
+      std::vector<size_t> deferred;
+      SPARSEKV_RETURN_IF_ERROR(RunIntoRequests(hashes, reqs, &deferred));
+      std::vector<bool> again(hashes.size(), false);
+      for (size_t i : deferred) again[i] = true;
+      for (size_t k = 0; k < reqs.size(); ++k) {
+        for (size_t j = 0; j < reqs[k]->index.size(); ++j) {
+          const size_t i = reqs[k]->index[j];
+          if (!again[i]) out[i] = std::move(results[k][j]);
+        }
+      }
+      if (deferred.size() == todo.size()) return Status::Internal("sparsekvd deferred every item of a GET");
+      todo = std::move(deferred);
+    }
+    return Status::OK();
+  }
+
+  // Where an SHM_GET slot's bytes lie in this process: the GET area or the arena; null when
+  // the slot names bytes outside both.
+  const std::byte* SlotBytes(const w::ShmSlot& s) const {
+    if (s.offset >= staging_bytes_) {  // lent in place from the host arena
+      const uint64_t at = s.offset - staging_bytes_;
+      if (arena_ == nullptr || at > arena_bytes_ || s.bytes > arena_bytes_ - at) return nullptr;
+      return arena_ + at;
+    }
+    if (s.offset < staging_bytes_ / 2 || s.bytes > staging_bytes_ - s.offset) return nullptr;
+    return staging_ + s.offset;
+  }
+
+  // GetInto over shared memory: SHM_GETs of as many items as their destinations let fit the GET
+  // area (and the most the daemon lends at a time), each copied from where the daemon put or lent
+  // it straight into its destination. What does not fit goes over the socket.
+  Status GetIntoShared(std::span<const WireBlockHash> hashes, std::span<const std::span<std::byte>> dests,
+                       std::vector<GetIntoResult>& out) {
+    std::vector<size_t> by_socket;
+    SPARSEKV_RETURN_IF_ERROR(Acquire(kGetArea));
+    const uint64_t half = staging_bytes_ / 2;
+    bool lent = false;
+    Status st;
+    size_t i = 0;
+    while (st.ok() && i < hashes.size()) {
+      w::HashList req;
+      std::vector<size_t> index;
+      uint64_t sum = 0;
+      while (i < hashes.size() && index.size() < w::kMaxBatchItems) {
+        const uint64_t need = (dests[i].size() + 63) & ~uint64_t{63};
+        if (need > half) {
+          by_socket.push_back(i++);
+          continue;
+        }
+        if (sum + need > half) break;
+        sum += need;
+        req.hashes.push_back(hashes[i]);
+        index.push_back(i++);
+      }
+      if (index.empty()) continue;
+      auto verdicts = ShmGetOverlap(req.hashes, [&](const Frame& f) -> Status {
+        auto r = w::DecodeShmGetReply(f.payload);
+        if (!r.ok() || r->status.size() != index.size()) {
+          return r.ok() ? Status::Internal("SHM_GET answered the wrong number of items") : r.status();
+        }
+        return CopyInto(*r, index, dests, out, by_socket, lent);
+      });
+      if (!verdicts.ok()) {
+        st = verdicts.status();
+        break;
+      }
+      for (size_t k = 0; k < index.size(); ++k) {
+        GetIntoResult& g = out[index[k]];
+        if ((*verdicts)[k] != 0 && g.status.ok()) {
+          g.status = Status::Corruption("the bundle failed its checksum as sparsekvd lent it");
+        }
+      }
+    }
+    // The pins go back now rather than at the next SHM_GET; the answer is not waited for.
+    if (lent && st.ok()) SendWithCallback(w::Opcode::kShmRelease, w::Encode(w::HashList{}), [](Result<Frame>) {});
+    Release(kGetArea);
+    SPARSEKV_RETURN_IF_ERROR(st);
+    if (by_socket.empty()) return Status::OK();
+    std::sort(by_socket.begin(), by_socket.end());
+    return GetIntoSocket(hashes, dests, std::move(by_socket), out);
+  }
+
+  // Copies the bundles an SHM_GET reply for items `index` names into their destinations.
+  Status CopyInto(const w::ShmGetReply& r, const std::vector<size_t>& index,
+                  std::span<const std::span<std::byte>> dests, std::vector<GetIntoResult>& out,
+                  std::vector<size_t>& by_socket, bool& lent) const {
+    size_t slot = 0;
+    for (size_t k = 0; k < index.size(); ++k) {
+      GetIntoResult& g = out[index[k]];
+      if (r.status[k].code == StatusCode::kResourceExhausted) {  // no room in the GET area
+        by_socket.push_back(index[k]);
+        continue;
+      }
+      g.status = FromItem(r.status[k]);
+      if (!g.status.ok()) continue;
+      if (slot >= r.slots.size()) return Status::Internal("SHM_GET named fewer slots than OK items");
+      const w::ShmSlot& s = r.slots[slot++];
+      const std::byte* src = SlotBytes(s);
+      g.bytes = s.bytes;
+      if (src == nullptr) {
+        g.status = Status::Internal("SHM_GET named bytes outside the shared areas");
+      } else if (s.bytes > dests[index[k]].size()) {
+        g.status = Status::OutOfRange(fmt::format("a value of {} bytes does not fit its destination of {} bytes",
+                                                  s.bytes, dests[index[k]].size()));
+      } else {
+        std::memcpy(dests[index[k]].data(), src, s.bytes);
+      }
+      lent |= s.offset >= staging_bytes_;
+    }
+    return Status::OK();
+  }
+
+  // Get into reused results over the socket: as GetSocket, each reply read into `results`.
+  Status GetReusingSocket(std::span<const WireBlockHash> hashes, std::vector<GetResult>& results) {
+    std::vector<size_t> todo(hashes.size());
+    for (size_t i = 0; i < todo.size(); ++i) todo[i] = i;
+    while (!todo.empty()) {
+      std::vector<std::unique_ptr<IntoRequest>> reqs(1);
+      reqs[0] = std::make_unique<IntoRequest>();
+      reqs[0]->index = todo;
+      std::vector<GetResult> part(todo.size());
+      for (size_t k = 0; k < todo.size(); ++k) part[k] = std::move(results[todo[k]]);
+      reqs[0]->target.reuse = &part;
+      std::vector<size_t> deferred;
+      Status st = RunIntoRequests(hashes, reqs, &deferred);
+      for (size_t k = 0; k < todo.size(); ++k) results[todo[k]] = std::move(part[k]);
+      SPARSEKV_RETURN_IF_ERROR(st);
+      if (deferred.size() == todo.size()) return Status::Internal("sparsekvd deferred every item of a GET");
+      todo = std::move(deferred);
+    }
+    return Status::OK();
   }
 
   // ---- callback forms ----
@@ -1070,10 +1452,17 @@ class Client::Impl {
 
   bool shared() const { return staging_ != nullptr; }
 
+  // Ends a SHM_VIEW lease, without waiting for the answer (read by whoever reads next).
+  void EndView(uint64_t lease) {
+    std::vector<std::byte> payload = w::EncodeLease(lease);
+    SendWithCallback(w::Opcode::kShmViewEnd, payload, [](Result<Frame>) {});
+  }
+
   int fd_ = -1;
   int wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);  // -1 if none: waits then end at their deadline
   bool is_unix_ = false;
   std::chrono::milliseconds timeout_{30000};
+  std::chrono::microseconds spin_{0};
   w::HelloReply hello_;
   std::byte* staging_ = nullptr;
   size_t staging_bytes_ = 0;
@@ -1099,12 +1488,12 @@ class Client::Impl {
 };
 
 Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
-  auto impl = std::make_unique<Impl>();
+  auto impl = std::make_shared<Impl>();
   SPARSEKV_RETURN_IF_ERROR(impl->Open(options));
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 
-Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::Client(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
 
 Result<LookupResult> Client::Lookup(std::span<const WireBlockHash> hashes) {
@@ -1119,6 +1508,114 @@ Result<std::vector<Status>> Client::Put(std::span<const BundleRef> bundles) {
 Result<std::vector<GetResult>> Client::Get(std::span<const WireBlockHash> hashes) {
   if (impl_->shared()) return impl_->GetShared(hashes);
   return impl_->GetSocket(hashes);
+}
+
+Status Client::Get(std::span<const WireBlockHash> hashes, std::vector<GetResult>& results) {
+  results.resize(hashes.size());
+  if (impl_->shared()) return impl_->GetShared(hashes, results);
+  return impl_->GetReusingSocket(hashes, results);
+}
+
+Result<std::vector<GetIntoResult>> Client::GetInto(std::span<const WireBlockHash> hashes,
+                                                   std::span<const std::span<std::byte>> destinations) {
+  if (hashes.size() != destinations.size()) {
+    return Status::InvalidArgument(
+        fmt::format("GetInto: {} hashes and {} destinations", hashes.size(), destinations.size()));
+  }
+  std::vector<GetIntoResult> out(hashes.size());
+  if (impl_->shared()) {
+    SPARSEKV_RETURN_IF_ERROR(impl_->GetIntoShared(hashes, destinations, out));
+  } else {
+    std::vector<size_t> all(hashes.size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+    SPARSEKV_RETURN_IF_ERROR(impl_->GetIntoSocket(hashes, destinations, std::move(all), out));
+  }
+  return out;
+}
+
+struct ValueViews::State {
+  std::shared_ptr<Client::Impl> owner;  // keeps the connection (and the arena's mapping) alive
+  std::vector<uint64_t> leases;
+  std::vector<Status> status;
+  std::vector<std::span<const std::byte>> bytes;
+  std::vector<bool> lent;
+  std::vector<GetResult> copies;  // items read with GET
+  uint64_t lent_bytes = 0;
+};
+
+ValueViews::ValueViews() = default;
+ValueViews::~ValueViews() { Release(); }
+ValueViews::ValueViews(ValueViews&&) noexcept = default;
+ValueViews& ValueViews::operator=(ValueViews&& other) noexcept {
+  if (this != &other) {
+    Release();
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+size_t ValueViews::size() const { return state_ ? state_->status.size() : 0; }
+const Status& ValueViews::status(size_t i) const { return state_->status.at(i); }
+std::span<const std::byte> ValueViews::bytes(size_t i) const { return state_->bytes.at(i); }
+bool ValueViews::lent(size_t i) const { return state_->lent.at(i); }
+uint64_t ValueViews::lent_bytes() const { return state_ ? state_->lent_bytes : 0; }
+void ValueViews::Release() {
+  if (!state_) return;
+  if (state_->owner) {
+    for (uint64_t lease : state_->leases) state_->owner->EndView(lease);
+  }
+  state_.reset();
+}
+
+Result<ValueViews> Client::GetViews(std::span<const WireBlockHash> hashes) {
+  ValueViews views;
+  views.state_ = std::make_unique<ValueViews::State>();
+  ValueViews::State& s = *views.state_;
+  s.owner = impl_;
+  s.status.resize(hashes.size());
+  s.bytes.resize(hashes.size());
+  s.lent.assign(hashes.size(), false);
+  std::vector<size_t> copy;  // items to read with GET
+  for (size_t first = 0; first < hashes.size(); first += w::kMaxBatchItems) {
+    const size_t n = std::min<size_t>(w::kMaxBatchItems, hashes.size() - first);
+    if (!shared_arena()) {
+      for (size_t i = first; i < first + n; ++i) copy.push_back(i);
+      continue;
+    }
+    w::HashList req{{hashes.begin() + first, hashes.begin() + first + n}};
+    auto f = impl_->Call(w::Opcode::kShmView, w::Encode(req));
+    if (!f.ok()) return f.status();  // views.state_ ends the leases taken so far
+    SPARSEKV_ASSIGN_OR_RETURN(w::ShmViewReply r, w::DecodeShmViewReply(f->payload));
+    if (r.lease != 0) s.leases.push_back(r.lease);
+    if (r.items.status.size() != n) return Status::Internal("SHM_VIEW answered the wrong number of items");
+    size_t slot = 0;
+    for (size_t k = 0; k < n; ++k) {
+      const size_t i = first + k;
+      const StatusCode code = r.items.status[k].code;
+      if (code == StatusCode::kFailedPrecondition || code == StatusCode::kResourceExhausted) {
+        copy.push_back(i);  // not lendable: read with GET
+        continue;
+      }
+      s.status[i] = FromItem(r.items.status[k]);
+      if (code != StatusCode::kOk) continue;
+      if (slot >= r.items.slots.size()) return Status::Internal("SHM_VIEW named fewer slots than OK items");
+      const w::ShmSlot& sl = r.items.slots[slot++];
+      const std::byte* src = sl.offset >= impl_->staging_bytes_ ? impl_->SlotBytes(sl) : nullptr;
+      if (src == nullptr) return Status::Internal("SHM_VIEW named bytes outside the host arena");
+      s.bytes[i] = {src, sl.bytes};
+      s.lent[i] = true;
+      s.lent_bytes += sl.bytes;
+    }
+  }
+  if (!copy.empty()) {
+    std::vector<WireBlockHash> subset;
+    for (size_t i : copy) subset.push_back(hashes[i]);
+    SPARSEKV_RETURN_IF_ERROR(Get(subset, s.copies));
+    for (size_t k = 0; k < copy.size(); ++k) {
+      s.status[copy[k]] = s.copies[k].status;
+      s.bytes[copy[k]] = s.copies[k].bytes;
+    }
+  }
+  return views;
 }
 
 Result<std::vector<GetResult>> Client::GetRanges(std::span<const RangesRequest> items) {

@@ -46,6 +46,12 @@ struct ClientOptions {
   bool shared_memory = true;
   // Limit for connecting and for each synchronous call. Default: 30 s.
   std::chrono::milliseconds timeout{30000};
+  // A synchronous call whose reply has not arrived yet polls the socket without sleeping for up
+  // to this long before it waits in poll(2): on a VM each sleep and wakeup costs tens of
+  // microseconds, which is most of a small batch's time (api/PROTOCOL.md, "What a GET costs").
+  // It burns that much CPU per call, so leave it at 0 where many clients share few cores.
+  // Default: 0.
+  std::chrono::microseconds spin{0};
 };
 
 enum class BlockTier : uint8_t { kAbsent = 0, kHost = 1, kSsd = 2, kRocksDb = 3, kRemote = 4 };
@@ -63,6 +69,51 @@ struct BundleRef {
 struct GetResult {
   Status status;                   // NotFound, Corruption, ... per item
   std::vector<std::byte> bytes;    // the bundle when status is OK
+};
+
+// A GET into the caller's memory (Client::GetInto): per item its outcome and the value's size.
+//   OK           the value's `bytes` bytes are at the start of the item's destination;
+//   OutOfRange   the value (`bytes` long) is larger than the destination, which is untouched;
+//   NotFound, Corruption (the bytes failed their check; the destination may hold some of
+//   them), and the other per-item errors of Get.
+struct GetIntoResult {
+  Status status;
+  uint64_t bytes = 0;
+};
+
+// Values read in place (Client::GetViews): each item's bytes, lent from the daemon's host
+// arena (mapped read-only, checked against their record's checksum as the daemon read them, the
+// pages pinned) where it could, else a copy held here. The pins are the daemon's: they count
+// against its pin budget (a quarter of the host tier, shared by all clients) until the views are
+// released, by Release() or the destructor. Release them promptly: a lent page is neither evicted
+// nor reused while held. Move-only. The Client may be destroyed first: its connection then stays
+// open, doing nothing else, until the last views are released.
+class ValueViews {
+ public:
+  ValueViews();
+  ~ValueViews();
+  ValueViews(ValueViews&&) noexcept;
+  ValueViews& operator=(ValueViews&&) noexcept;
+  ValueViews(const ValueViews&) = delete;
+  ValueViews& operator=(const ValueViews&) = delete;
+
+  size_t size() const;
+  // OK, NotFound, Corruption, ... as for Get.
+  const Status& status(size_t i) const;
+  // The value when status(i) is OK; valid until Release.
+  std::span<const std::byte> bytes(size_t i) const;
+  // Whether bytes(i) lies in the daemon's arena (no copy was made).
+  bool lent(size_t i) const;
+  // Total bytes lent in place.
+  uint64_t lent_bytes() const;
+  // Gives the pins back (without waiting for the daemon's answer); bytes() is empty afterwards.
+  void Release();
+
+  struct State;
+
+ private:
+  friend class Client;
+  std::unique_ptr<State> state_;
 };
 
 // GET_RANGES: byte ranges of one stored value (the bytes a PUT stored), read without the rest.
@@ -94,6 +145,21 @@ class Client {
   Result<LookupResult> Lookup(std::span<const WireBlockHash> hashes);
   Result<std::vector<Status>> Put(std::span<const BundleRef> bundles);
   Result<std::vector<GetResult>> Get(std::span<const WireBlockHash> hashes);
+  // Get into `results` (resized to hashes.size()), reusing each item's buffer: a value of the
+  // size the buffer had costs no allocation and no first touch of fresh pages. Same outcomes.
+  Status Get(std::span<const WireBlockHash> hashes, std::vector<GetResult>& results);
+  // GET into the caller's memory: item i's value lands at destinations[i] (see GetIntoResult),
+  // with one copy and no allocation per value: over shared memory straight out of the daemon's
+  // arena (or its copy in the GET area), over a socket received straight into the destination.
+  // Requests are cut to fit the staging area or the largest frame by the destinations' sizes,
+  // and pipelined over a socket. Errors (of the whole call): InvalidArgument when the counts
+  // differ; a broken connection or a timeout, after which the destinations hold what arrived.
+  Result<std::vector<GetIntoResult>> GetInto(std::span<const WireBlockHash> hashes,
+                                             std::span<const std::span<std::byte>> destinations);
+  // Zero-copy reads (api/PROTOCOL.md, SHM_VIEW): the values lent in place where the daemon can
+  // (a Unix socket with shared memory, a one-namespace daemon, the value in host memory, room in
+  // the pin budget), copies otherwise. For consumers that read the bytes once.
+  Result<ValueViews> GetViews(std::span<const WireBlockHash> hashes);
   // Per item, its ranges' bytes back to back, in order (api/PROTOCOL.md, GET_RANGES). The
   // daemon does not check a value's checksum for this (it would read all of it): check what
   // the ranges carry (sparse records carry a checksum per entry). Items are sent in as many
@@ -150,8 +216,8 @@ class Client {
   class Impl;
 
  private:
-  explicit Client(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+  explicit Client(std::shared_ptr<Impl> impl);
+  std::shared_ptr<Impl> impl_;  // shared with the ValueViews still held
 };
 
 }  // namespace sparsekv
