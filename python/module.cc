@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -104,7 +105,9 @@ std::vector<WireBlockHash> KeysOf(const py::sequence& keys) {
 // (a 64-value batch over shared memory took 1.2x the C++ client's time that way).
 struct ValueObject {
   PyObject_HEAD
-  std::vector<std::byte>* bytes;  // owned
+  std::shared_ptr<const void>* owner;  // owned: keeps `data` alive (a buffer, or a lease of views)
+  const std::byte* data;
+  Py_ssize_t size;
 };
 
 // The CPython idiom for a static type: its head set, every other slot zero (filled in below).
@@ -114,14 +117,13 @@ PyTypeObject ValueType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 #pragma GCC diagnostic pop
 
 void ValueDealloc(PyObject* self) {
-  delete reinterpret_cast<ValueObject*>(self)->bytes;
+  delete reinterpret_cast<ValueObject*>(self)->owner;
   Py_TYPE(self)->tp_free(self);
 }
 
 int ValueGetBuffer(PyObject* self, Py_buffer* view, int flags) {
-  const std::vector<std::byte>& b = *reinterpret_cast<ValueObject*>(self)->bytes;
-  return PyBuffer_FillInfo(view, self, const_cast<std::byte*>(b.data()), static_cast<Py_ssize_t>(b.size()),
-                           /*readonly=*/1, flags);
+  const ValueObject* v = reinterpret_cast<ValueObject*>(self);
+  return PyBuffer_FillInfo(view, self, const_cast<std::byte*>(v->data), v->size, /*readonly=*/1, flags);
 }
 
 PyBufferProcs kValueBuffer{ValueGetBuffer, nullptr};
@@ -138,15 +140,120 @@ void RegisterValueType(py::module_& m) {
   m.add_object("_Value", py::handle(reinterpret_cast<PyObject*>(&ValueType)));
 }
 
-// A read-only memoryview owning `bytes`.
-py::object ValueView(std::vector<std::byte>&& bytes) {
+// A read-only memoryview of `bytes`, which `owner` keeps alive.
+py::object OwnedView(std::shared_ptr<const void> owner, std::span<const std::byte> bytes) {
   ValueObject* v = PyObject_New(ValueObject, &ValueType);
   if (v == nullptr) throw py::error_already_set();
-  v->bytes = new std::vector<std::byte>(std::move(bytes));
+  v->owner = new std::shared_ptr<const void>(std::move(owner));
+  v->data = bytes.data();
+  v->size = static_cast<Py_ssize_t>(bytes.size());
   PyObject* view = PyMemoryView_FromObject(reinterpret_cast<PyObject*>(v));
   Py_DECREF(v);  // the view holds it now
   if (view == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(view);
+}
+
+// A read-only memoryview owning `bytes`.
+py::object ValueView(std::vector<std::byte>&& bytes) {
+  auto owned = std::make_shared<const std::vector<std::byte>>(std::move(bytes));
+  const std::span<const std::byte> b(*owned);
+  return OwnedView(std::move(owned), b);
+}
+
+// Writable memory a GET may land in, from Python: a CPU torch tensor (contiguous), any object
+// exporting a writable C-contiguous buffer (bytearray, numpy array, memoryview), or a
+// (pointer, length) pair of ints. Held (the buffer exported, the object referenced) until the
+// Destinations are gone, so the memory stays put while the GIL is released.
+class Destinations {
+ public:
+  Destinations() = default;
+  Destinations(const Destinations&) = delete;
+  Destinations& operator=(const Destinations&) = delete;
+  ~Destinations() {
+    for (Py_buffer& b : buffers_) PyBuffer_Release(&b);
+  }
+
+  // The memory of `obj` (see above), appended whole.
+  std::span<std::byte> Add(const py::handle& obj) {
+    std::span<std::byte> span = Memory(obj);
+    spans_.push_back(span);
+    return span;
+  }
+
+  // `out` for `n` keys: a list or tuple of one destination per key, or one destination cut into
+  // n equal slices (a tensor or array of n pages).
+  void For(const py::object& out, size_t n) {
+    const bool pair = py::isinstance<py::tuple>(out) && py::len(out) == 2 &&
+                      py::isinstance<py::int_>(out[py::int_(0)]) && py::isinstance<py::int_>(out[py::int_(1)]);
+    if ((py::isinstance<py::list>(out) || py::isinstance<py::tuple>(out)) && !pair) {
+      if (py::len(out) != n) {
+        throw py::value_error("get_into: " + std::to_string(n) + " keys and " + std::to_string(py::len(out)) +
+                              " destinations");
+      }
+      for (const py::handle& d : out) Add(d);
+      return;
+    }
+    const std::span<std::byte> whole = Memory(out);
+    if (n == 0) return;
+    if (whole.size() % n != 0) {
+      throw py::value_error("get_into: a destination of " + std::to_string(whole.size()) +
+                            " bytes does not split into " + std::to_string(n) + " equal slices");
+    }
+    const size_t each = whole.size() / n;
+    for (size_t i = 0; i < n; ++i) spans_.push_back(whole.subspan(i * each, each));
+  }
+
+  std::span<const std::span<std::byte>> spans() const { return spans_; }
+
+ private:
+  std::span<std::byte> Memory(const py::handle& obj) {
+    if (py::isinstance<py::tuple>(obj) && py::len(obj) == 2) {  // (pointer, length)
+      const uintptr_t ptr = obj[py::int_(0)].cast<uintptr_t>();
+      const size_t len = obj[py::int_(1)].cast<size_t>();
+      if (ptr == 0 && len != 0) throw py::value_error("get_into: a null pointer");
+      return {reinterpret_cast<std::byte*>(ptr), len};
+    }
+    if (py::hasattr(obj, "data_ptr") && py::hasattr(obj, "element_size") && py::hasattr(obj, "is_contiguous")) {
+      if (obj.attr("device").attr("type").cast<std::string>() != "cpu") {
+        throw py::value_error("get_into: a tensor must be in CPU memory (copy it to the device afterwards)");
+      }
+      if (!obj.attr("is_contiguous")().cast<bool>()) throw py::value_error("get_into: a tensor must be contiguous");
+      held_.push_back(py::reinterpret_borrow<py::object>(obj));
+      const uintptr_t ptr = obj.attr("data_ptr")().cast<uintptr_t>();
+      const size_t len = obj.attr("element_size")().cast<size_t>() * obj.attr("numel")().cast<size_t>();
+      return {reinterpret_cast<std::byte*>(ptr), len};
+    }
+    Py_buffer b;
+    if (PyObject_GetBuffer(obj.ptr(), &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+      PyErr_Clear();
+      throw py::type_error(
+          "get_into: a destination is a writable C-contiguous buffer (bytearray, numpy array, memoryview), a CPU "
+          "torch tensor, or a (pointer, length) pair");
+    }
+    buffers_.push_back(b);
+    return {static_cast<std::byte*>(b.buf), static_cast<size_t>(b.len)};
+  }
+
+  std::vector<std::span<std::byte>> spans_;
+  std::deque<Py_buffer> buffers_;
+  std::vector<py::object> held_;
+};
+
+// GetInto's answers for Python: per key the value's size, or None for a miss (absent, or
+// dropped by the daemon as damaged); any other item error raises, a value too large for its
+// destination included (OutOfRange).
+py::list IntoAnswers(const std::vector<GetIntoResult>& got) {
+  py::list out;
+  for (const GetIntoResult& g : got) {
+    if (g.status.ok()) {
+      out.append(py::int_(g.bytes));
+    } else if (g.status.code() == StatusCode::kNotFound || g.status.code() == StatusCode::kCorruption) {
+      out.append(py::none());
+    } else {
+      Raise(g.status);
+    }
+  }
+  return out;
 }
 
 const char* TierName(BlockTier t) {
@@ -229,6 +336,33 @@ class PyClient {
         out.push_back(py::none());  // a miss: absent, or dropped as damaged by the daemon
       } else {
         Raise(g.status);
+      }
+    }
+    return out;
+  }
+
+  py::list GetInto(const py::sequence& keys, const py::object& out) {
+    std::vector<WireBlockHash> hashes = KeysOf(keys);
+    Destinations dests;
+    dests.For(out, hashes.size());
+    return IntoAnswers(Unlocked([&](Client& c) { return c.GetInto(hashes, dests.spans()); }));
+  }
+
+  // Zero-copy reads: per key a read-only memoryview of the value lent in place (or copied where
+  // it could not be), or None for a miss. The lease ends once every memoryview of the call (and
+  // every object made from one) is gone.
+  py::list GetViews(const py::sequence& keys) {
+    std::vector<WireBlockHash> hashes = KeysOf(keys);
+    auto views = std::make_shared<ValueViews>(Unlocked([&](Client& c) { return c.GetViews(hashes); }));
+    py::list out;
+    for (size_t i = 0; i < views->size(); ++i) {
+      const Status& st = views->status(i);
+      if (st.ok()) {
+        out.append(OwnedView(views, views->bytes(i)));
+      } else if (st.code() == StatusCode::kNotFound || st.code() == StatusCode::kCorruption) {
+        out.append(py::none());
+      } else {
+        Raise(st);
       }
     }
     return out;
@@ -320,6 +454,24 @@ class CppBaseline {
       std::vector<GetResult> got = Take(client_->Get(hashes));
       seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       for (const GetResult& g : got) {
+        if (!g.status.ok()) Raise(g.status);
+      }
+    }
+    return seconds;
+  }
+
+  // The same with GetInto into `out` (as PyClient::GetInto takes it).
+  std::vector<double> GetIntoLoop(const py::sequence& keys, const py::object& out, int iterations) {
+    std::vector<WireBlockHash> hashes = KeysOf(keys);
+    Destinations dests;
+    dests.For(out, hashes.size());
+    py::gil_scoped_release unlocked;
+    std::vector<double> seconds;
+    for (int i = 0; i < iterations; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      std::vector<GetIntoResult> got = Take(client_->GetInto(hashes, dests.spans()));
+      seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      for (const GetIntoResult& g : got) {
         if (!g.status.ok()) Raise(g.status);
       }
     }
@@ -1108,6 +1260,8 @@ PYBIND11_MODULE(_sparsekv, m) {
            py::arg("shared_memory"), py::arg("timeout"))
       .def("put", &PyClient::Put)
       .def("get", &PyClient::Get)
+      .def("get_into", &PyClient::GetInto)
+      .def("get_views", &PyClient::GetViews)
       .def("lookup", &PyClient::Lookup)
       .def("delete", &PyClient::Delete)
       .def("stats", &PyClient::Stats)
@@ -1236,5 +1390,6 @@ PYBIND11_MODULE(_sparsekv, m) {
   py::class_<CppBaseline>(m, "_CppBaseline")
       .def(py::init<const std::string&, const std::string&, const std::string&, bool>(), py::arg("address"),
            py::arg("namespace"), py::arg("token"), py::arg("shared_memory"))
-      .def("get_loop", &CppBaseline::GetLoop, py::arg("keys"), py::arg("iterations"));
+      .def("get_loop", &CppBaseline::GetLoop, py::arg("keys"), py::arg("iterations"))
+      .def("get_into_loop", &CppBaseline::GetIntoLoop, py::arg("keys"), py::arg("out"), py::arg("iterations"));
 }

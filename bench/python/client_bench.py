@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """`sparsekv.Client` against the C++ client, same run: a batch GET of N values of B bytes,
 timed from Python (memoryviews handed back) and from C++ (the same client library, no Python in
-the loop), alternating, over TCP and over the Unix socket with shared memory. Prints JSON with
-the medians and their ratio. Starts its own sparsekvd (SPARSEKVD_PATH, else
+the loop), alternating, over TCP and over the Unix socket with shared memory; then the same batch
+read into caller memory (`get_into`) from Python into a numpy array and into a torch tensor,
+against C++ `Client::GetInto` into the same array. Prints JSON with the medians and ratios. Starts its own sparsekvd (SPARSEKVD_PATH, else
 build/release/api/sparsekvd) unless --address is given.
 
     PYTHONPATH=build/release/python python3 bench/python/client_bench.py --values 64 --bytes 65536
@@ -45,6 +46,7 @@ def run(address_tcp, address_unix, namespace="default", token="", values=64, val
                 py_s.append((time.perf_counter() - t0) / iterations)
                 cpp_s.append(sum(baseline.get_loop(keys, iterations)) / iterations)
             shared = c.shared_memory
+            into = measure_into(c, baseline, keys, data, value_bytes, rounds, iterations)
         py_m, cpp_m = statistics.median(py_s), statistics.median(cpp_s)
         ratios = [p / q for p, q in zip(py_s, cpp_s)]
         out[name] = {
@@ -54,7 +56,45 @@ def run(address_tcp, address_unix, namespace="default", token="", values=64, val
             "python_vs_cpp_paired_median": statistics.median(ratios),
             "python_get_bytes_per_s": values * value_bytes / py_m,
             "shared_memory": shared,
+            **into,
         }
+    return out
+
+
+def measure_into(c, baseline, keys, data, value_bytes, rounds, iterations):
+    """get_into from Python into a numpy array and a torch tensor, against the C++ client's
+    GetInto into the same numpy array, alternating; every byte checked once before timing."""
+    import numpy as np
+    arr = np.zeros((len(keys), value_bytes), dtype=np.uint8)
+    targets = {"numpy": arr}
+    try:
+        import torch
+        targets["torch"] = torch.zeros((len(keys), value_bytes), dtype=torch.uint8)
+    except ImportError:
+        pass
+    for name, t in targets.items():
+        assert c.get_into(keys, t) == [value_bytes] * len(keys)
+        got = t.numpy() if name == "torch" else t
+        assert all(got[i].tobytes() == d for i, d in enumerate(data)), f"wrong bytes into {name}"
+    baseline.get_into_loop(keys, arr, iterations)
+    secs = {name: [] for name in targets}
+    cpp = []
+    for _ in range(rounds):
+        for name, t in targets.items():
+            t0 = time.perf_counter()
+            for _ in range(iterations):
+                c.get_into(keys, t)
+            secs[name].append((time.perf_counter() - t0) / iterations)
+        cpp.append(sum(baseline.get_into_loop(keys, arr, iterations)) / iterations)
+    total = len(keys) * value_bytes
+    cpp_m = statistics.median(cpp)
+    out = {"cpp_into_seconds": cpp_m, "cpp_into_bytes_per_s": total / cpp_m}
+    for name, s in secs.items():
+        m = statistics.median(s)
+        out[f"python_into_{name}_seconds"] = m
+        out[f"python_into_{name}_bytes_per_s"] = total / m
+        out[f"python_into_{name}_vs_cpp"] = m / cpp_m
+        out[f"python_into_{name}_vs_cpp_paired_median"] = statistics.median(p / q for p, q in zip(s, cpp))
     return out
 
 

@@ -198,6 +198,29 @@ class Client:
         dropped by the daemon as damaged). Other per-item errors raise."""
         return self._c.get(keys)
 
+    def get_into(self, keys, out):
+        """Reads the values of ``keys`` straight into caller memory, with one copy and no
+        allocation per value (over shared memory out of the daemon's arena; over a socket
+        received in place).
+
+        ``out`` is one destination per key (a list or tuple), or one destination cut into
+        ``len(keys)`` equal slices. A destination is a writable C-contiguous buffer (bytearray,
+        numpy array, memoryview), a contiguous CPU torch tensor, or a ``(pointer, length)`` pair
+        of ints. Returns per key the value's size in bytes (written at the start of its
+        destination), or None when the key is absent (or was dropped as damaged). A value larger
+        than its destination raises sparsekv.OutOfRange (after the others were written).
+        """
+        return self._c.get_into(keys, out)
+
+    def get_views(self, keys):
+        """Zero-copy reads: per key a read-only memoryview of the value lent in place from the
+        daemon's memory (Unix socket, shared memory, a one-namespace daemon; checked as the
+        daemon read it), or a copy where it could not be lent; None for a miss. The daemon keeps
+        the lent pages pinned, within its pin budget, until every memoryview of the call (and
+        every array made from one) is released or garbage-collected: read them, then drop them.
+        """
+        return self._c.get_views(keys)
+
     def lookup(self, keys):
         """How much of a prefix the daemon holds: ``(prefix_blocks, tiers)``, the length of the
         leading run of keys held somewhere and, per key, "host", "ssd", "rocksdb" or "absent"."""
