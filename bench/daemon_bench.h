@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -36,8 +38,33 @@ struct DaemonBenchOptions {
   // Also run redis-benchmark against a redis-server started here, same value size and clients.
   // Default: false.
   bool redis = false;
+
+  // --batch (RunDaemonBatchBench): one client's batch GET into its own memory.
+  bool batch = false;
+  // (value bytes, values) of each batch. Default: 64 KiB x 64, 1 MiB x 16, 6 MiB x 16.
+  std::vector<std::pair<uint64_t, uint64_t>> batch_sizes = {{64u << 10, 64}, {1u << 20, 16}, {6u << 20, 16}};
+  // Interleaved rounds of every method, and seconds each. Defaults: 5, 0.3.
+  int rounds = 5;
+  double round_seconds = 0.3;
+  // Blocks of a DeepSeek V3.2 fp8 prefix to restore through the daemon, against the in-process
+  // `bench restore` of the same blocks (0: none; 1024 blocks are 6.3 GB). Default: 0.
+  uint32_t restore_blocks = 0;
+  // ClientOptions::spin of the batch clients, in microseconds. Default: 100.
+  uint32_t spin_us = 100;
 };
 
 Result<nlohmann::json> RunDaemonBench(const DaemonBenchOptions& options);
+
+// `sparsekv bench daemon --batch`: a daemon started here (host tier in a memfd, one namespace),
+// one client over TCP and one over the Unix socket with shared memory, each batch of
+// batch_sizes read with Client::GetInto into warm buffers, interleaved with memcpy of the same
+// bytes into the same destination and a loopback TCP socket pair carrying them. Keys: cpu,
+// rounds, batch: [{value_bytes, values, shm_bytes_per_s, tcp_bytes_per_s, memcpy_bytes_per_s,
+// socket_bytes_per_s, faults_per_gb (the larger of tcp_ and shm_faults_per_gb), shm_vs_memcpy,
+// tcp_vs_socket, put_shm_bytes_per_s, put_tcp_bytes_per_s, samples}], and with restore_blocks
+// restore: {blocks, block_bytes, in_process_seconds, daemon_shm_first_seconds,
+// daemon_shm_seconds, daemon_tcp_seconds, daemon_shm_vs_in_process, ...}. Every byte received is
+// checked outside the timing.
+Result<nlohmann::json> RunDaemonBatchBench(const DaemonBenchOptions& options);
 
 }  // namespace sparsekv::bench

@@ -32,8 +32,65 @@ SPARSEKV_BENCH_COMMAND(daemon) {
       ->capture_default_str();
   cmd->add_flag("--spawn", o.spawn, "Start a daemon in this process (host tier only)");
   cmd->add_flag("--redis", o.redis, "Also measure redis-server with redis-benchmark, same value size and clients");
+  cmd->add_flag("--batch", o.batch,
+                "One client's batch GET into its own memory (GetInto) over TCP and shared memory, against "
+                "memcpy and a loopback socket pair (a daemon started here)");
+  cmd->add_option("--rounds", o.rounds, "--batch: interleaved rounds per method")
+      ->check(CLI::Range(1, 100))
+      ->capture_default_str();
+  cmd->add_option("--round-seconds", o.round_seconds, "--batch: seconds per round")
+      ->check(CLI::Range(0.01, 60.0))
+      ->capture_default_str();
+  cmd->add_option_function<std::vector<std::string>>(
+         "--batch-sizes",
+         [a](const std::vector<std::string>& v) {
+           a->options.batch_sizes.clear();
+           for (const std::string& item : v) {
+             const size_t x = item.find('x');
+             if (x == std::string::npos) throw CLI::ValidationError("--batch-sizes", "BYTESxVALUES, e.g. 65536x64");
+             a->options.batch_sizes.emplace_back(std::stoull(item.substr(0, x)), std::stoull(item.substr(x + 1)));
+           }
+         },
+         "--batch: BYTESxVALUES of each batch (default 65536x64 1048576x16 6291456x16)")
+      ->expected(1, 16);
+  cmd->add_option("--spin-us", o.spin_us,
+                  "--batch: microseconds a client polls for its reply before it sleeps (ClientOptions::spin)")
+      ->capture_default_str();
+  cmd->add_option("--restore-blocks", o.restore_blocks,
+                  "--batch: also restore this many DeepSeek V3.2 fp8 blocks through the daemon, against the "
+                  "in-process bench restore (1024: a 6.3 GB prefix)")
+      ->capture_default_str();
   cmd->add_flag("--json", a->json, "Print JSON");
   cmd->callback([a, &exit_code] {
+    if (a->options.batch) {
+      const auto r = bench::RunDaemonBatchBench(a->options);
+      const auto* report = ReportBench(r, a->json, exit_code);
+      if (report == nullptr) return;
+      const auto& j = *report;
+      std::printf("%s; one client (spin %u us), GetInto warm buffers, medians of %d rounds (GB/s)\n",
+                  j["cpu"].get<std::string>().c_str(), j["client_spin_us"].get<unsigned>(), j["rounds"].get<int>());
+      std::printf("%12s %7s %8s %8s %8s %8s %10s %9s %9s\n", "value bytes", "values", "shm", "memcpy", "tcp",
+                  "socket", "shm/memcpy", "tcp/sock", "faults/GB");
+      for (const auto& b : j["batch"]) {
+        std::printf("%12llu %7llu %8.2f %8.2f %8.2f %8.2f %10.2f %9.2f %9.1f\n",
+                    static_cast<unsigned long long>(b["value_bytes"].get<uint64_t>()),
+                    static_cast<unsigned long long>(b["values"].get<uint64_t>()),
+                    b["shm_bytes_per_s"].get<double>() / 1e9, b["memcpy_bytes_per_s"].get<double>() / 1e9,
+                    b["tcp_bytes_per_s"].get<double>() / 1e9, b["socket_bytes_per_s"].get<double>() / 1e9,
+                    b["shm_vs_memcpy"].get<double>(), b["tcp_vs_socket"].get<double>(),
+                    b["faults_per_gb"].get<double>());
+      }
+      if (j.contains("restore")) {
+        const auto& r2 = j["restore"];
+        std::printf("restore %u blocks (%.2f GB): in process %.2f s (rate of %u blocks), through the daemon %.2f s "
+                    "shm (first %.2f s), %.2f s tcp\n",
+                    r2["blocks"].get<unsigned>(), r2["bytes"].get<double>() / 1e9,
+                    r2["in_process_seconds"].get<double>(), r2["in_process_blocks"].get<unsigned>(),
+                    r2["daemon_shm_seconds"].get<double>(), r2["daemon_shm_first_seconds"].get<double>(),
+                    r2["daemon_tcp_seconds"].get<double>());
+      }
+      return;
+    }
     const auto r = bench::RunDaemonBench(a->options);
     const auto* report = ReportBench(r, a->json, exit_code);
     if (report == nullptr) return;
