@@ -47,7 +47,7 @@ constexpr double kRssInterval = 0.020;
 // Below this many good-client ops a phase's p99 is its maximum, and says little.
 constexpr uint64_t kFewOps = 20;
 // Key families: every attack's keys differ from the good client's and from each other's.
-enum KeyTag : uint64_t { kTagGood = 1, kTagNonReader = 2, kTagOversized = 3, kTagShm = 4 };
+enum KeyTag : uint64_t { kTagGood = 1, kTagNonReader = 2, kTagOversized = 3, kTagShm = 4, kTagViews = 5 };
 
 void SleepSeconds(double s) {
   if (s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(s));
@@ -1442,6 +1442,126 @@ json ShrinkMemfdAttack(AttackEnv& env, double deadline) {
   return j;
 }
 
+// dying-viewer: shared-memory sessions over a raw Unix socket that take SHM_VIEW leases of 16
+// stored 1 MiB values (every lent byte compared through the arena mapped read-only), send an
+// SHM_GET_OVERLAP, a SHM_VIEW_END of a lease they never held, then vanish without ending a lease
+// or reading what is left: a client that dies holding pins. The daemon must give every pin back
+// as the connections go: afterwards a fresh session must be lent all 16 values again (the pin
+// budget would be spent by the leaked ones otherwise).
+constexpr uint32_t kViewValues = 16;
+
+Status DyingViewerPrepare(AttackEnv& env) { return StoreValues(env, kTagViews, kViewValues, 1 << 20); }
+
+struct ViewCounters {
+  uint64_t sessions = 0, hello_failures = 0, no_arena = 0, leases = 0, items_lent = 0, items_not_lent = 0;
+  uint64_t view_wrong_bytes = 0, bogus_lease_ends = 0, calls_failed = 0;
+  std::string example;
+};
+
+// One session: HELLO with shared memory, SHM_VIEW of every value, checked; returns the number
+// lent (-1 when the session failed). With `vanish`, also the requests of a dying client.
+int ViewSession(AttackEnv& env, double until, bool vanish, ViewCounters& c) {
+  auto sock = RawConnect(env.ep, std::min(1.0, until - NowSeconds()));
+  if (!sock.ok()) {
+    ++c.hello_failures;
+    return -1;
+  }
+  const int fd = sock->get();
+  std::vector<Fd> fds;
+  auto hello = ShmHello(fd, env.o, until, fds);
+  if (!hello.ok()) {
+    ++c.hello_failures;
+    if (c.example.empty()) c.example = hello.status().ToString();
+    return -1;
+  }
+  ++c.sessions;
+  if (fds.size() < 2 || hello->shm_arena_bytes == 0) {
+    ++c.no_arena;
+    return -1;
+  }
+  const uint64_t arena_bytes = hello->shm_arena_bytes, staging = hello->shm_staging_bytes;
+  void* m = ::mmap(nullptr, arena_bytes, PROT_READ, MAP_SHARED, fds[1].get(), 0);
+  if (m == MAP_FAILED) {
+    if (c.example.empty()) c.example = fmt::format("mmap of the arena: {}", std::strerror(errno));
+    return -1;
+  }
+  struct Unmap {
+    void* p;
+    size_t n;
+    ~Unmap() { ::munmap(p, n); }
+  } unmap{m, arena_bytes};
+  const auto* arena = static_cast<const std::byte*>(m);
+  wire::HashList all;
+  for (uint32_t k = 0; k < kViewValues; ++k) all.hashes.push_back(KeyHash(env.seed, kTagViews, k));
+  auto reply = ShmCall(fd, wire::Opcode::kShmView, wire::Encode(all), 2, until);
+  if (!reply.ok() || reply->header.opcode != wire::Opcode::kShmView) {
+    ++c.calls_failed;
+    if (c.example.empty()) c.example = reply.ok() ? "SHM_VIEW answered with an error" : reply.status().ToString();
+    return -1;
+  }
+  auto v = wire::DecodeShmViewReply(reply->payload);
+  if (!v.ok()) {
+    ++c.calls_failed;
+    return -1;
+  }
+  if (v->lease != 0) ++c.leases;
+  int lent = 0;
+  size_t slot = 0;
+  for (uint32_t k = 0; k < kViewValues; ++k) {
+    if (v->items.status[k].code != StatusCode::kOk) {
+      ++c.items_not_lent;
+      continue;
+    }
+    const wire::ShmSlot& sl = v->items.slots[slot++];
+    const uint64_t at = sl.offset - staging;
+    if (sl.offset < staging || at > arena_bytes || sl.bytes > arena_bytes - at ||
+        sl.bytes != env.stored[k].size() || std::memcmp(arena + at, env.stored[k].data(), sl.bytes) != 0) {
+      ++c.view_wrong_bytes;
+      continue;
+    }
+    ++lent;
+    ++c.items_lent;
+  }
+  if (vanish) {
+    // A lease that is not ours: answered NotFound; then a late-checked GET nobody reads.
+    auto end = ShmCall(fd, wire::Opcode::kShmViewEnd, wire::EncodeLease(v->lease + 1000), 3, until);
+    if (end.ok() && end->header.opcode == wire::Opcode::kShmViewEnd) ++c.bogus_lease_ends;
+    wire::HashList some{{all.hashes.begin(), all.hashes.begin() + 4}};
+    (void)SendUntil(fd, wire::EncodeFrame(wire::Opcode::kShmGetOverlap, 0, 4, wire::Encode(some)), until);
+  } else if (v->lease != 0) {
+    (void)ShmCall(fd, wire::Opcode::kShmViewEnd, wire::EncodeLease(v->lease), 3, until);
+  }
+  return lent;  // the socket and descriptors close here, leases held
+}
+
+json DyingViewerAttack(AttackEnv& env, double deadline) {
+  ViewCounters c;
+  while (NowSeconds() < deadline) {
+    ViewSession(env, std::min(deadline + 1, NowSeconds() + 2), /*vanish=*/true, c);
+    SleepSeconds(std::min(0.005, deadline - NowSeconds()));
+  }
+  // Every pin of the dead sessions must have gone back: a fresh session is lent all again (the
+  // daemon closes them as it notices; a few tries over 3 s).
+  int again = -1;
+  for (int attempt = 0; attempt < 30 && again != static_cast<int>(kViewValues); ++attempt) {
+    if (attempt > 0) SleepSeconds(0.1);
+    again = ViewSession(env, NowSeconds() + 2, /*vanish=*/false, c);
+  }
+  json j = {{"sessions", c.sessions},
+            {"hello_failures", c.hello_failures},
+            {"sessions_without_arena", c.no_arena},
+            {"leases", c.leases},
+            {"items_lent", c.items_lent},
+            {"items_not_lent", c.items_not_lent},
+            {"view_wrong_bytes", c.view_wrong_bytes},
+            {"bogus_lease_ends_answered", c.bogus_lease_ends},
+            {"calls_failed", c.calls_failed},
+            {"lent_again_after", again},
+            {"pins_left_by_the_dead", c.no_arena > 0 ? 0 : (again == static_cast<int>(kViewValues) ? 0 : 1)}};
+  if (!c.example.empty()) j["example"] = c.example;
+  return j;
+}
+
 // oversized-get: GET of 1000 hashes (64 stored 1 MiB keys repeated) on raw connections, every
 // reply header checked against the HELLO reply's max_payload_bytes; and Client::Get of the same
 // 1000 (over the socket, and over shared memory on a Unix socket), every item checked.
@@ -1666,6 +1786,7 @@ const std::vector<AttackSpec>& Attacks() {
       {"non-reader", false, &NonReaderPrepare, &NonReaderAttack},
       {"idle-flood", false, nullptr, &IdleFloodAttack},
       {"shrink-memfd", true, nullptr, &ShrinkMemfdAttack},
+      {"dying-viewer", true, &DyingViewerPrepare, &DyingViewerAttack},
       {"oversized-get", false, &OversizedPrepare, &OversizedGetAttack},
       {"big-frames", false, nullptr, &BigFramesAttack},
       {"hello-flood", false, nullptr, &HelloFloodAttack},
@@ -1676,7 +1797,8 @@ const std::vector<AttackSpec>& Attacks() {
 // Counters in an attack's details that must stay 0, wherever they appear.
 constexpr const char* kFindingCounters[] = {"frames_above_limit", "ftruncate_succeeded",
                                             "fallocate_succeeded", "arena_write_mapped",
-                                            "client_get_errors"};
+                                            "client_get_errors", "view_wrong_bytes",
+                                            "pins_left_by_the_dead"};
 
 // ---------------------------------------------------------------------------------------------
 // The run.

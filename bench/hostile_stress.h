@@ -39,6 +39,10 @@
 //   idle-flood     up to 300 connections HELLO and sit idle; fresh clients must still get in.
 //   shrink-memfd   (Unix socket only) a shared-memory HELLO, then ftruncate/fallocate/seals on
 //                  the descriptors received, SHM_PUT slots across and past the area, SHM_GET.
+//   dying-viewer   (Unix socket only) shared-memory sessions that take SHM_VIEW leases of 16
+//                  stored 1 MiB values (each lent byte compared through the arena), send an
+//                  SHM_GET_OVERLAP and a bogus SHM_VIEW_END, and vanish holding the leases; a
+//                  fresh session must then be lent all 16 again (no pin left behind).
 //   oversized-get  a GET of 1000 hashes (64 stored 1 MiB keys repeated): no reply frame may be
 //                  larger than the HELLO reply's max_payload_bytes; and Client::Get of the same
 //                  1000 must return every bundle intact.
@@ -47,8 +51,8 @@
 //   hello-flood    connections that send nothing (a handshake deadline should close them).
 //
 // Must-be-zero findings: frames_above_limit, ftruncate_succeeded, fallocate_succeeded,
-// arena_write_mapped, client_get_errors. `ok`: no daemon death, no good-client error, no
-// finding. `target_met` adds worst_p99_ratio <= 3 (an attack phase's good-client p99 over the
+// arena_write_mapped, client_get_errors, view_wrong_bytes, pins_left_by_the_dead. `ok`: no
+// daemon death, no good-client error, no finding. `target_met` adds worst_p99_ratio <= 3 (an attack phase's good-client p99 over the
 // baseline's).
 #pragma once
 
@@ -101,7 +105,7 @@ struct HostileStressOptions {
 };
 
 // The attacks, in the order they run: garbage, big-claim, slowloris, non-reader, idle-flood,
-// shrink-memfd, oversized-get, big-frames, hello-flood.
+// shrink-memfd, dying-viewer, oversized-get, big-frames, hello-flood.
 const std::vector<std::string>& HostileAttackNames();
 
 // Runs the phases against the daemon at options.addr and returns:
