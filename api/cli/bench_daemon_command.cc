@@ -47,8 +47,12 @@ SPARSEKV_BENCH_COMMAND(daemon) {
            a->options.batch_sizes.clear();
            for (const std::string& item : v) {
              const size_t x = item.find('x');
-             if (x == std::string::npos) throw CLI::ValidationError("--batch-sizes", "BYTESxVALUES, e.g. 65536x64");
-             a->options.batch_sizes.emplace_back(std::stoull(item.substr(0, x)), std::stoull(item.substr(x + 1)));
+             uint64_t bytes = 0, values = 0;
+             if (x == std::string::npos || !CLI::detail::lexical_cast(item.substr(0, x), bytes) ||
+                 !CLI::detail::lexical_cast(item.substr(x + 1), values)) {
+               throw CLI::ValidationError("--batch-sizes", "'" + item + "' is not BYTESxVALUES, e.g. 65536x64");
+             }
+             a->options.batch_sizes.emplace_back(bytes, values);
            }
          },
          "--batch: BYTESxVALUES of each batch (default 65536x64 1048576x16 6291456x16)")

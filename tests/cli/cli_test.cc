@@ -239,4 +239,28 @@ TEST(Cli, BenchDaemonShortRunOverBothTransports) {
   EXPECT_EQ(Cli("bench daemon --spawn --addr unix --threads 0").exit_code == 0, false);
 }
 
+TEST(Cli, BenchDaemonBatchShortRun) {
+  // The short version of `sparsekv bench daemon --batch`: two small batches, one round each.
+  Outcome r = Cli("bench daemon --batch --batch-sizes 65536x8 1048576x2 --rounds 1 --round-seconds 0.02 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["batch"].size(), 2u);
+  EXPECT_EQ(j["batch"][0]["value_bytes"], 65536);
+  EXPECT_EQ(j["batch"][0]["values"], 8);
+  EXPECT_EQ(j["batch"][1]["value_bytes"], 1048576);
+  for (const auto& b : j["batch"]) {
+    for (const char* k : {"shm_bytes_per_s", "tcp_bytes_per_s", "memcpy_bytes_per_s", "socket_bytes_per_s",
+                          "put_shm_bytes_per_s", "put_tcp_bytes_per_s"}) {
+      EXPECT_GT(b[k].get<double>(), 0) << k;
+    }
+    EXPECT_GE(b["faults_per_gb"].get<double>(), 0);
+  }
+  EXPECT_FALSE(j["cpu"].get<std::string>().empty());
+  for (const char* bad : {"64x", "x3", "65536", "0x3", "65536x0", "-1x3"}) {
+    Outcome b = Cli(std::string("bench daemon --batch --batch-sizes ") + bad);
+    EXPECT_EQ(b.exit_code == 0, false) << bad;
+    EXPECT_NE(b.err.find("batch"), std::string::npos) << bad << ": " << b.err;  // a message, not an abort
+  }
+}
+
 }  // namespace
