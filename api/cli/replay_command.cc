@@ -6,6 +6,7 @@
 #include "bench_util.h"
 #include "cli/model_options.h"
 #include "cli/registry.h"
+#include "prefix_sim.h"
 #include "replay.h"
 
 namespace sparsekv::cli {
@@ -112,6 +113,19 @@ SPARSEKV_CLI_COMMAND(replay) {
     nlohmann::json j = bench::ReplayResultToJson(*r, args->options);
     j["trace"] = args->trace;
     j["load_seconds"] = load_seconds;
+    // The offline optimum for the same trace and capacity (bench/prefix_sim.h), when the cache's
+    // blocks are the trace's.
+    if (args->options.block_tokens == args->options.trace_block_tokens) {
+      auto opt = bench::SimulatePrefixCache(*trace, args->options.capacity_blocks, bench::SimPolicy::kBelady,
+                                            args->options.block_tokens);
+      if (!opt.ok()) {
+        exit_code = Fail(opt.status());
+        return;
+      }
+      j["belady_hit_blocks"] = opt->hit_blocks;
+      j["hits_vs_belady"] = opt->hit_blocks ? static_cast<double>(r->hit_blocks) / static_cast<double>(opt->hit_blocks) : 1.0;
+      j["belady_seconds"] = opt->seconds;
+    }
     if (args->json) {
       std::printf("%s\n", j.dump(2).c_str());
       return;
@@ -129,6 +143,11 @@ SPARSEKV_CLI_COMMAND(replay) {
     std::printf("evicted %llu blocks   %.3f s   %.2f M blocks/s (hashing included)\n",
                 static_cast<unsigned long long>(r->evicted_blocks), r->seconds,
                 r->BlocksPerSecond() / 1e6);
+    if (j.contains("belady_hit_blocks")) {
+      std::printf("Belady's MIN (offline optimum, same trace and capacity): %llu hit blocks; this run %.3f of it\n",
+                  static_cast<unsigned long long>(j["belady_hit_blocks"].get<uint64_t>()),
+                  j["hits_vs_belady"].get<double>());
+    }
   });
 }
 

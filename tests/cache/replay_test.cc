@@ -20,6 +20,7 @@
 #include <unordered_map>
 
 #include "cache_bench.h"
+#include "prefix_sim.h"
 
 namespace sparsekv::bench {
 namespace {
@@ -206,6 +207,72 @@ std::vector<TraceRequest> SyntheticTrace(uint64_t seed, size_t n) {
     if (rng() % 10 == 0 || c.size() > 30) c.clear();  // requests stay below the smallest capacity
   }
   return out;
+}
+
+// The offline model of bench/prefix_sim.h: its LRU is the cache manager's, hit for hit, and
+// Belady's MIN never keeps fewer hits than it, and as many when nothing is evicted.
+TEST(PrefixSim, ItsLruIsTheCacheManagersAndBeladyBoundsIt) {
+  const auto synthetic = SyntheticTrace(7, 3000);
+  for (uint64_t capacity : {40, 150, 600, 0}) {
+    ReplayOptions o;
+    o.capacity_blocks = capacity;
+    auto r = RunReplay(synthetic, o);
+    ASSERT_TRUE(r.ok());
+    auto lru = SimulatePrefixCache(synthetic, capacity, SimPolicy::kLru);
+    auto opt = SimulatePrefixCache(synthetic, capacity, SimPolicy::kBelady);
+    ASSERT_TRUE(lru.ok() && opt.ok());
+    EXPECT_EQ(lru->hit_blocks, r->hit_blocks) << "capacity " << capacity;
+    EXPECT_GE(opt->hit_blocks, lru->hit_blocks) << "capacity " << capacity;
+    if (capacity == 0) {
+      EXPECT_EQ(opt->hit_blocks, lru->hit_blocks);
+      EXPECT_EQ(opt->evicted_blocks, 0u);
+    }
+  }
+  if (!HaveTrace()) GTEST_SKIP() << "no trace at " << TracePath();
+  // The real trace, at the capacities (the manager's figures are the tests above).
+  const std::pair<uint64_t, uint64_t> lru_figures[] = {{1000, 12988}, {5859, 40640}, {20000, 84689}, {0, 105592}};
+  uint64_t last_opt = 0;
+  for (auto [capacity, want] : lru_figures) {
+    auto lru = SimulatePrefixCache(RealTrace(), capacity, SimPolicy::kLru);
+    auto opt = SimulatePrefixCache(RealTrace(), capacity, SimPolicy::kBelady);
+    ASSERT_TRUE(lru.ok() && opt.ok());
+    EXPECT_EQ(lru->hit_blocks, want) << "capacity " << capacity;
+    EXPECT_GT(opt->hit_blocks, capacity ? lru->hit_blocks : 0) << "capacity " << capacity;
+    EXPECT_GE(opt->hit_blocks, last_opt) << "more room never keeps fewer hits";
+    last_opt = opt->hit_blocks;
+    std::printf("capacity %llu: LRU %llu, Belady %llu (%.2fx)\n", static_cast<unsigned long long>(capacity),
+                static_cast<unsigned long long>(lru->hit_blocks), static_cast<unsigned long long>(opt->hit_blocks),
+                static_cast<double>(opt->hit_blocks) / static_cast<double>(lru->hit_blocks));
+  }
+  EXPECT_EQ(last_opt, 105592u);
+}
+
+TEST(PrefixSim, BeladyOnAHandMadeTrace) {
+  // Prompts of one hittable block and a partial one (2 pages each), 3 pages in all, so two
+  // blocks stay cached at most: A B C A B C. LRU always evicts the block needed next: no hit.
+  // Belady keeps A and then C (their next uses come first): 2 hits.
+  auto req = [](std::vector<uint64_t> ids) {
+    TraceRequest r;
+    r.hash_ids = std::move(ids);
+    r.input_length = 512 * (r.hash_ids.size() - 1) + 1;
+    return r;
+  };
+  const std::vector<TraceRequest> trace = {req({1, 90}), req({2, 91}), req({3, 92}), req({1, 93}), req({2, 94}),
+                                           req({3, 95})};
+  auto lru = SimulatePrefixCache(trace, 3, SimPolicy::kLru);
+  auto opt = SimulatePrefixCache(trace, 3, SimPolicy::kBelady);
+  ASSERT_TRUE(lru.ok() && opt.ok());
+  EXPECT_EQ(lru->hit_blocks, 0u);
+  EXPECT_EQ(opt->hit_blocks, 2u);
+  ReplayOptions o;
+  o.capacity_blocks = 3;
+  auto r = RunReplay(trace, o);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->hit_blocks, lru->hit_blocks);
+  TraceRequest bad = req({1, 2});
+  bad.input_length = 5000;
+  EXPECT_EQ(SimulatePrefixCache(std::vector<TraceRequest>{bad}, 3, SimPolicy::kLru).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(Replay, AgreesWithAReferenceModelOnASyntheticTrace) {
