@@ -96,6 +96,20 @@ class DataPathTest : public ::testing::Test {
       ASSERT_TRUE(r.ok() && (*r)[0].ok()) << (r.ok() ? (*r)[0].ToString() : r.status().ToString());
     }
   }
+  // `count` values of `bytes` each stored through `c` under H(first)...: the values and the keys.
+  struct Stored {
+    std::vector<std::vector<std::byte>> values;
+    std::vector<WireBlockHash> hashes;
+  };
+  Stored Store(Client& c, uint64_t first, size_t count, size_t bytes) {
+    Stored s;
+    for (uint64_t i = 0; i < count; ++i) {
+      s.values.push_back(Value(first + i, bytes));
+      s.hashes.push_back(H(first + i));
+    }
+    PutAll(c, first, s.values);
+    return s;
+  }
 
   // A gauge's value from /metrics (-1 when absent).
   double Gauge(const std::string& name) {
@@ -272,11 +286,7 @@ TEST_F(DataPathTest, GetIntoFromManyThreadsOnOneClientKeepsEveryReplyWithItsCall
 
 TEST_F(DataPathTest, GetIntoReusedResultsKeepsTheirBuffers) {
   auto writer = Connect(Transport::kTcp);
-  std::vector<std::vector<std::byte>> values;
-  for (uint64_t i = 0; i < 12; ++i) values.push_back(Value(400 + i, 100000));
-  PutAll(*writer, 400, values);
-  std::vector<WireBlockHash> hashes;
-  for (uint64_t i = 0; i < 12; ++i) hashes.push_back(H(400 + i));
+  auto [values, hashes] = Store(*writer, 400, 12, 100000);
   hashes.push_back(H(6000));  // a miss
   for (Transport t : {Transport::kTcp, Transport::kSharedMemory}) {
     SCOPED_TRACE(Name(t));
@@ -413,11 +423,7 @@ TEST_F(DataPathTest, ViewsFallBackToCopiesWhereNothingCanBeLent) {
 
 TEST_F(DataPathTest, AClientThatDiesHoldingViewsOrMidGetLeavesNothingHeld) {
   auto c = Connect(Transport::kTcp);
-  std::vector<std::vector<std::byte>> values;
-  for (uint64_t i = 0; i < 40; ++i) values.push_back(Value(1000 + i, 200000));
-  PutAll(*c, 1000, values);
-  std::vector<WireBlockHash> hashes;
-  for (uint64_t i = 0; i < 40; ++i) hashes.push_back(H(1000 + i));
+  const auto [values, hashes] = Store(*c, 1000, 40, 200000);
   const double staging0 = Gauge("sparsekv_shared_staging_bytes");
   ASSERT_EQ(Gauge("sparsekv_pinned_reply_bytes"), 0);
 
