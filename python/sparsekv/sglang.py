@@ -227,6 +227,7 @@ class SparseKVStorage(HiCacheStorage):
         self._next_connect = 0.0
         self._written = set()  # keys this instance stored (clear() deletes them)
         self._metrics = StorageMetrics()
+        self._latencies = {"get": [], "set": [], "exists": []}  # the last 1,024 calls' seconds each
         self.counters = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0, "errors": 0,
                          "get_seconds": 0.0, "set_seconds": 0.0, "exists_seconds": 0.0, "reconnects": 0}
         self._connect(raise_errors=False)  # a daemon not up yet is tried again at the first call
@@ -354,6 +355,7 @@ class SparseKVStorage(HiCacheStorage):
         self.counters["bytes_read"] += nbytes
         dt = _time.perf_counter() - t0
         self.counters["get_seconds"] += dt
+        self._latency("get", dt)
         self._metrics.prefetch_pgs.append(hits)
         if dt > 0:
             self._metrics.prefetch_bandwidth.append(nbytes / dt / 1e9)
@@ -394,6 +396,7 @@ class SparseKVStorage(HiCacheStorage):
         self.counters["bytes_written"] += nbytes
         dt = _time.perf_counter() - t0
         self.counters["set_seconds"] += dt
+        self._latency("set", dt)
         self._metrics.backup_pgs.append(sum(out))
         if dt > 0:
             self._metrics.backup_bandwidth.append(nbytes / dt / 1e9)
@@ -411,7 +414,9 @@ class SparseKVStorage(HiCacheStorage):
             self._failed(c)
             return None
         finally:
-            self.counters["exists_seconds"] += _time.perf_counter() - t0
+            dt = _time.perf_counter() - t0
+            self.counters["exists_seconds"] += dt
+            self._latency("exists", dt)
         return [t != "absent" for t in tiers]
 
     def _pages_present(self, pool_name, pool, hashes):
@@ -604,10 +609,31 @@ class SparseKVStorage(HiCacheStorage):
             return False
         return True
 
+    def _latency(self, op, seconds):
+        with self._lock:
+            window = self._latencies[op]
+            window.append(seconds)
+            if len(window) > 1024:
+                del window[:len(window) - 1024]
+
+    def _latency(self, op, seconds):
+        with self._lock:
+            window = self._latencies[op]
+            window.append(seconds)
+            if len(window) > 1024:
+                del window[:len(window) - 1024]
+
     def get_stats(self):
         """SGLang's StorageMetrics (pages and GB/s per prefetch and backup batch since the last
         call), with this backend's running totals as the attribute ``sparsekv``: hits, misses,
-        bytes read and written, errors, seconds spent in gets, sets and lookups, reconnects."""
+        bytes read and written, errors, seconds spent in gets, sets and lookups, reconnects, and
+        the p50 and p99 latency of the last 1,024 calls of each kind (``get_p50_us``, ...)."""
         m, self._metrics = self._metrics, StorageMetrics()
         m.sparsekv = dict(self.counters)
+        with self._lock:
+            for op, window in self._latencies.items():
+                if window:
+                    ordered = sorted(window)
+                    m.sparsekv[f"{op}_p50_us"] = ordered[len(ordered) // 2] * 1e6
+                    m.sparsekv[f"{op}_p99_us"] = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e6
         return m

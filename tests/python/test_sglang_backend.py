@@ -220,6 +220,8 @@ def test_v32_pages_round_trip_between_two_workers(daemon, layout):
     stats = b.get_stats()
     assert stats.sparsekv["hits"] >= 2 * n and stats.sparsekv["bytes_read"] > 0
     assert sum(stats.prefetch_pgs) >= 2 * n
+    assert 0 < stats.sparsekv["get_p50_us"] <= stats.sparsekv["get_p99_us"]
+    assert b.get_stats().prefetch_pgs == []  # handed over once, as SGLang's collector expects
     a.close()
     b.close()
 
@@ -247,15 +249,16 @@ def test_a_missing_indexer_page_shortens_the_hit(daemon):
     assert prefetch(b, keys, 0, [(sk.PoolName.INDEXER, None, sk.PoolHitPolicy.ALL_PAGES)]) == (6, 6)
 
 
-def test_v4_pools_with_both_hit_policies(daemon):
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_v4_pools_with_both_hit_policies(daemon, layout):
     """DeepSeek V4: a logical KV anchor, compressed pools c4 / c4_indexer / c128 hit on every
     page, SWA and the compressor states only on the last pages."""
     n = 12
-    keys = hashes(n, "v4")
+    keys = hashes(n, "v4" + layout)
     every = [sk.PoolName.DEEPSEEK_V4_C4, sk.PoolName.DEEPSEEK_V4_C4_INDEXER, sk.PoolName.DEEPSEEK_V4_C128]
     trailing = [sk.PoolName.SWA, sk.PoolName.DEEPSEEK_V4_C4_STATE, sk.PoolName.DEEPSEEK_V4_C4_INDEXER_STATE,
                 sk.PoolName.DEEPSEEK_V4_C128_STATE]
-    pools = {name: BytesPerPagePool("page_first", n, stride=512 + 64 * i) for i, name in enumerate(every + trailing)}
+    pools = {name: BytesPerPagePool(layout, n, stride=512 + 64 * i) for i, name in enumerate(every + trailing)}
     for i, (name, pool) in enumerate(pools.items()):
         for p in range(n):
             pool.fill(p * 64, 1000 * i + p)
@@ -283,7 +286,7 @@ def test_v4_pools_with_both_hit_policies(daemon):
     r = a.batch_exists_v2(keys, transfers[:3])
     assert r.kv_hit_pages == 4 and r.extra_pool_hit_pages["deepseek_v4_c128"] == 4
     # Read back into another worker's pools, byte for byte.
-    fresh = {name: BytesPerPagePool("page_first", n, stride=pools[name].stride) for name in every}
+    fresh = {name: BytesPerPagePool(layout, n, stride=pools[name].stride) for name in every}
     b = attach(config(daemon.tcp), LogicalAnchor(), list(fresh.items()))
     got = b.batch_get_v2([sk.PoolTransfer(name=t, host_indices=slots(0, 4), keys=keys[:4]) for t in every])
     assert all(v == [True] * 4 for v in got.values())
