@@ -1401,14 +1401,17 @@ class Session : public std::enable_shared_from_this<Session> {
             items.status[i] = {StatusCode::kFailedPrecondition, "not lendable in place: read with GET"};
             return;
           }
-          if (!srv_.PinsBelowCap(bytes.size())) {
+          // At least a page each, so that leases of tiny values cannot pile up bookkeeping
+          // beyond what the budget's bytes suggest.
+          const uint64_t charge = std::max<uint64_t>(bytes.size(), kMinViewCharge);
+          if (!srv_.PinsBelowCap(charge)) {
             items.status[i] = {StatusCode::kResourceExhausted, "the daemon's pin budget is spent: read with GET"};
             return;
           }
           slots[i] = {hashes[i], staging_bytes_ + static_cast<uint64_t>(bytes.data() - arena.base),
                       static_cast<uint32_t>(bytes.size())};
           keeps.push_back(keep);
-          keeps.push_back(srv_.ChargePins(bytes.size()));
+          keeps.push_back(srv_.ChargePins(charge));
         };
       };
       // The whole batch at once when memory holds all of it, else item by item (a miss, or a
@@ -1839,6 +1842,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // SHM_VIEW leases, each holding its pages pinned (and charged to the pin budget) until
   // SHM_VIEW_END or the session's end. A session holding one is never idle.
   static constexpr size_t kMaxViews = 4096;
+  static constexpr uint64_t kMinViewCharge = 4096;  // pin budget bytes a lent value counts at least
   std::map<uint64_t, std::vector<DaemonStore::Keep>> views_;
   uint64_t next_view_ = 1;
 };

@@ -404,6 +404,34 @@ TEST_F(DataPathTest, ViewsAreLentInPlacePinnedAndGivenBack) {
   EXPECT_EQ(WaitGauge("sparsekv_pinned_reply_bytes", 0), 0);
 }
 
+TEST_F(DataPathTest, TinyViewedValuesCountAPageEachAgainstThePinBudget) {
+  // The pin budget is a quarter of the 64 MiB host tier, about 4,096 pages. Values of 10 bytes
+  // lent over and over under new leases stop being lent (and are copied) once that many are
+  // held, however few bytes they are.
+  auto c = Connect(Transport::kSharedMemory);
+  auto [values, hashes] = Store(*c, 1500, 64, 10);
+  std::vector<ValueViews> held;
+  uint64_t lent = 0, copied = 0;
+  for (int round = 0; round < 80; ++round) {
+    auto v = c->GetViews(hashes);
+    ASSERT_TRUE(v.ok()) << v.status().ToString();
+    for (size_t i = 0; i < v->size(); ++i) {
+      ASSERT_TRUE(v->status(i).ok());
+      ASSERT_TRUE(std::equal(v->bytes(i).begin(), v->bytes(i).end(), values[i].begin(), values[i].end()));
+      ++(v->lent(i) ? lent : copied);
+    }
+    held.push_back(std::move(*v));
+  }
+  const uint64_t fit = static_cast<uint64_t>(Gauge("sparsekv_pinned_reply_bytes_limit")) / 4096;
+  ASSERT_GT(fit, 1000u);
+  ASSERT_LT(fit, 80u * 64);
+  EXPECT_EQ(lent, fit);
+  EXPECT_EQ(copied, 80u * 64 - fit);
+  EXPECT_EQ(Gauge("sparsekv_pinned_reply_bytes"), static_cast<double>(fit) * 4096);
+  held.clear();
+  EXPECT_EQ(WaitGauge("sparsekv_pinned_reply_bytes", 0), 0);
+}
+
 TEST_F(DataPathTest, ViewsFallBackToCopiesWhereNothingCanBeLent) {
   // Over TCP there is no arena: every item is copied, and nothing is pinned.
   auto c = Connect(Transport::kTcp);
