@@ -40,6 +40,8 @@ SPARSEKV_CLI_COMMAND(replay) {
     std::string kv_format = "bf16";
     std::string hash = "xxh3";
     bench::ReplayOptions options;
+    std::string sim_policy = "lru";
+    uint32_t sim_lookahead = 0;
     bool json = false;
     bool progress = false;
   };
@@ -71,6 +73,12 @@ SPARSEKV_CLI_COMMAND(replay) {
       ->capture_default_str();
   cmd->add_option("--hash", args->hash, "Prefix hash: xxh3 or sha256")->capture_default_str();
   cmd->add_option("--salt", args->options.namespace_salt, "Namespace salt of every request");
+  cmd->add_option("--sim-policy", args->sim_policy,
+                  "Also replay the offline model (bench/prefix_sim.h) under this policy: lru, arc or belady")
+      ->capture_default_str();
+  cmd->add_option("--sim-lookahead", args->sim_lookahead,
+                  "The model's hints: blocks the next N requests read are protected (at most half the capacity)")
+      ->capture_default_str();
   cmd->add_flag("--json", args->json, "Print JSON");
   cmd->add_flag("--progress", args->progress, "Draw a progress bar on stderr");
   cmd->callback([args, &exit_code] {
@@ -125,6 +133,28 @@ SPARSEKV_CLI_COMMAND(replay) {
       j["belady_hit_blocks"] = opt->hit_blocks;
       j["hits_vs_belady"] = opt->hit_blocks ? static_cast<double>(r->hit_blocks) / static_cast<double>(opt->hit_blocks) : 1.0;
       j["belady_seconds"] = opt->seconds;
+      auto policy = bench::ParseSimPolicy(args->sim_policy);
+      if (!policy.ok()) {
+        exit_code = Fail(policy.status());
+        return;
+      }
+      bench::PrefixSimOptions so;
+      so.capacity_blocks = args->options.capacity_blocks;
+      so.block_tokens = args->options.block_tokens;
+      so.policy = *policy;
+      so.lookahead = args->sim_lookahead;
+      auto sim = bench::SimulatePrefixCache(*trace, so);
+      if (!sim.ok()) {
+        exit_code = Fail(sim.status());
+        return;
+      }
+      j["sim_policy"] = args->sim_policy;
+      j["sim_lookahead"] = args->sim_lookahead;
+      j["sim_hit_blocks"] = sim->hit_blocks;
+      j["sim_vs_this_run"] = r->hit_blocks ? static_cast<double>(sim->hit_blocks) / static_cast<double>(r->hit_blocks) : 1.0;
+    } else if (args->sim_policy != "lru" || args->sim_lookahead != 0) {
+      exit_code = Fail(Status::InvalidArgument("--sim-policy and --sim-lookahead need --block-tokens equal to --trace-block-tokens"));
+      return;
     }
     if (args->json) {
       std::printf("%s\n", j.dump(2).c_str());
@@ -147,6 +177,11 @@ SPARSEKV_CLI_COMMAND(replay) {
       std::printf("Belady's MIN (offline optimum, same trace and capacity): %llu hit blocks; this run %.3f of it\n",
                   static_cast<unsigned long long>(j["belady_hit_blocks"].get<uint64_t>()),
                   j["hits_vs_belady"].get<double>());
+    }
+    if (j.contains("sim_hit_blocks")) {
+      std::printf("offline model, %s, lookahead %u: %llu hit blocks, %.3fx this run\n", args->sim_policy.c_str(),
+                  args->sim_lookahead, static_cast<unsigned long long>(j["sim_hit_blocks"].get<uint64_t>()),
+                  j["sim_vs_this_run"].get<double>());
     }
   });
 }
