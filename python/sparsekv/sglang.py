@@ -616,13 +616,6 @@ class SparseKVStorage(HiCacheStorage):
             if len(window) > 1024:
                 del window[:len(window) - 1024]
 
-    def _latency(self, op, seconds):
-        with self._lock:
-            window = self._latencies[op]
-            window.append(seconds)
-            if len(window) > 1024:
-                del window[:len(window) - 1024]
-
     def get_stats(self):
         """SGLang's StorageMetrics (pages and GB/s per prefetch and backup batch since the last
         call), with this backend's running totals as the attribute ``sparsekv``: hits, misses,
