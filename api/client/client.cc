@@ -929,23 +929,12 @@ class Client::Impl {
     return part;
   }
 
-  // Asks again for what a GET reply deferred (a reply never exceeds the announced maximum
-  // frame, api/PROTOCOL.md), until every item of `hashes` is answered.
-  Result<std::vector<GetResult>> FinishGet(GetPart part, std::span<const WireBlockHash> hashes) {
-    while (!part.deferred.empty()) {
-      w::HashList req;
-      for (size_t i : part.deferred) req.hashes.push_back(hashes[i]);
-      SPARSEKV_ASSIGN_OR_RETURN(GetPart more,
-                                ParseGetPart(Call(w::Opcode::kGet, w::Encode(req)), part.deferred.size()));
-      SPARSEKV_RETURN_IF_ERROR(MergeGetPart(part, std::move(more)));
-    }
-    return std::move(part.items);
-  }
-
+  // A GET over the socket into fresh results; what a reply deferred is asked for again (a reply
+  // never exceeds the announced maximum frame, api/PROTOCOL.md).
   Result<std::vector<GetResult>> GetSocket(std::span<const WireBlockHash> hashes) {
-    w::HashList req{{hashes.begin(), hashes.end()}};
-    SPARSEKV_ASSIGN_OR_RETURN(GetPart part, ParseGetPart(Call(w::Opcode::kGet, w::Encode(req)), hashes.size()));
-    return FinishGet(std::move(part), hashes);
+    std::vector<GetResult> out(hashes.size());
+    SPARSEKV_RETURN_IF_ERROR(GetReusingSocket(hashes, out));
+    return out;
   }
 
   // FinishGet for callbacks: the follow-up GETs go out from the thread that read the reply.
@@ -1039,7 +1028,6 @@ class Client::Impl {
     if (r.status.size() != n) return Status::Internal("SHM_GET answered the wrong number of items");
     out->resize(n);
     size_t slot = 0;
-    const uint64_t half = staging_bytes_ / 2;
     for (size_t i = 0; i < n; ++i) {
       if (r.status[i].code == StatusCode::kResourceExhausted) {  // larger than the GET area
         too_big->push_back(i);
@@ -1053,20 +1041,12 @@ class Client::Impl {
       }
       if (slot >= r.slots.size()) return Status::Internal("SHM_GET named fewer slots than OK items");
       const w::ShmSlot& s = r.slots[slot++];
-      if (s.offset >= staging_bytes_) {  // lent in place from the host arena
-        const uint64_t at = s.offset - staging_bytes_;
-        if (arena_ == nullptr || at > arena_bytes_ || s.bytes > arena_bytes_ - at) {
-          g.status = Status::Internal("SHM_GET named bytes outside the host arena");
-          continue;
-        }
-        g.bytes.assign(arena_ + at, arena_ + at + s.bytes);
+      const std::byte* src = SlotBytes(s);
+      if (src == nullptr) {
+        g.status = Status::Internal("SHM_GET named bytes outside the shared areas");
         continue;
       }
-      if (s.offset < half || s.bytes > staging_bytes_ - s.offset) {
-        g.status = Status::Internal("SHM_GET named bytes outside the GET area");
-        continue;
-      }
-      g.bytes.assign(staging_ + s.offset, staging_ + s.offset + s.bytes);
+      g.bytes.assign(src, src + s.bytes);
     }
     return Status::OK();
   }
