@@ -1370,6 +1370,12 @@ class Session : public std::enable_shared_from_this<Session> {
     QueueWrite(std::move(verdicts));
   }
 
+  // Whether `bytes` lie in the host arena clients map (so they can be lent by offset).
+  bool InArena(std::span<const std::byte> bytes) const {
+    const DaemonStore::Arena& arena = srv_.arena_;
+    return arena.base != nullptr && bytes.data() >= arena.base && bytes.data() + bytes.size() <= arena.base + arena.bytes;
+  }
+
   // SHM_VIEW: lends each bundle the host tier holds in its arena under a new lease, pinned until
   // SHM_VIEW_END or the connection's end (api/PROTOCOL.md). Only what this thread can read
   // without waiting for tier I/O is lent, within the server's pin budget; every other item is
@@ -1397,7 +1403,7 @@ class Session : public std::enable_shared_from_this<Session> {
             items.status[i] = {st.code(), std::string(st.message())};
             return;
           }
-          if (!keep || bytes.data() < arena.base || bytes.data() + bytes.size() > arena.base + arena.bytes) {
+          if (!keep || !InArena(bytes)) {
             items.status[i] = {StatusCode::kFailedPrecondition, "not lendable in place: read with GET"};
             return;
           }
@@ -1633,8 +1639,7 @@ class Session : public std::enable_shared_from_this<Session> {
         reply.status[i] = {st.code(), std::string(st.message())};
         return;
       }
-      if (may_lend && lend_ && keep && bytes.data() >= arena.base &&
-          bytes.data() + bytes.size() <= arena.base + arena.bytes && lent_bytes_ + bytes.size() <= staging_bytes_ / 2 &&
+      if (may_lend && lend_ && keep && InArena(bytes) && lent_bytes_ + bytes.size() <= staging_bytes_ / 2 &&
           srv_.PinsBelowCap(bytes.size())) {
         // Offsets at or past the staging area's size name the arena.
         reply.slots.push_back({hashes[i], staging_bytes_ + static_cast<uint64_t>(bytes.data() - arena.base),
