@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 
@@ -17,6 +18,12 @@
 #include "sparsekv/file_system.h"
 
 namespace sparsekv::bench {
+
+uint64_t ProcessPageFaults() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<uint64_t>(ru.ru_minflt) + static_cast<uint64_t>(ru.ru_majflt);
+}
 
 double RateSamples::Median() const {
   if (rates.empty()) return 0;

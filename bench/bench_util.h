@@ -102,6 +102,9 @@ class ScratchDir {
   std::string path_;
 };
 
+// Page faults of this process so far, minor and major, every thread (getrusage).
+uint64_t ProcessPageFaults();
+
 // A loopback TCP port the kernel has just found free. Another process may take it before the
 // caller binds it: callers that cannot retry should listen on port 0 instead.
 Result<uint16_t> FreeLoopbackPort();

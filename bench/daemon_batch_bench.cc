@@ -6,7 +6,6 @@
 #include <fmt/format.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -63,12 +62,6 @@ void FillValue(std::byte* p, uint64_t n, uint64_t seed) {
     std::memcpy(p + k, &x, 8);
   }
   for (uint64_t k = n & ~uint64_t{7}; k < n; ++k) p[k] = std::byte(k);
-}
-
-uint64_t MinorFaults() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<uint64_t>(u.ru_minflt + u.ru_majflt);
 }
 
 // MemAvailable from /proc/meminfo, in bytes (0 when unknown).
@@ -347,9 +340,9 @@ Result<nlohmann::json> RunDaemonBatchBench(const DaemonBenchOptions& o) {
     // Page faults of the whole process (daemon threads included) per GB received, buffers warm.
     auto faults_per_gb = [&](Client& c) -> Result<double> {
       const int reps = static_cast<int>(std::clamp<uint64_t>((1ull << 30) / total, 2, 64));
-      const uint64_t f0 = MinorFaults();
+      const uint64_t f0 = ProcessPageFaults();
       for (int k = 0; k < reps; ++k) SPARSEKV_RETURN_IF_ERROR(GetAll(c, hashes, dests, bytes));
-      return static_cast<double>(MinorFaults() - f0) / (static_cast<double>(total) * reps / 1e9);
+      return static_cast<double>(ProcessPageFaults() - f0) / (static_cast<double>(total) * reps / 1e9);
     };
     SPARSEKV_ASSIGN_OR_RETURN(const double tcp_faults, faults_per_gb(*tcp));
     SPARSEKV_ASSIGN_OR_RETURN(const double shm_faults, faults_per_gb(*shm));

@@ -76,8 +76,7 @@ Usage UsageNow() {
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
   auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec * 1e-6; };
-  return {secs(ru.ru_utime) + secs(ru.ru_stime),
-          static_cast<uint64_t>(ru.ru_minflt) + static_cast<uint64_t>(ru.ru_majflt)};
+  return {secs(ru.ru_utime) + secs(ru.ru_stime), ProcessPageFaults()};
 }
 
 // One timed call: seconds, CPU seconds and page faults.
