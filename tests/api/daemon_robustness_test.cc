@@ -35,6 +35,7 @@
 #include "server/server.h"
 #include "server/tiered_store.h"
 #include "sparsekv/client.h"
+#include "tests/support/in_process_daemon.h"
 #include "tests/support/daemon_values.h"
 #include "tests/support/metrics_scrape.h"
 #include "tests/support/process_reaper.h"
@@ -146,16 +147,7 @@ struct RawShmSession {
   uint64_t next_id = 1;
 };
 
-// An in-process daemon: the store, then the server in front of it.
-void StartInProcess(const TieredStoreOptions& so, const ServerOptions& opts, std::unique_ptr<TieredStore>& store,
-                    std::unique_ptr<Server>& server) {
-  auto opened = TieredStore::Open(so);
-  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
-  store = std::move(opened).value();
-  auto started = Server::Start(opts, store.get());
-  ASSERT_TRUE(started.ok()) << started.status().ToString();
-  server = std::move(started).value();
-}
+using testing::StartInProcess;
 
 // A client of namespace `ns` (token "<ns>-token"); null, with a test failure, when refused.
 std::unique_ptr<Client> ConnectAs(const std::string& address, const std::string& ns, bool shared_memory) {

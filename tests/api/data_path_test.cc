@@ -24,6 +24,7 @@
 #include "sparsekv/client.h"
 #include "sparsekv/host_tier.h"
 #include "tests/support/daemon_values.h"
+#include "tests/support/in_process_daemon.h"
 #include "tests/support/metrics_scrape.h"
 
 namespace sparsekv::server {
@@ -60,12 +61,7 @@ class DataPathTest : public ::testing::Test {
     // A peer that half-closed and stopped reading is let go after this at worst (scenario 3 of
     // AClientThatDies...).
     opts.write_timeout_ms = 2000;
-    auto store = TieredStore::Open(so);
-    ASSERT_TRUE(store.ok()) << store.status().ToString();
-    store_ = std::move(store).value();
-    auto srv = Server::Start(opts, store_.get());
-    ASSERT_TRUE(srv.ok()) << srv.status().ToString();
-    server_ = std::move(srv).value();
+    ASSERT_NO_FATAL_FAILURE(testing::StartInProcess(so, opts, store_, server_));
     unix_ = opts.unix_path;
   }
   void TearDown() override {
