@@ -43,9 +43,11 @@ Status PagePool::Init() {
   refs_ = std::make_unique<std::atomic<uint32_t>[]>(capacity_);
   state_ = std::make_unique<std::atomic<uint8_t>[]>(capacity_);
   next_ = std::make_unique<uint32_t[]>(capacity_);
-  prev_ = std::make_unique<uint32_t[]>(capacity_);
+  told_ = std::make_unique<std::atomic<uint8_t>[]>(capacity_);
   {
     MutexLock l(mu_);
+    policy_ = EvictionPolicy::Create(options_.eviction, capacity_);
+    uses_lineage_ = policy_->UsesLineage();
     // Page 0 on top of the free list so a fresh pool hands out pages in address order.
     for (uint32_t i = capacity_; i-- > 0;) PushFreeLocked(i);
   }
@@ -99,40 +101,31 @@ void PagePool::PushFreeLocked(PageId page) {
   ++free_count_;
 }
 
-void PagePool::LruAppendLocked(PageId page) {
+void PagePool::CacheAppendLocked(PageId page) {
   state_[page].store(static_cast<uint8_t>(PageState::kCached), std::memory_order_relaxed);
-  prev_[page] = lru_tail_;
-  next_[page] = kInvalidPage;
-  if (lru_tail_ != kInvalidPage) {
-    next_[lru_tail_] = page;
-  } else {
-    lru_head_ = page;
-  }
-  lru_tail_ = page;
+  policy_->Add(page);
   ++cached_count_;
 }
 
-void PagePool::LruUnlinkLocked(PageId page) {
-  const PageId p = prev_[page], n = next_[page];
-  if (p != kInvalidPage) {
-    next_[p] = n;
-  } else {
-    lru_head_ = n;
-  }
-  if (n != kInvalidPage) {
-    prev_[n] = p;
-  } else {
-    lru_tail_ = p;
-  }
+void PagePool::CacheUnlinkLocked(PageId page) {
+  policy_->Remove(page);
   --cached_count_;
+}
+
+void PagePool::ForgetLocked(PageId page) {
+  if (told_[page].load(std::memory_order_relaxed) == 0) return;
+  policy_->Forget(page);
+  told_[page].store(0, std::memory_order_relaxed);
 }
 
 PageId PagePool::TakeOneLocked() {
   PageId p = PopFreeLocked();
   if (p != kInvalidPage) return p;
-  p = lru_head_;
+  p = policy_->Victim();
   if (p == kInvalidPage) return kInvalidPage;
-  LruUnlinkLocked(p);
+  policy_->Evict(p);
+  told_[p].store(0, std::memory_order_relaxed);
+  --cached_count_;
   ++evictions_;
   if (evict_listener_) evict_listener_(p);
   return p;
@@ -158,9 +151,11 @@ Result<PageId> PagePool::Allocate() {
 
 PageId PagePool::EvictOldest() {
   MutexLock l(mu_);
-  const PageId p = lru_head_;
+  const PageId p = policy_->Victim();
   if (p == kInvalidPage) return kInvalidPage;
-  LruUnlinkLocked(p);
+  policy_->Evict(p);
+  told_[p].store(0, std::memory_order_relaxed);
+  --cached_count_;
   ++evictions_;
   if (evict_listener_) evict_listener_(p);
   refs_[p].store(1, std::memory_order_relaxed);
@@ -200,7 +195,7 @@ Status PagePool::Retain(PageId page) {
   return Status::OK();
 }
 
-Status PagePool::ReleaseImpl(PageId page, bool keep_cached) {
+Status PagePool::ReleaseImpl(PageId page, bool keep_cached, const Lineage* lineage) {
   const char* op = keep_cached ? "release to cache" : "release";
   SPARSEKV_RETURN_IF_ERROR(CheckId(page, op));
   // Not the last reference: a lock-free decrement.
@@ -218,15 +213,28 @@ Status PagePool::ReleaseImpl(PageId page, bool keep_cached) {
   }
   if (r > 1) return Status::OK();
   if (keep_cached) {
-    LruAppendLocked(page);
+    if (lineage != nullptr && uses_lineage_ && !policy_->Seen(page)) {
+      Status st = TellLineageLocked(*lineage);
+      if (!st.ok()) {
+        CacheAppendLocked(page);
+        return st;
+      }
+    }
+    CacheAppendLocked(page);
   } else {
+    ForgetLocked(page);
     PushFreeLocked(page);
   }
   return Status::OK();
 }
 
 Status PagePool::Release(PageId page) { return ReleaseImpl(page, false); }
-Status PagePool::ReleaseToCache(PageId page) { return ReleaseImpl(page, true); }
+Status PagePool::ReleaseToCache(PageId page, const Lineage* lineage) {
+  if (lineage != nullptr && lineage->page != page) {
+    return Misuse(page, "release to cache", "the lineage given is another page's");
+  }
+  return ReleaseImpl(page, true, lineage);
+}
 
 Status PagePool::ReleaseBatch(std::span<const PageId> pages, bool keep_cached) {
   Status first;
@@ -242,13 +250,17 @@ Status PagePool::Revive(PageId page) {
   MutexLock l(mu_);
   switch (static_cast<PageState>(state_[page].load(std::memory_order_relaxed))) {
     case PageState::kCached:
-      LruUnlinkLocked(page);
+      CacheUnlinkLocked(page);
+      policy_->MarkReused(page);
+      told_[page].store(1, std::memory_order_relaxed);
       refs_[page].store(1, std::memory_order_relaxed);
       state_[page].store(static_cast<uint8_t>(PageState::kInUse), std::memory_order_relaxed);
       NotePeakLocked();
       return Status::OK();
     case PageState::kInUse:
       refs_[page].fetch_add(1, std::memory_order_relaxed);
+      policy_->MarkReused(page);
+      told_[page].store(1, std::memory_order_relaxed);
       return Status::OK();
     default:
       return Misuse(page, "revive", "the page is free and its content is gone");
@@ -261,7 +273,8 @@ Status PagePool::Drop(PageId page) {
   if (static_cast<PageState>(state_[page].load(std::memory_order_relaxed)) != PageState::kCached) {
     return Misuse(page, "drop", "only a cached page can be dropped");
   }
-  LruUnlinkLocked(page);
+  CacheUnlinkLocked(page);
+  ForgetLocked(page);
   PushFreeLocked(page);
   return Status::OK();
 }
@@ -269,13 +282,101 @@ Status PagePool::Drop(PageId page) {
 uint64_t PagePool::DropAllCached() {
   MutexLock l(mu_);
   uint64_t n = 0;
-  while (lru_head_ != kInvalidPage) {
-    const PageId p = lru_head_;
-    LruUnlinkLocked(p);
+  for (PageId p = policy_->Victim(); p != kInvalidPage; p = policy_->Victim()) {
+    CacheUnlinkLocked(p);
+    ForgetLocked(p);
     PushFreeLocked(p);
     ++n;
   }
   return n;
+}
+
+Status PagePool::TellLocked(PageId page, const char* op) const {
+  SPARSEKV_RETURN_IF_ERROR(CheckId(page, op));
+  const auto st = static_cast<PageState>(state_[page].load(std::memory_order_relaxed));
+  if (st != PageState::kInUse && st != PageState::kCached) {
+    return Misuse(page, op, "only a page in use or cached has content to tell about");
+  }
+  return Status::OK();
+}
+
+Status PagePool::SetPageKey(PageId page, uint64_t key) {
+  MutexLock l(mu_);
+  SPARSEKV_RETURN_IF_ERROR(TellLocked(page, "set key"));
+  policy_->SetKey(page, key);
+  told_[page].store(1, std::memory_order_relaxed);
+  return Status::OK();
+}
+
+Status PagePool::SetPageParent(PageId page, PageId parent) {
+  MutexLock l(mu_);
+  SPARSEKV_RETURN_IF_ERROR(TellLocked(page, "set parent"));
+  if (parent != kInvalidPage) SPARSEKV_RETURN_IF_ERROR(TellLocked(parent, "set parent"));
+  if (parent == page) return Misuse(page, "set parent", "a page cannot extend itself");
+  policy_->SetParent(page, parent);
+  told_[page].store(1, std::memory_order_relaxed);
+  if (parent != kInvalidPage) told_[parent].store(1, std::memory_order_relaxed);
+  return Status::OK();
+}
+
+Status PagePool::SetPageProtected(PageId page, bool on) {
+  MutexLock l(mu_);
+  SPARSEKV_RETURN_IF_ERROR(TellLocked(page, "protect"));
+  policy_->SetProtected(page, on);
+  told_[page].store(1, std::memory_order_relaxed);
+  return Status::OK();
+}
+
+Status PagePool::SetPageLineage(std::span<const Lineage> items) {
+  MutexLock l(mu_);
+  Status first;
+  // Start every random load first, so that the misses overlap.
+  for (const Lineage& it : items) {
+    if (it.page < capacity_) policy_->Prefetch(it.key, it.parent);
+  }
+  for (const Lineage& it : items) {
+    Status st = TellLineageLocked(it);
+    if (!st.ok() && first.ok()) first = std::move(st);
+  }
+  return first;
+}
+
+Status PagePool::TellLineageLocked(const Lineage& it) {
+  SPARSEKV_RETURN_IF_ERROR(TellLocked(it.page, "set lineage"));
+  if (it.parent != kInvalidPage) SPARSEKV_RETURN_IF_ERROR(TellLocked(it.parent, "set lineage"));
+  if (it.parent == it.page) return Misuse(it.page, "set lineage", "a page cannot extend itself");
+  policy_->SetKey(it.page, it.key);
+  policy_->SetParent(it.page, it.parent);
+  told_[it.page].store(1, std::memory_order_relaxed);
+  if (it.parent != kInvalidPage) told_[it.parent].store(1, std::memory_order_relaxed);
+  return Status::OK();
+}
+
+bool PagePool::PageProtected(PageId page) const {
+  MutexLock l(mu_);
+  return page < capacity_ && policy_->Protected(page);
+}
+
+bool PagePool::PageHasDependents(PageId page) const {
+  MutexLock l(mu_);
+  return page < capacity_ && policy_->HasDependents(page);
+}
+
+Status PagePool::CheckPolicy() const {
+  MutexLock l(mu_);
+  SPARSEKV_RETURN_IF_ERROR(policy_->Check().WithContext(fmt::format("pool {}", options_.name)));
+  if (policy_->size() != cached_count_) {
+    return Status::Internal(fmt::format("pool {}: {} cached pages but the eviction policy holds {}",
+                                        options_.name, cached_count_, policy_->size()));
+  }
+  for (PageId p = 0; p < capacity_; ++p) {
+    const bool cached = static_cast<PageState>(state_[p].load(std::memory_order_relaxed)) == PageState::kCached;
+    if (cached != policy_->Evictable(p)) {
+      return Status::Internal(fmt::format("pool {}: page {} is {} but {} evictable", options_.name, p,
+                                          StateName(State(p)), cached ? "not" : ""));
+    }
+  }
+  return Status::OK();
 }
 
 Result<PageHandle> PagePool::AllocatePinned() {
@@ -312,6 +413,8 @@ PagePoolStats PagePool::Stats() const {
   s.evictions = evictions_;
   s.exhausted = exhausted_;
   s.misuse = misuse_.load(std::memory_order_relaxed);
+  s.protected_cached = policy_->protected_size();
+  s.policy_history = policy_->history_size();
   return s;
 }
 
@@ -321,6 +424,7 @@ uint32_t PagePool::RefillLocal(PageId* out, uint32_t want) {
   while (n < want) {
     const PageId p = PopFreeLocked();
     if (p == kInvalidPage) break;
+    ForgetLocked(p);
     state_[p].store(static_cast<uint8_t>(PageState::kLocal), std::memory_order_relaxed);
     out[n++] = p;
   }

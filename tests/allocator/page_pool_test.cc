@@ -319,3 +319,44 @@ TEST(PagePoolConcurrency, SharedPageRefcountsUnderContention) {
 
 }  // namespace
 }  // namespace sparsekv
+
+namespace sparsekv {
+namespace {
+
+// What the owner tells the eviction policy goes through the pool's checks: only pages with
+// content, only the page released; the policy holds exactly the cached pages after any of it.
+TEST(PagePoolPolicy, TellingIsCheckedAndThePolicyHoldsTheCachedPages) {
+  for (EvictionPolicyKind kind : AllEvictionPolicies()) {
+    PagePoolOptions o;
+    o.capacity = 4;
+    o.eviction = kind;
+    auto pool = PagePool::Create(o);
+    ASSERT_TRUE(pool.ok());
+    PagePool& p = **pool;
+    EXPECT_EQ(p.eviction_policy(), kind);
+    EXPECT_EQ(p.SetPageKey(0, 7).code(), StatusCode::kFailedPrecondition) << "a free page has no content";
+    EXPECT_EQ(p.SetPageProtected(9, true).code(), StatusCode::kOutOfRange);
+    auto a = p.Allocate(), b = p.Allocate();
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(p.SetPageParent(*a, *a).code(), StatusCode::kFailedPrecondition);
+    PagePool::Lineage wrong{*b, 5, kInvalidPage};
+    EXPECT_EQ(p.ReleaseToCache(*a, &wrong).code(), StatusCode::kFailedPrecondition);
+    PagePool::Lineage la{*a, 5, kInvalidPage}, lb{*b, 6, *a};
+    ASSERT_TRUE(p.ReleaseToCache(*b, &lb).ok());
+    ASSERT_TRUE(p.SetPageProtected(*a, true).ok());
+    ASSERT_TRUE(p.ReleaseToCache(*a, &la).ok());
+    EXPECT_TRUE(p.PageProtected(*a));
+    EXPECT_EQ(p.PageHasDependents(*a), kind == EvictionPolicyKind::kArc) << "only ARC keeps lineage";
+    EXPECT_EQ(p.Stats().protected_cached, 1u);
+    ASSERT_TRUE(p.CheckPolicy().ok()) << p.CheckPolicy().ToString();
+    // Four allocations: two free pages, then the unprotected cached one, then the protected.
+    for (int i = 0; i < 4; ++i) ASSERT_TRUE(p.Allocate().ok()) << i;
+    EXPECT_FALSE(p.PageProtected(*a)) << "an evicted page forgets its protection";
+    EXPECT_EQ(p.Stats().evictions, 2u);
+    EXPECT_EQ(p.Stats().misuse, 4u);
+    ASSERT_TRUE(p.CheckPolicy().ok()) << p.CheckPolicy().ToString();
+  }
+}
+
+}  // namespace
+}  // namespace sparsekv

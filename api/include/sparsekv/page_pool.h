@@ -1,5 +1,5 @@
-// PagePool: fixed-size pages over one contiguous arena, with reference counts and an LRU of
-// cached pages.
+// PagePool: fixed-size pages over one contiguous arena, with reference counts and an eviction
+// policy over the cached pages (eviction_policy.h: ARC by default, LRU on request).
 //
 // A page is one token block of one cache kind for all the layers that keep it (see
 // block_geometry.h). The pool owns its arena (anonymous memory, a memfd another process can
@@ -7,10 +7,14 @@
 // the heap.
 //
 // Page states: free (in the free list or a LocalCache), in use (refcount >= 1), cached
-// (refcount 0, content kept, in the LRU). Allocate takes a free page, else evicts the least
-// recently released cached page (telling the EvictListener), else fails with
-// ResourceExhausted and changes nothing. Releasing the last reference of a page makes it free
-// (Release) or cached (ReleaseToCache); Revive takes a cached page back.
+// (refcount 0, content kept, evictable). Allocate takes a free page, else evicts the cached page
+// the policy names (telling the EvictListener), else fails with ResourceExhausted and changes
+// nothing. Releasing the last reference of a page makes it free (Release) or cached
+// (ReleaseToCache: the policy's most recent); Revive takes a cached page back, and tells the
+// policy the page was reused (a hit). The owner may tell the policy more about a page in use or
+// cached (SetPageKey, SetPageDependents, SetPageProtected); that is forgotten when the page is
+// freed or evicted. With EvictionPolicyKind::kLru the pool evicts the least recently released
+// cached page, as every version before the policies did.
 //
 // Misuse (release of an unpinned page, double free, an id out of range) returns an error in
 // every build and is counted in Stats().misuse.
@@ -30,6 +34,7 @@
 #include <span>
 #include <string>
 
+#include "sparsekv/eviction_policy.h"
 #include "sparsekv/status.h"
 #include "sparsekv/thread_annotations.h"
 
@@ -60,6 +65,8 @@ struct PagePoolOptions {
   bool huge_pages = true;
   // Fault every arena page in at creation (MAP_POPULATE). Default: false.
   bool populate = false;
+  // Which cached page an allocation evicts. Default: kDefaultEvictionPolicy (ARC).
+  EvictionPolicyKind eviction = kDefaultEvictionPolicy;
 };
 
 enum class PageState : uint8_t { kFree = 0, kLocal = 1, kInUse = 2, kCached = 3 };
@@ -74,6 +81,8 @@ struct PagePoolStats {
   uint64_t evictions = 0;      // cached pages taken by an allocation
   uint64_t exhausted = 0;      // allocations refused for want of pages
   uint64_t misuse = 0;         // double frees, releases of unpinned pages, bad ids
+  uint64_t protected_cached = 0;  // cached pages a hint protects (evicted only when no other is)
+  uint64_t policy_history = 0;    // keys of evicted pages the policy remembers (ARC's ghosts)
 };
 
 class PageHandle;
@@ -100,8 +109,16 @@ class PagePool {
   Status Retain(PageId page) SPARSEKV_EXCLUDES(mu_);
   // Drops one reference; at zero the page becomes free (content abandoned).
   Status Release(PageId page) SPARSEKV_EXCLUDES(mu_);
-  // Drops one reference; at zero the page becomes cached (most recently used end of the LRU).
-  Status ReleaseToCache(PageId page) SPARSEKV_EXCLUDES(mu_);
+  // A page's key and parent for the eviction policy (see SetPageKey, SetPageParent).
+  struct Lineage {
+    PageId page = kInvalidPage;
+    uint64_t key = 0;
+    PageId parent = kInvalidPage;
+  };
+  // Drops one reference; at zero the page becomes cached (the policy's most recent). With
+  // `lineage`, a page cached for the first time since it was filled is told its key and parent
+  // on the way (as SetPageLineage, without another lock); later releases ignore it.
+  Status ReleaseToCache(PageId page, const Lineage* lineage = nullptr) SPARSEKV_EXCLUDES(mu_);
   // Releases in the order given (callers pass a sequence's pages tail first). Every page is
   // tried; the first error is returned.
   Status ReleaseBatch(std::span<const PageId> pages, bool keep_cached) SPARSEKV_EXCLUDES(mu_);
@@ -117,6 +134,28 @@ class PagePool {
   Status Drop(PageId page) SPARSEKV_EXCLUDES(mu_);
   // Every cached page made free. Returns how many.
   uint64_t DropAllCached() SPARSEKV_EXCLUDES(mu_);
+
+  // What the eviction policy may know about a page in use or cached (see eviction_policy.h),
+  // kept until the page is freed or evicted. A free page is misuse (FailedPrecondition).
+  //   key: the identity of its content (a block hash), so that content evicted recently is
+  //        recognized when it comes back.
+  //   parent: the page this one extends (the block before it in a prefix chain): without the
+  //        parent the page is useless, so the policy evicts it first (kInvalidPage: none).
+  //   protected: a hint says it will be read soon; a cached protected page is evicted only when
+  //        no unprotected one is cached.
+  Status SetPageKey(PageId page, uint64_t key) SPARSEKV_EXCLUDES(mu_);
+  Status SetPageParent(PageId page, PageId parent) SPARSEKV_EXCLUDES(mu_);
+  // Key and parent of many pages under one lock (parent kInvalidPage: none). Every item is
+  // tried; the first error is returned.
+  Status SetPageLineage(std::span<const Lineage> items) SPARSEKV_EXCLUDES(mu_);
+  // Whether the policy uses keys and parents at all (LRU does not: telling them costs a lock).
+  bool policy_uses_lineage() const { return uses_lineage_; }
+  Status SetPageProtected(PageId page, bool on) SPARSEKV_EXCLUDES(mu_);
+  bool PageProtected(PageId page) const SPARSEKV_EXCLUDES(mu_);
+  bool PageHasDependents(PageId page) const SPARSEKV_EXCLUDES(mu_);
+  EvictionPolicyKind eviction_policy() const { return options_.eviction; }
+  // The policy's own bookkeeping, and that it holds exactly the cached pages.
+  Status CheckPolicy() const SPARSEKV_EXCLUDES(mu_);
 
   // RAII forms: a handle holds one reference and releases it (to the free list) when destroyed.
   Result<PageHandle> AllocatePinned();
@@ -147,10 +186,15 @@ class PagePool {
   Status Misuse(PageId page, const char* op, const char* why) const;
   PageId PopFreeLocked() SPARSEKV_REQUIRES(mu_);
   void PushFreeLocked(PageId page) SPARSEKV_REQUIRES(mu_);
-  void LruAppendLocked(PageId page) SPARSEKV_REQUIRES(mu_);
-  void LruUnlinkLocked(PageId page) SPARSEKV_REQUIRES(mu_);
+  void CacheAppendLocked(PageId page) SPARSEKV_REQUIRES(mu_);
+  void CacheUnlinkLocked(PageId page) SPARSEKV_REQUIRES(mu_);
+  // Frees-to-be pages lose what the policy was told about them.
+  void ForgetLocked(PageId page) SPARSEKV_REQUIRES(mu_);
+  Status TellLocked(PageId page, const char* op) const SPARSEKV_REQUIRES(mu_);
   PageId TakeOneLocked() SPARSEKV_REQUIRES(mu_);
-  Status ReleaseImpl(PageId page, bool keep_cached) SPARSEKV_EXCLUDES(mu_);
+  Status ReleaseImpl(PageId page, bool keep_cached, const Lineage* lineage = nullptr) SPARSEKV_EXCLUDES(mu_);
+  // Tells the policy one item's key and parent; the checks of SetPageLineage.
+  Status TellLineageLocked(const Lineage& it) SPARSEKV_REQUIRES(mu_);
   void NotePeakLocked() SPARSEKV_REQUIRES(mu_);
   // LocalCache support.
   uint32_t RefillLocal(PageId* out, uint32_t want) SPARSEKV_EXCLUDES(mu_);
@@ -169,15 +213,17 @@ class PagePool {
   // paths and readers never race; list links are guarded by mu_.
   std::unique_ptr<std::atomic<uint32_t>[]> refs_;
   std::unique_ptr<std::atomic<uint8_t>[]> state_;
-  std::unique_ptr<uint32_t[]> next_ SPARSEKV_PT_GUARDED_BY(mu_);
-  std::unique_ptr<uint32_t[]> prev_ SPARSEKV_PT_GUARDED_BY(mu_);
+  std::unique_ptr<uint32_t[]> next_ SPARSEKV_PT_GUARDED_BY(mu_);  // free list
+  // Set (under mu_) once the policy was told something about the page, so that a LocalCache
+  // hands such a page to the locked path, which makes the policy forget it.
+  std::unique_ptr<std::atomic<uint8_t>[]> told_;
+  std::unique_ptr<EvictionPolicy> policy_ SPARSEKV_PT_GUARDED_BY(mu_);
+  bool uses_lineage_ = false;  // set by Init
 
   mutable Mutex mu_;
   EvictListener evict_listener_;
   PageId free_head_ SPARSEKV_GUARDED_BY(mu_) = kInvalidPage;
   uint64_t free_count_ SPARSEKV_GUARDED_BY(mu_) = 0;
-  PageId lru_head_ SPARSEKV_GUARDED_BY(mu_) = kInvalidPage;  // least recently released
-  PageId lru_tail_ SPARSEKV_GUARDED_BY(mu_) = kInvalidPage;
   uint64_t cached_count_ SPARSEKV_GUARDED_BY(mu_) = 0;
   uint64_t peak_used_ SPARSEKV_GUARDED_BY(mu_) = 0;
   uint64_t evictions_ SPARSEKV_GUARDED_BY(mu_) = 0;
@@ -214,6 +260,7 @@ class PagePool::LocalCache {
     // Fast only when the caller holds the only reference, so no other thread may touch the page.
     if (page >= pool_->capacity_ || count_ == kCapacity ||
         pool_->refs_[page].load(std::memory_order_acquire) != 1 ||
+        pool_->told_[page].load(std::memory_order_relaxed) != 0 ||
         pool_->state_[page].load(std::memory_order_relaxed) != static_cast<uint8_t>(PageState::kInUse)) {
       return ReleaseSlow(page);
     }
