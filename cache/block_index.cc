@@ -9,6 +9,7 @@ BlockIndex::BlockIndex(uint64_t max_entries) {
   const uint64_t slots = std::bit_ceil(std::max<uint64_t>(16, 2 * max_entries));
   slots_.resize(slots);
   mask_ = slots - 1;
+  max_entries_ = max_entries;
 }
 
 void BlockIndex::Insert(const BlockHash& key, RecordId record) {

@@ -32,6 +32,16 @@ class BlockIndex {
       if (s.key == key) return s.record;
     }
   }
+  // The value stored under `key`, writable in place (it must stay other than kNoRecord), or
+  // nullptr.
+  RecordId* FindMutable(const BlockHash& key) {
+    for (uint64_t i = key.lo & mask_;; i = (i + 1) & mask_) {
+      Slot& s = slots_[i];
+      if (s.record == kNoRecord) return nullptr;
+      if (s.key == key) return &s.record;
+    }
+  }
+  uint64_t max_entries() const { return max_entries_; }
   // Precondition: `key` is absent and size() < max_entries.
   void Insert(const BlockHash& key, RecordId record);
   // Returns whether `key` was there.
@@ -49,6 +59,7 @@ class BlockIndex {
   std::vector<Slot> slots_;
   uint64_t mask_ = 0;
   uint64_t size_ = 0;
+  uint64_t max_entries_ = 0;
 };
 
 }  // namespace sparsekv::cache_internal

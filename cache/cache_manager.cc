@@ -7,6 +7,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <map>
+#include <queue>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -102,6 +103,9 @@ class CacheManager::Impl {
   Result<PinInfo> PinPrefix(const PrefixQuery& query, uint32_t priority) SPARSEKV_EXCLUDES(mu_);
   Status Unpin(PinId pin) SPARSEKV_EXCLUDES(mu_);
   Status Reset() SPARSEKV_EXCLUDES(mu_);
+  Result<HintInfo> HintDigests(std::span<const BlockDigest> digests, const HintOptions& options)
+      SPARSEKV_EXCLUDES(mu_);
+  Status DropHint(HintId hint) SPARSEKV_EXCLUDES(mu_);
   uint32_t EvictAhead(uint32_t free_target, uint32_t max_blocks, const HeldBlockTaker& take) SPARSEKV_EXCLUDES(mu_);
   void SetLowFreePagesNotify(uint32_t low_free_pages, std::function<void()> notify) SPARSEKV_EXCLUDES(mu_);
   void ReleaseHeldBlock(const HeldBlock& block);
@@ -138,6 +142,21 @@ class CacheManager::Impl {
   // block computed again); returns the kinds it gained.
   KindSet RepairBoundaryLocked(RecordId r, SequenceEntry& s, uint32_t b) SPARSEKV_REQUIRES(mu_);
   KindSet RecordKindsLocked(RecordId r) const SPARSEKV_REQUIRES(mu_);
+  // Tells the eviction policy that record r's pages are protected by a hint, or no longer.
+  void ProtectRecordLocked(RecordId r, bool on) SPARSEKV_REQUIRES(mu_);
+  // One page joins record r (a repair): the policy learns what it knows about the record.
+  void TellNewPageLocked(RecordId r, size_t q, PageId page) SPARSEKV_REQUIRES(mu_);
+
+  // ---- hints ----
+  struct Hint {
+    std::chrono::steady_clock::time_point deadline;
+    std::vector<BlockHash> hashes;  // the blocks it names, cached or not
+  };
+  // Record r (whose hash some live hint names) becomes protected, unless the bound is reached.
+  void ProtectHintedLocked(RecordId r) SPARSEKV_REQUIRES(mu_);
+  void EndHintLocked(Hint& hint) SPARSEKV_REQUIRES(mu_);
+  // Ends the hints whose time is up; cheap when none is live.
+  void ExpireHintsLocked() SPARSEKV_REQUIRES(mu_);
 
   // ---- lookup ----
   bool ResumableLocked(std::span<const RecordId> chain) const SPARSEKV_REQUIRES(mu_);
@@ -204,6 +223,22 @@ class CacheManager::Impl {
   std::vector<BlockDigest> record_digest_ SPARSEKV_GUARDED_BY(mu_);
   std::vector<PageId> record_pages_ SPARSEKV_GUARDED_BY(mu_);  // [record * pools + pool]
   std::vector<RecordId> free_records_ SPARSEKV_GUARDED_BY(mu_);
+  // Hints name block hashes, cached or not: a block registered later under a hinted hash is
+  // protected from its registration on. How many live hints name each hash; whether each record
+  // is protected (its hash is named, and the bound let it).
+  // (An open-addressing table: a hint names every block of a prompt, and a scheduler hints every
+  // request it queues. Full, a hint leaves the hashes it cannot add unnamed.)
+  BlockIndex hinted_hashes_ SPARSEKV_GUARDED_BY(mu_) = BlockIndex(0);
+  std::vector<uint8_t> record_protected_ SPARSEKV_GUARDED_BY(mu_);
+  std::unordered_map<HintId, Hint> hints_ SPARSEKV_GUARDED_BY(mu_);
+  // (deadline, hint), soonest first; entries of hints already dropped are skipped when reached.
+  std::priority_queue<std::pair<std::chrono::steady_clock::time_point, HintId>,
+                      std::vector<std::pair<std::chrono::steady_clock::time_point, HintId>>,
+                      std::greater<>>
+      hint_deadlines_ SPARSEKV_GUARDED_BY(mu_);
+  HintId next_hint_ SPARSEKV_GUARDED_BY(mu_) = 1;
+  uint64_t hinted_records_ SPARSEKV_GUARDED_BY(mu_) = 0;  // records protected
+  uint64_t max_hinted_records_ = 0;
   std::vector<std::vector<RecordId>> owners_ SPARSEKV_GUARDED_BY(mu_);  // [pool][page]
   std::vector<std::pair<uint32_t, PageId>> evicted_ SPARSEKV_GUARDED_BY(mu_);
   // Called under mu_, so that installing or removing it waits for a call in progress.
@@ -274,6 +309,7 @@ Status CacheManager::Impl::Init() {
     po.page_bytes = options_.metadata_only ? 0 : g.block_stride;
     po.backing = options_.backing;
     po.huge_pages = options_.huge_pages;
+    po.eviction = options_.eviction;
     auto pool = PagePool::Create(po);
     if (!pool.ok()) return pool.status().WithContext("cache manager");
     pools_.push_back(std::move(pool).value());
@@ -296,6 +332,9 @@ Status CacheManager::Impl::Init() {
   record_pages_.assign(max_records_ * pools_.size(), kInvalidPage);
   free_records_.reserve(max_records_);
   for (uint64_t r = max_records_; r-- > 0;) free_records_.push_back(static_cast<RecordId>(r));
+  record_protected_.assign(max_records_, 0);
+  hinted_hashes_ = BlockIndex(std::max<uint64_t>(uint64_t{1} << 16, 4 * max_records_));
+  max_hinted_records_ = static_cast<uint64_t>(options_.hint_bound * static_cast<double>(options_.capacity_blocks));
   alloc_scratch_.resize(pools_.size());
   for (PoolRole role : {PoolRole::kFullHistory, PoolRole::kWindow, PoolRole::kState}) {
     for (size_t q = 0; q < pools_.size(); ++q) {
@@ -332,6 +371,11 @@ void CacheManager::Impl::Internal(const Status& st) {
 }
 
 void CacheManager::Impl::RemoveRecordLocked(RecordId r) {
+  if (record_protected_[r]) {
+    ProtectRecordLocked(r, false);  // pages a sequence still holds are not the cache's any more
+    record_protected_[r] = 0;
+    --hinted_records_;
+  }
   for (size_t q = 0; q < P(); ++q) {
     PageId& page = RecPage(r, q);
     if (page != kInvalidPage) owners_[q][page] = kNoRecord;
@@ -349,6 +393,7 @@ KindSet CacheManager::Impl::RepairBoundaryLocked(RecordId r, SequenceEntry& s, u
     if (RecPage(r, q) != kInvalidPage || page == kInvalidPage) continue;
     RecPage(r, q) = page;
     owners_[q][page] = r;
+    TellNewPageLocked(r, q, page);
     gained.Add(kinds_[q]);
   }
   if (!gained.empty()) {
@@ -358,6 +403,22 @@ KindSet CacheManager::Impl::RepairBoundaryLocked(RecordId r, SequenceEntry& s, u
     ++stats_.repaired_blocks;
   }
   return gained;
+}
+
+void CacheManager::Impl::ProtectRecordLocked(RecordId r, bool on) {
+  for (size_t q = 0; q < P(); ++q) {
+    const PageId page = RecPage(r, q);
+    if (page == kInvalidPage || pools_[q]->State(page) == PageState::kFree) continue;
+    Status st = pools_[q]->SetPageProtected(page, on);
+    if (!st.ok()) Internal(st);
+  }
+}
+
+void CacheManager::Impl::TellNewPageLocked(RecordId r, size_t q, PageId page) {
+  // (Repairs give window and snapshot pages, which get no lineage: see LinkRecordLocked.)
+  Status st;
+  if (record_protected_[r]) st = pools_[q]->SetPageProtected(page, true);
+  if (!st.ok()) Internal(st);
 }
 
 KindSet CacheManager::Impl::RecordKindsLocked(RecordId r) const {
@@ -426,7 +487,22 @@ void CacheManager::Impl::ReleaseSeqPageLocked(SequenceEntry& s, size_t q, uint32
   if (page == kInvalidPage) return;
   const RecordId r = s.records[b];
   const bool keep = r != kNoRecord && RecPage(r, q) == page;
-  Status st = keep ? pools_[q]->ReleaseToCache(page) : pools_[q]->Release(page);
+  Status st;
+  if (keep && roles_[q] == PoolRole::kFullHistory && pools_[q]->policy_uses_lineage()) {
+    // The block's key and the page it extends, for the policy's history and its dependents
+    // (the first time the page is cached; the pool ignores them after). The parent is block
+    // b-1's page when that page is its record's (released after this one: tail first), none
+    // when the sequence's copy of block b-1 was a duplicate or is gone.
+    PagePool::Lineage lineage{page, record_digest_[r].hash.lo, kInvalidPage};
+    if (b > 0) {
+      const PageId up = s.tables[q][b - 1];
+      const RecordId ur = s.records[b - 1];
+      if (up != kInvalidPage && ur != kNoRecord && RecPage(ur, q) == up) lineage.parent = up;
+    }
+    st = pools_[q]->ReleaseToCache(page, &lineage);
+  } else {
+    st = keep ? pools_[q]->ReleaseToCache(page) : pools_[q]->Release(page);
+  }
   if (!st.ok()) Internal(st);
   page = kInvalidPage;
 }
@@ -787,6 +863,37 @@ Status CacheManager::Impl::CheckAllLocked() const {
         fmt::format("invariant: {} live block records but {} indexed", live, index_.size()));
   }
 
+  // What the eviction policies know: each pool's policy holds exactly its cached pages (and its
+  // own bookkeeping of dependents agrees), and a record's pages are protected exactly when a
+  // live hint names it.
+  uint64_t hinted = 0;
+  for (RecordId r = 0; r < max_records_; ++r) {
+    if (!check_live_[r]) {
+      if (record_protected_[r]) return Status::Internal(fmt::format("invariant: free block record {} is protected", r));
+      continue;
+    }
+    if (record_protected_[r] && hinted_hashes_.Find(record_digest_[r].hash) == kNoRecord) {
+      return Status::Internal(fmt::format("invariant: block record {} is protected but no live hint names it", r));
+    }
+    hinted += record_protected_[r];
+    for (size_t q = 0; q < P(); ++q) {
+      const PageId page = RecPage(r, q);
+      if (page == kInvalidPage) continue;
+      if (pools_[q]->PageProtected(page) != (record_protected_[r] != 0)) {
+        return Status::Internal(fmt::format("invariant: block record {} is {}protected but page {} of pool {} is {}",
+                                            r, record_protected_[r] ? "" : "not ", page, q,
+                                            record_protected_[r] ? "not" : "protected"));
+      }
+    }
+  }
+  if (hinted != hinted_records_) {
+    return Status::Internal(fmt::format("invariant: {} block records are hinted but {} are counted", hinted, hinted_records_));
+  }
+  for (size_t q = 0; q < P(); ++q) {
+    Status st = pools_[q]->CheckPolicy();
+    if (!st.ok()) return Status::Internal(fmt::format("invariant: {}", st.message()));
+  }
+
   // Pages: each reference is a table's or a pin's; cached pages are findable; no page that a
   // record names is free.
   for (size_t q = 0; q < P(); ++q) {
@@ -1133,6 +1240,7 @@ Result<SlotAllocation> CacheManager::Impl::AllocateSlots(SequenceId seq, uint64_
     ChangeCheck check(*this, seq);
     SequenceEntry* s = FindLocked(seq);
     if (s == nullptr) return Status::NotFound(SeqNotFound(seq));
+    ExpireHintsLocked();
     const uint64_t want64 = (num_tokens + block_tokens_ - 1) / block_tokens_;
     if (want64 >= UINT32_MAX) {
       return Status::InvalidArgument(
@@ -1318,6 +1426,7 @@ Status CacheManager::Impl::CommitComputed(SequenceId seq, uint64_t num_tokens) {
         }
         index_.Insert(d.hash, r);
         s->records[b] = r;
+        if (hinted_hashes_.size() != 0 && hinted_hashes_.Find(d.hash) != kNoRecord) ProtectHintedLocked(r);
         ++stats_.stored_blocks;
         if (emit) {
           if (!run.empty() && run_kinds != kinds) FlushStoredLocked(&run, run_parent, run_kinds);
@@ -1513,6 +1622,108 @@ Status CacheManager::Impl::Unpin(PinId pin) {
   return Status::OK();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Hints
+
+void CacheManager::Impl::ProtectHintedLocked(RecordId r) {
+  if (record_protected_[r]) return;
+  if (hinted_records_ >= max_hinted_records_) {
+    ++stats_.hint_blocks_cut;
+    return;
+  }
+  record_protected_[r] = 1;
+  ++hinted_records_;
+  ProtectRecordLocked(r, true);
+}
+
+void CacheManager::Impl::EndHintLocked(Hint& hint) {
+  for (const BlockHash& h : hint.hashes) {
+    RecordId* count = hinted_hashes_.FindMutable(h);
+    if (count == nullptr || --*count > 0) continue;
+    hinted_hashes_.Erase(h);
+    const RecordId r = index_.Find(h);
+    if (r != kNoRecord && record_protected_[r]) {
+      record_protected_[r] = 0;
+      --hinted_records_;
+      ProtectRecordLocked(r, false);
+    }
+  }
+  hint.hashes.clear();
+}
+
+void CacheManager::Impl::ExpireHintsLocked() {
+  if (hint_deadlines_.empty()) return;
+  const auto now = std::chrono::steady_clock::now();
+  while (!hint_deadlines_.empty() && hint_deadlines_.top().first <= now) {
+    const HintId id = hint_deadlines_.top().second;
+    hint_deadlines_.pop();
+    auto it = hints_.find(id);
+    if (it == hints_.end()) continue;  // dropped already
+    EndHintLocked(it->second);
+    hints_.erase(it);
+    ++stats_.hints_expired;
+  }
+  if (hints_.empty()) hint_deadlines_ = {};
+}
+
+Result<HintInfo> CacheManager::Impl::HintDigests(std::span<const BlockDigest> digests, const HintOptions& options) {
+  if (!Caching()) return Status::FailedPrecondition("prefix caching is disabled: nothing can be hinted");
+  if (options.ttl.count() <= 0) {
+    return Status::InvalidArgument(fmt::format("hint time to live of {} ms; expected a positive one", options.ttl.count()));
+  }
+  MutexLock l(mu_);
+  ChangeCheck check(*this, 0);
+  ExpireHintsLocked();
+  if (hints_.size() >= options_.max_hints) {
+    return Status::ResourceExhausted(fmt::format(
+        "{} hints are live, the most max_hints allows; drop some or let them expire", hints_.size()));
+  }
+  HintInfo info;
+  Hint hint;
+  hint.hashes.reserve(digests.size());
+  bool chain = true;  // the blocks found so far are consecutive from the start
+  for (const BlockDigest& d : digests) {
+    if (RecordId* count = hinted_hashes_.FindMutable(d.hash)) {
+      ++*count;
+      hint.hashes.push_back(d.hash);
+    } else if (hinted_hashes_.size() < hinted_hashes_.max_entries()) {
+      hinted_hashes_.Insert(d.hash, 1);
+      hint.hashes.push_back(d.hash);
+    } else {
+      ++stats_.hint_blocks_cut;  // no room to name it
+      continue;
+    }
+    const RecordId r = index_.Find(d.hash);
+    const bool cached = r != kNoRecord && record_digest_[r].check == d.check;
+    chain = chain && cached;
+    if (!chain) continue;
+    ++info.found_blocks;
+    ProtectHintedLocked(r);
+    info.protected_blocks += record_protected_[r];
+  }
+  const auto ttl = std::min<std::chrono::milliseconds>(options.ttl, std::chrono::hours(24 * 365));
+  hint.deadline = std::chrono::steady_clock::now() + ttl;
+  info.id = next_hint_++;
+  hint_deadlines_.emplace(hint.deadline, info.id);
+  hints_.emplace(info.id, std::move(hint));
+  ++stats_.hints_given;
+  return info;
+}
+
+Status CacheManager::Impl::DropHint(HintId id) {
+  MutexLock l(mu_);
+  ChangeCheck check(*this, 0);
+  ExpireHintsLocked();
+  auto it = hints_.find(id);
+  if (it == hints_.end()) {
+    return Status::NotFound(fmt::format("hint {} does not exist (never made, dropped, or expired)", id));
+  }
+  EndHintLocked(it->second);
+  hints_.erase(it);
+  if (hints_.empty()) hint_deadlines_ = {};
+  return Status::OK();
+}
+
 Status CacheManager::Impl::Reset() {
   {
     MutexLock l(mu_);
@@ -1539,6 +1750,12 @@ Status CacheManager::Impl::Reset() {
     }
     index_.Clear();
     std::fill(record_pages_.begin(), record_pages_.end(), kInvalidPage);
+    std::fill(record_protected_.begin(), record_protected_.end(), 0);
+    hinted_hashes_.Clear();
+    hints_.clear();
+    hint_deadlines_ = {};
+    hinted_records_ = 0;
+    stats_.hints = 0;
     free_records_.clear();
     for (uint64_t r = max_records_; r-- > 0;) free_records_.push_back(static_cast<RecordId>(r));
     removed_batch_.clear();
@@ -1556,6 +1773,8 @@ CacheStats CacheManager::Impl::Stats() const {
       recent_prompt_ ? static_cast<double>(recent_hit_) / static_cast<double>(recent_prompt_) : 0;
   s.cached_blocks = index_.size();
   s.pins = pins_.size();
+  s.hints = hints_.size();
+  s.hinted_blocks = hinted_records_;
   return s;
 }
 
@@ -1640,6 +1859,18 @@ Result<PinInfo> CacheManager::PinPrefix(const PrefixQuery& query, uint32_t prior
 Status CacheManager::Unpin(PinId pin) {
   return impl_->Unpin(pin);
 }
+Result<HintInfo> CacheManager::HintPrefix(const PrefixQuery& query, const HintOptions& options) {
+  std::vector<BlockDigest> digests;
+  impl_->hasher_.HashFullBlocks(impl_->hasher_.Root(query.namespace_salt), query.tokens, query.extra_keys, &digests);
+  return impl_->HintDigests(digests, options);
+}
+
+Result<HintInfo> CacheManager::HintDigests(std::span<const BlockDigest> digests, const HintOptions& options) {
+  return impl_->HintDigests(digests, options);
+}
+
+Status CacheManager::DropHint(HintId hint) { return impl_->DropHint(hint); }
+
 Status CacheManager::Reset() {
   return impl_->Reset();
 }

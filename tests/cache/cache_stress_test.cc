@@ -87,8 +87,11 @@ struct Counters {
 
 class Stress {
  public:
-  Stress(const Preset& p, int threads) : preset_(p), bt_(p.block_tokens), threads_(threads) {
+  Stress(const Preset& p, int threads, EvictionPolicyKind policy)
+      : preset_(p), bt_(p.block_tokens), threads_(threads) {
     CacheManagerOptions o;
+    o.eviction = policy;
+    o.max_hints = 16;  // hints run into the limit too
     o.block_tokens = p.block_tokens;
     o.capacity_blocks = p.capacity * threads;
     o.window_capacity_blocks = p.window_capacity * threads;
@@ -154,7 +157,8 @@ class Stress::Worker {
         {10, &Worker::Create},  {12, &Worker::Append}, {22, &Worker::Allocate},
         {22, &Worker::Commit},  {7, &Worker::DoFork},  {10, &Worker::DoFree},
         {6, &Worker::Lookup},   {3, &Worker::Pin},     {3, &Worker::Unpin},
-        {2, &Worker::Pressure}, {1, &Worker::DoReset}};
+        {2, &Worker::Pressure}, {1, &Worker::DoReset}, {4, &Worker::Hint},
+        {2, &Worker::DropHint}};
     int total = 0;
     for (const auto& op : kOps) total += op.first;
     int pick = static_cast<int>(rng_() % total);
@@ -170,6 +174,8 @@ class Stress::Worker {
     }
     for (PinId p : pins_) (void)c_.Unpin(p);
     pins_.clear();
+    for (HintId h : hints_) (void)c_.DropHint(h);
+    hints_.clear();
   }
 
  private:
@@ -473,6 +479,38 @@ class Stress::Worker {
     return true;
   }
 
+  // A scheduler's hint for a family prompt: protects what it finds (and what is registered
+  // under its hashes later) until dropped or, with a short time to live, expired.
+  bool Hint() {
+    std::vector<TokenId> buf;
+    const PrefixQuery q = FamilyQuery(&buf);
+    HintOptions ho;
+    ho.ttl = std::chrono::milliseconds(Rand(4) == 0 ? 1 : 60000);
+    auto h = c_.HintPrefix(q, ho);
+    ++st_.counters_.calls;
+    if (!h.ok()) {
+      return Expect(h.status().code() == StatusCode::kResourceExhausted, "HintPrefix: " + h.status().ToString()) ||
+             DropHint();
+    }
+    if (!Expect(h->protected_blocks <= h->found_blocks && h->found_blocks <= buf.size() / bt_,
+                "a hint protecting more than it found")) {
+      return false;
+    }
+    hints_.push_back(h->id);
+    if (hints_.size() > 4) return DropHint();
+    return true;
+  }
+
+  bool DropHint() {
+    if (hints_.empty()) return true;
+    const size_t i = Rand(hints_.size());
+    const Status st = c_.DropHint(hints_[i]);
+    ++st_.counters_.calls;
+    hints_.erase(hints_.begin() + static_cast<std::ptrdiff_t>(i));
+    // Expired (its time to live was short), or dropped by a reset on another thread.
+    return Expect(st.ok() || st.code() == StatusCode::kNotFound, "DropHint: " + st.ToString());
+  }
+
   bool Unpin() {
     if (pins_.empty()) return Pin();
     const size_t i = Rand(pins_.size());
@@ -537,6 +575,7 @@ class Stress::Worker {
   std::mt19937_64 rng_;
   std::vector<ModelSeq> seqs_;
   std::vector<PinId> pins_;
+  std::vector<HintId> hints_;
 };
 
 bool Stress::Run(uint64_t seed, uint64_t ops) {
@@ -549,7 +588,7 @@ bool Stress::Run(uint64_t seed, uint64_t ops) {
   return !Failed();
 }
 
-void RunStress(const Preset& p, int threads) {
+void RunStress(const Preset& p, int threads, EvictionPolicyKind policy) {
   const uint64_t seed = EnvU64("SPARSEKV_CACHE_STRESS_SEED", 16);
 #if SPARSEKV_SANITIZED
   // The checks dominate (a few per operation) and cost 10-20x more in the sanitizer builds.
@@ -558,7 +597,7 @@ void RunStress(const Preset& p, int threads) {
   const uint64_t default_ops = 60000;
 #endif
   const uint64_t ops = EnvU64("SPARSEKV_CACHE_STRESS_OPS", default_ops);
-  Stress stress(p, threads);
+  Stress stress(p, threads, policy);
   const auto t0 = std::chrono::steady_clock::now();
   std::latch start(threads);
   std::vector<std::thread> ts;
@@ -607,6 +646,9 @@ void RunStress(const Preset& p, int threads) {
     EXPECT_EQ(c.pool(q).Stats().used, 0u) << "pool " << q << ": pages held after every free";
   }
   EXPECT_EQ(s.sequences, 0u);
+  EXPECT_EQ(s.hints, 0u) << "hints left after every worker dropped its own";
+  EXPECT_EQ(s.hinted_blocks, 0u);
+  EXPECT_GT(s.hints_given, 0u);
   EXPECT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants().ToString();
   // The run went where it should: hits, evictions, forks, copies and refusals all happened.
   EXPECT_GT(k.hit_blocks.load(), 0u);
@@ -618,18 +660,16 @@ void RunStress(const Preset& p, int threads) {
   EXPECT_TRUE(c.CheckInvariants().ok()) << c.CheckInvariants().ToString();
 }
 
-TEST(CacheStress, V32OneThread) {
-  RunStress(kV32, 1);
-}
-TEST(CacheStress, V32FourThreads) {
-  RunStress(kV32, 4);
-}
-TEST(CacheStress, V4OneThread) {
-  RunStress(kV4, 1);
-}
-TEST(CacheStress, V4FourThreads) {
-  RunStress(kV4, 4);
-}
+// Every eviction policy, each with hints coming and going.
+class CacheStressPolicy : public ::testing::TestWithParam<EvictionPolicyKind> {};
+
+TEST_P(CacheStressPolicy, V32OneThread) { RunStress(kV32, 1, GetParam()); }
+TEST_P(CacheStressPolicy, V32FourThreads) { RunStress(kV32, 4, GetParam()); }
+TEST_P(CacheStressPolicy, V4OneThread) { RunStress(kV4, 1, GetParam()); }
+TEST_P(CacheStressPolicy, V4FourThreads) { RunStress(kV4, 4, GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Policies, CacheStressPolicy, ::testing::ValuesIn(AllEvictionPolicies()),
+                         [](const auto& info) { return std::string(EvictionPolicyName(info.param)); });
 
 }  // namespace
 }  // namespace sparsekv

@@ -32,9 +32,21 @@
 // Eviction. Pages are reference-counted by the pools; a page with references is never evicted.
 // A freed sequence's pages are released tail first: pages of committed full blocks stay cached
 // (findable; a hit takes them back), the others are freed at once, and allocation takes free
-// pages before evicting cached ones, least recently released first. A failed allocation changes
-// nothing. Pins hold a cached prefix's pages; under memory pressure, once no unpinned cached page
-// is left, pins are given up lowest priority first (never those with kPinForever).
+// pages before evicting cached ones, in the order of the pools' eviction policy
+// (CacheManagerOptions::eviction; eviction_policy.h). ARC, the default, keeps blocks that were
+// hit apart from blocks used once, remembers the hashes it evicted recently, and evicts the tail
+// of a cached chain before its head (a block whose successors are cached is passed over among
+// the oldest few: without it they could never hit). LRU evicts the least recently released. A
+// failed allocation changes nothing. Pins hold a cached prefix's pages; under memory pressure,
+// once no unpinned cached page is left, pins are given up lowest priority first (never those
+// with kPinForever).
+//
+// Hints. An engine's scheduler knows which prompts it will run soon (its waiting queue, a
+// session that will continue). HintPrefix protects the blocks of such a prompt, those cached
+// now and those registered while the hint lives: a protected block is evicted only when nothing
+// unprotected is left, so hints never make an allocation fail. A hint lasts until DropHint or
+// its time to live; at most CacheManagerOptions::hint_bound of the cache is protected at once
+// (blocks past the bound are left unprotected, and counted in CacheStats::hint_blocks_cut).
 //
 // Ownership. The manager owns its pools, records, sequences and pins; pool(i) is exposed for
 // page addresses (PageData, arena_base) only: allocating or releasing its pages directly breaks
@@ -61,6 +73,7 @@
 // runs with the lock held.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -102,6 +115,12 @@ struct CacheManagerOptions {
   bool enable_prefix_caching = true;
   // Lookups over which CacheStats::recent_token_hit_ratio is computed. Default: 1000.
   uint32_t stats_window_requests = 1000;
+  // Which cached page an allocation evicts (eviction_policy.h). Default: kDefaultEvictionPolicy.
+  EvictionPolicyKind eviction = kDefaultEvictionPolicy;
+  // The share of capacity_blocks hints may protect at once, in [0, 1]. Default: 0.5.
+  double hint_bound = 0.5;
+  // Live hints at most (each holds a list of its blocks). Default: 65536.
+  uint32_t max_hints = 65536;
   // Run CheckInvariants after every call that changes the manager, under its lock, counting a
   // violation as an internal error (the first one named in CacheStats::first_internal_error;
   // checking stops there). Costs O(pages of every pool + table entries + pins + block records)
@@ -172,6 +191,20 @@ struct PinInfo {
   uint32_t blocks = 0;  // blocks pinned (the longest resumable cached prefix)
 };
 
+using HintId = uint64_t;
+
+struct HintOptions {
+  // The hint expires this long after it is given, unless dropped first. Must be positive.
+  // Default: 30 s.
+  std::chrono::milliseconds ttl{30000};
+};
+
+struct HintInfo {
+  HintId id = 0;
+  uint32_t found_blocks = 0;      // consecutive blocks of the prefix found cached now
+  uint32_t protected_blocks = 0;  // of those, the ones protected now (hint_bound may cut)
+};
+
 struct CacheStats {
   uint64_t lookups = 0;        // AcquireCachedPrefix calls that looked up (requests)
   uint64_t hits = 0;           // ... that hit at least one block
@@ -191,6 +224,11 @@ struct CacheStats {
   uint64_t early_released_pages = 0;    // window/snapshot pages a running sequence gave up
   uint64_t failed_allocations = 0;      // AllocateSlots refused for want of pages
   uint64_t pins_released = 0;           // pins given up under memory pressure
+  uint64_t hints = 0;                   // live hints
+  uint64_t hinted_blocks = 0;           // blocks some live hint protects
+  uint64_t hints_given = 0;             // HintPrefix/HintDigests calls that made a hint
+  uint64_t hints_expired = 0;           // hints that reached their time to live
+  uint64_t hint_blocks_cut = 0;         // blocks left unprotected because of hint_bound
   uint64_t cached_blocks = 0;           // records now
   uint64_t sequences = 0;               // live sequences
   uint64_t pins = 0;                    // live pins
@@ -304,9 +342,20 @@ class CacheManager {
   // until Unpin. NotFound when nothing of it is cached.
   Result<PinInfo> PinPrefix(const PrefixQuery& query, uint32_t priority);
   Status Unpin(PinId pin);
-  // Forgets every cached block and pin ("all cleared" event). FailedPrecondition while a sequence
-  // holds pages.
+  // Forgets every cached block, pin and hint ("all cleared" event). FailedPrecondition while a
+  // sequence holds pages.
   Status Reset();
+
+  // ---- scheduler hints ----
+  // The prompt `query.tokens` will be looked up soon: its full blocks (leave_last_token ignored),
+  // those cached now and those registered while the hint lives, are protected from eviction
+  // until DropHint or the time to live ends, within hint_bound. ResourceExhausted when max_hints
+  // hints are live; InvalidArgument for a time to live that is not positive.
+  Result<HintInfo> HintPrefix(const PrefixQuery& query, const HintOptions& options = {});
+  // The same for digests computed elsewhere (hasher().HashFullBlocks).
+  Result<HintInfo> HintDigests(std::span<const BlockDigest> digests, const HintOptions& options = {});
+  // Ends a hint early. NotFound when it does not exist (never made, dropped, or expired).
+  Status DropHint(HintId hint);
 
   // ---- eviction hook ----
   // Installs `hook` (see BlockEvictHook), replacing any previous one; an empty function removes
