@@ -6,6 +6,7 @@
 #include <fstream>
 #include <memory>
 #include <sstream>
+#include <unordered_map>
 
 #include "bench_util.h"
 #include "sparsekv/cache_manager.h"
@@ -170,17 +171,77 @@ Result<ReplayResult> RunReplay(std::span<const TraceRequest> trace, const Replay
   mo.capacity_blocks = static_cast<uint32_t>(capacity);
   mo.metadata_only = true;  // capacity is not bounded by memory
   mo.hash_mode = options.hash_mode;
+  mo.eviction = options.eviction;
+  mo.hint_bound = options.hint_bound;
+  mo.max_hints = std::max<uint32_t>(mo.max_hints, options.lookahead + 1);
   SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<CacheManager> cache,
                             CacheManager::Create(options.spec, mo));
 
   SequenceOptions so;
   so.namespace_salt = options.namespace_salt;
   std::vector<TokenId> chunk(64 * 1024 / sizeof(TokenId));
+
+  // Hints: request j's usable prefix (what its lookup may hit), hashed as the engine's scheduler
+  // would, and hinted while j waits in the window of the next `lookahead` requests.
+  std::vector<HintId> hint_of(options.lookahead ? trace.size() : 0, 0);
+  std::vector<TokenId> hint_tokens;
+  std::vector<BlockDigest> hint_digests;
+  const BlockDigest root = cache->hasher().Root(options.namespace_salt);
+  HintOptions hint_options;
+  hint_options.ttl = std::chrono::hours(24 * 365);  // dropped by the replay, never expired
+  // A scheduler hashes a queued prompt once and keeps the digests of prefixes it has seen; with
+  // cache blocks equal to trace blocks, a prefix is its chain of trace ids, so digests are
+  // remembered by that chain and only new blocks are synthesized and hashed.
+  std::unordered_map<uint64_t, BlockDigest> known;
+  const bool by_chain = options.block_tokens == options.trace_block_tokens;
+  if (by_chain && options.lookahead != 0) known.reserve(res.blocks / 2);
+  auto hint = [&](size_t j) -> Status {
+    if (j >= trace.size() || trace[j].input_length == 0) return Status::OK();
+    const TraceRequest& r = trace[j];
+    const uint64_t usable = (r.input_length - 1) / options.block_tokens * options.block_tokens;
+    if (usable == 0) return Status::OK();
+    if (by_chain) {
+      hint_digests.clear();
+      hint_tokens.resize(options.block_tokens);
+      BlockDigest parent = root;
+      uint64_t chain = 0x12345;
+      for (uint64_t b = 0; b < usable / options.block_tokens; ++b) {
+        chain = Mix((chain ^ r.hash_ids[b]) * 0x100000001b3ull + b);
+        auto [it, fresh] = known.try_emplace(chain);
+        if (fresh) {
+          SynthesizeBlockTokens(r.hash_ids[b], 0, hint_tokens);
+          it->second = cache->hasher().Next(parent, hint_tokens, "");
+        }
+        parent = it->second;
+        hint_digests.push_back(parent);
+      }
+      SPARSEKV_ASSIGN_OR_RETURN(HintInfo h, cache->HintDigests(hint_digests, hint_options));
+      hint_of[j] = h.id;
+      ++res.hints;
+      return Status::OK();
+    }
+    hint_tokens.resize(usable);
+    for (uint64_t pos = 0; pos < usable;) {
+      const uint64_t b = pos / options.trace_block_tokens;
+      const uint64_t stop = std::min<uint64_t>(usable, (b + 1) * options.trace_block_tokens);
+      SynthesizeBlockTokens(r.hash_ids[b], static_cast<uint32_t>(pos % options.trace_block_tokens),
+                            std::span<TokenId>(hint_tokens.data() + pos, stop - pos));
+      pos = stop;
+    }
+    hint_digests.clear();
+    cache->hasher().HashFullBlocks(root, hint_tokens, "", &hint_digests);
+    SPARSEKV_ASSIGN_OR_RETURN(HintInfo h, cache->HintDigests(hint_digests, hint_options));
+    hint_of[j] = h.id;
+    ++res.hints;
+    return Status::OK();
+  };
+  for (size_t j = 1; j <= options.lookahead; ++j) SPARSEKV_RETURN_IF_ERROR(hint(j));
   const size_t progress_every = std::max<size_t>(1, trace.size() / 200);
   const double t0 = NowSeconds();
   for (size_t i = 0; i < trace.size(); ++i) {
     const TraceRequest& r = trace[i];
     if (options.progress && i % progress_every == 0) options.progress(i, trace.size());
+    if (options.lookahead != 0 && i > 0) SPARSEKV_RETURN_IF_ERROR(hint(i + options.lookahead));
     if (r.input_length == 0) {
       ++res.skipped_requests;
       continue;
@@ -203,6 +264,7 @@ Result<ReplayResult> RunReplay(std::span<const TraceRequest> trace, const Replay
           cache->AppendTokens(seq, std::span<const TokenId>(chunk.data(), end - begin)));
     }
     SPARSEKV_ASSIGN_OR_RETURN(PrefixMatch hit, cache->AcquireCachedPrefix(seq));
+    if (options.lookahead != 0 && hint_of[i] != 0) SPARSEKV_RETURN_IF_ERROR(cache->DropHint(hint_of[i]));
     auto slots = cache->AllocateSlots(seq, r.input_length);
     if (!slots.ok()) {
       if (!slots.status().Is(StatusCode::kResourceExhausted)) return slots.status();
@@ -227,6 +289,7 @@ Result<ReplayResult> RunReplay(std::span<const TraceRequest> trace, const Replay
   res.evicted_blocks = st.evicted_blocks;
   res.stored_blocks = st.stored_blocks;
   res.duplicate_blocks = st.duplicate_blocks;
+  res.hint_blocks_cut = st.hint_blocks_cut;
   return res;
 }
 
@@ -244,6 +307,10 @@ nlohmann::json ReplayResultToJson(const ReplayResult& r, const ReplayOptions& op
   j["failed_requests"] = r.failed_requests;
   j["capacity_blocks"] = r.capacity_blocks;
   j["unlimited"] = options.capacity_blocks == 0;
+  j["policy"] = EvictionPolicyName(options.eviction);
+  j["lookahead"] = options.lookahead;
+  j["hints"] = r.hints;
+  j["hint_blocks_cut"] = r.hint_blocks_cut;
   j["block_tokens"] = options.block_tokens;
   j["trace_block_tokens"] = options.trace_block_tokens;
   j["model"] = options.spec.name;

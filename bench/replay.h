@@ -6,6 +6,10 @@
 // distinct ids distinct ones), so the replay exercises the same hashing, lookup, allocation,
 // registration and eviction code an engine links. Each request is looked up, allocated,
 // registered (committed) and freed at once, in file order.
+//
+// Hints (`lookahead` N): the scheduler is taken to know the next N requests by arrival, as an
+// engine knows its waiting queue. When request i arrives, request i+N is hinted (its usable
+// prefix: CacheManager::HintDigests); a request's hint is dropped once it has looked up.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +21,7 @@
 #include <vector>
 
 #include "sparsekv/block_hash.h"
+#include "sparsekv/eviction_policy.h"
 #include "sparsekv/model_spec.h"
 #include "sparsekv/status.h"
 
@@ -57,6 +62,12 @@ struct ReplayOptions {
   HashMode hash_mode = HashMode::kXxh3;
   // Namespace salt of every request. Default: "".
   std::string namespace_salt;
+  // The pools' eviction policy. Default: kDefaultEvictionPolicy.
+  EvictionPolicyKind eviction = kDefaultEvictionPolicy;
+  // Hint the next `lookahead` requests (0: no hints). Default: 0.
+  uint32_t lookahead = 0;
+  // CacheManagerOptions::hint_bound. Default: 0.5.
+  double hint_bound = 0.5;
   // Called now and then with (requests done, requests); optional. Default: none.
   std::function<void(size_t, size_t)> progress;
 };
@@ -72,6 +83,8 @@ struct ReplayResult {
   uint64_t evicted_blocks = 0;
   uint64_t stored_blocks = 0;
   uint64_t duplicate_blocks = 0;
+  uint64_t hints = 0;            // hints given
+  uint64_t hint_blocks_cut = 0;  // hinted blocks left unprotected by the bound
   double seconds = 0;  // the replay loop: token synthesis, hashing and every cache call
 
   double BlockHitRatio() const {

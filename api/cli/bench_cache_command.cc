@@ -40,6 +40,12 @@ SPARSEKV_BENCH_COMMAND(cache) {
           m["alloc_register_free_per_s"].get<double>() / 1e3,
           m["hit_cycle_per_s"].get<double>() / 1e3, m["hash_only_per_s"].get<double>() / 1e3,
           m["pool_only_per_s"].get<double>() / 1e3);
+      for (const auto& [policy, p] : m["policies"].items()) {
+        std::printf("%-18s   %-4s lookup %.0f k/s (%.2fx LRU)  walk %.2fx  alloc+register+free %.0f k/s (%.2fx LRU)  hit cycle %.2fx\n",
+                    "", policy.c_str(), p["lookup_per_s"].get<double>() / 1e3, p.value("lookup_vs_lru", 1.0),
+                    p.value("lookup_digests_vs_lru", 1.0), p["alloc_register_free_per_s"].get<double>() / 1e3,
+                    p.value("alloc_register_free_vs_lru", 1.0), p.value("hit_cycle_vs_lru", 1.0));
+      }
     }
   });
 }

@@ -42,6 +42,8 @@ SPARSEKV_CLI_COMMAND(replay) {
     bench::ReplayOptions options;
     std::string sim_policy = "lru";
     uint32_t sim_lookahead = 0;
+    std::string policy{EvictionPolicyName(kDefaultEvictionPolicy)};
+    bool vs_lru = false;
     bool json = false;
     bool progress = false;
   };
@@ -73,6 +75,14 @@ SPARSEKV_CLI_COMMAND(replay) {
       ->capture_default_str();
   cmd->add_option("--hash", args->hash, "Prefix hash: xxh3 or sha256")->capture_default_str();
   cmd->add_option("--salt", args->options.namespace_salt, "Namespace salt of every request");
+  cmd->add_option("--policy", args->policy, "Eviction policy of the cache: lru or arc")->capture_default_str();
+  cmd->add_option("--lookahead", args->options.lookahead,
+                  "Hint the next N requests by arrival, as a scheduler knows its waiting queue")
+      ->capture_default_str();
+  cmd->add_option("--hint-bound", args->options.hint_bound, "Share of the capacity hints may protect at once")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  cmd->add_flag("--vs-lru", args->vs_lru, "Also replay under LRU without hints, in the same run, and print the ratio");
   cmd->add_option("--sim-policy", args->sim_policy,
                   "Also replay the offline model (bench/prefix_sim.h) under this policy: lru, arc or belady")
       ->capture_default_str();
@@ -88,6 +98,12 @@ SPARSEKV_CLI_COMMAND(replay) {
       return;
     }
     args->options.hash_mode = *hash;
+    auto eviction = ParseEvictionPolicy(args->policy);
+    if (!eviction.ok()) {
+      exit_code = Fail(eviction.status());
+      return;
+    }
+    args->options.eviction = *eviction;
     if (!args->spec_file.empty()) {
       auto spec = LoadModelSpecFile(args->spec_file);
       if (!spec.ok()) {
@@ -121,6 +137,20 @@ SPARSEKV_CLI_COMMAND(replay) {
     nlohmann::json j = bench::ReplayResultToJson(*r, args->options);
     j["trace"] = args->trace;
     j["load_seconds"] = load_seconds;
+    if (args->vs_lru) {
+      bench::ReplayOptions base = args->options;
+      base.eviction = EvictionPolicyKind::kLru;
+      base.lookahead = 0;
+      base.progress = nullptr;
+      auto b = bench::RunReplay(*trace, base);
+      if (!b.ok()) {
+        exit_code = Fail(b.status());
+        return;
+      }
+      j["lru_hit_blocks"] = b->hit_blocks;
+      j["lru_seconds"] = b->seconds;
+      j["vs_lru"] = b->hit_blocks ? static_cast<double>(r->hit_blocks) / static_cast<double>(b->hit_blocks) : 1.0;
+    }
     // The offline optimum for the same trace and capacity (bench/prefix_sim.h), when the cache's
     // blocks are the trace's.
     if (args->options.block_tokens == args->options.trace_block_tokens) {
@@ -170,9 +200,16 @@ SPARSEKV_CLI_COMMAND(replay) {
     std::printf("hit blocks %llu   block hit ratio %.4f   token hit ratio %.4f\n",
                 static_cast<unsigned long long>(r->hit_blocks), r->BlockHitRatio(),
                 r->TokenHitRatio(args->options.block_tokens));
+    std::printf("policy %s, lookahead %u (%llu hints, %llu hinted blocks past the bound)\n", args->policy.c_str(),
+                args->options.lookahead, static_cast<unsigned long long>(r->hints),
+                static_cast<unsigned long long>(r->hint_blocks_cut));
     std::printf("evicted %llu blocks   %.3f s   %.2f M blocks/s (hashing included)\n",
                 static_cast<unsigned long long>(r->evicted_blocks), r->seconds,
                 r->BlocksPerSecond() / 1e6);
+    if (j.contains("lru_hit_blocks")) {
+      std::printf("LRU without hints (same run): %llu hit blocks; this run %.3fx LRU\n",
+                  static_cast<unsigned long long>(j["lru_hit_blocks"].get<uint64_t>()), j["vs_lru"].get<double>());
+    }
     if (j.contains("belady_hit_blocks")) {
       std::printf("Belady's MIN (offline optimum, same trace and capacity): %llu hit blocks; this run %.3f of it\n",
                   static_cast<unsigned long long>(j["belady_hit_blocks"].get<uint64_t>()),
