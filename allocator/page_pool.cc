@@ -28,6 +28,10 @@ Result<std::unique_ptr<PagePool>> PagePool::Create(PagePoolOptions options) {
   if (options.capacity == kInvalidPage) {
     return Status::InvalidArgument(fmt::format("pool {}: capacity {} is too large", options.name, options.capacity));
   }
+  if (options.eviction != EvictionPolicyKind::kLru && options.eviction != EvictionPolicyKind::kArc) {
+    return Status::InvalidArgument(
+        fmt::format("pool {}: eviction policy {} does not exist", options.name, static_cast<int>(options.eviction)));
+  }
   if (options.page_bytes != 0 && options.capacity > UINT64_MAX / options.page_bytes) {
     return Status::InvalidArgument(fmt::format("pool {}: capacity x page_bytes overflows", options.name));
   }
@@ -297,25 +301,6 @@ Status PagePool::TellLocked(PageId page, const char* op) const {
   if (st != PageState::kInUse && st != PageState::kCached) {
     return Misuse(page, op, "only a page in use or cached has content to tell about");
   }
-  return Status::OK();
-}
-
-Status PagePool::SetPageKey(PageId page, uint64_t key) {
-  MutexLock l(mu_);
-  SPARSEKV_RETURN_IF_ERROR(TellLocked(page, "set key"));
-  policy_->SetKey(page, key);
-  told_[page].store(1, std::memory_order_relaxed);
-  return Status::OK();
-}
-
-Status PagePool::SetPageParent(PageId page, PageId parent) {
-  MutexLock l(mu_);
-  SPARSEKV_RETURN_IF_ERROR(TellLocked(page, "set parent"));
-  if (parent != kInvalidPage) SPARSEKV_RETURN_IF_ERROR(TellLocked(parent, "set parent"));
-  if (parent == page) return Misuse(page, "set parent", "a page cannot extend itself");
-  policy_->SetParent(page, parent);
-  told_[page].store(1, std::memory_order_relaxed);
-  if (parent != kInvalidPage) told_[parent].store(1, std::memory_order_relaxed);
   return Status::OK();
 }
 

@@ -334,11 +334,13 @@ TEST(PagePoolPolicy, TellingIsCheckedAndThePolicyHoldsTheCachedPages) {
     ASSERT_TRUE(pool.ok());
     PagePool& p = **pool;
     EXPECT_EQ(p.eviction_policy(), kind);
-    EXPECT_EQ(p.SetPageKey(0, 7).code(), StatusCode::kFailedPrecondition) << "a free page has no content";
+    const PagePool::Lineage free_page{0, 7, kInvalidPage};
+    EXPECT_EQ(p.SetPageLineage({&free_page, 1}).code(), StatusCode::kFailedPrecondition) << "a free page has no content";
     EXPECT_EQ(p.SetPageProtected(9, true).code(), StatusCode::kOutOfRange);
     auto a = p.Allocate(), b = p.Allocate();
     ASSERT_TRUE(a.ok() && b.ok());
-    EXPECT_EQ(p.SetPageParent(*a, *a).code(), StatusCode::kFailedPrecondition);
+    const PagePool::Lineage self{*a, 1, *a};
+    EXPECT_EQ(p.SetPageLineage({&self, 1}).code(), StatusCode::kFailedPrecondition);
     PagePool::Lineage wrong{*b, 5, kInvalidPage};
     EXPECT_EQ(p.ReleaseToCache(*a, &wrong).code(), StatusCode::kFailedPrecondition);
     PagePool::Lineage la{*a, 5, kInvalidPage}, lb{*b, 6, *a};

@@ -12,7 +12,7 @@
 // nothing. Releasing the last reference of a page makes it free (Release) or cached
 // (ReleaseToCache: the policy's most recent); Revive takes a cached page back, and tells the
 // policy the page was reused (a hit). The owner may tell the policy more about a page in use or
-// cached (SetPageKey, SetPageDependents, SetPageProtected); that is forgotten when the page is
+// cached (SetPageLineage, SetPageProtected); that is forgotten when the page is
 // freed or evicted. With EvictionPolicyKind::kLru the pool evicts the least recently released
 // cached page, as every version before the policies did.
 //
@@ -109,7 +109,7 @@ class PagePool {
   Status Retain(PageId page) SPARSEKV_EXCLUDES(mu_);
   // Drops one reference; at zero the page becomes free (content abandoned).
   Status Release(PageId page) SPARSEKV_EXCLUDES(mu_);
-  // A page's key and parent for the eviction policy (see SetPageKey, SetPageParent).
+  // A page's key and parent for the eviction policy (see SetPageLineage).
   struct Lineage {
     PageId page = kInvalidPage;
     uint64_t key = 0;
@@ -143,10 +143,8 @@ class PagePool {
   //        parent the page is useless, so the policy evicts it first (kInvalidPage: none).
   //   protected: a hint says it will be read soon; a cached protected page is evicted only when
   //        no unprotected one is cached.
-  Status SetPageKey(PageId page, uint64_t key) SPARSEKV_EXCLUDES(mu_);
-  Status SetPageParent(PageId page, PageId parent) SPARSEKV_EXCLUDES(mu_);
-  // Key and parent of many pages under one lock (parent kInvalidPage: none). Every item is
-  // tried; the first error is returned.
+  // Key and parent of many pages under one lock (parent kInvalidPage: none; ReleaseToCache
+  // takes one page's on the way). Every item is tried; the first error is returned.
   Status SetPageLineage(std::span<const Lineage> items) SPARSEKV_EXCLUDES(mu_);
   // Whether the policy uses keys and parents at all (LRU does not: telling them costs a lock).
   bool policy_uses_lineage() const { return uses_lineage_; }
