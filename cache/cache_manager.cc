@@ -1787,6 +1787,14 @@ Result<std::unique_ptr<CacheManager>> CacheManager::Create(const ModelSpec& spec
     return Status::InvalidArgument(
         "cache manager: capacity_blocks is 0; expected at least 1 block");
   }
+  if (!(options.hint_bound >= 0 && options.hint_bound <= 1)) {
+    return Status::InvalidArgument(
+        fmt::format("cache manager: hint_bound is {}; expected a share of the cache in [0, 1]", options.hint_bound));
+  }
+  if (options.eviction != EvictionPolicyKind::kLru && options.eviction != EvictionPolicyKind::kArc) {
+    return Status::InvalidArgument(fmt::format("cache manager: eviction policy {} does not exist",
+                                               static_cast<int>(options.eviction)));
+  }
   if (options.backing == ArenaBacking::kFile) {
     return Status::InvalidArgument(
         "cache manager: kFile backing is not supported (one file per pool is not modelled); use "

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <thread>
 
 #include "cache_test_util.h"
@@ -158,6 +159,19 @@ TEST_P(HintTest, BadHintsAreRefusedAndChangeNothing) {
   EXPECT_EQ(c->Stats().hinted_blocks, 0u);
   EXPECT_EQ(c->pool(0).Stats().protected_cached, 0u);
   ExpectHealthy(*c);
+}
+
+TEST(HintOptions, ABadBoundOrPolicyIsRefused) {
+  CacheManagerOptions o;
+  o.capacity_blocks = 8;
+  o.metadata_only = true;
+  for (double bad : {-0.1, 1.5, std::nan("")}) {
+    o.hint_bound = bad;
+    EXPECT_EQ(CacheManager::Create(OneKindSpec(), o).status().code(), StatusCode::kInvalidArgument) << bad;
+  }
+  o.hint_bound = 0.5;
+  o.eviction = static_cast<EvictionPolicyKind>(7);
+  EXPECT_EQ(CacheManager::Create(OneKindSpec(), o).status().code(), StatusCode::kInvalidArgument);
 }
 
 // Another namespace's hint names other hashes: it protects nothing of this one.
