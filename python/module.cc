@@ -710,8 +710,11 @@ class PyCacheManager {
  public:
   PyCacheManager(const ModelSpec& spec, uint32_t block_tokens, uint32_t capacity_blocks,
                  uint32_t window_capacity_blocks, uint32_t state_capacity_blocks, bool huge_pages,
-                 const std::string& hash_mode, bool enable_prefix_caching) {
+                 const std::string& hash_mode, bool enable_prefix_caching, const std::string& eviction,
+                 double hint_bound) {
     CacheManagerOptions o;
+    o.eviction = Take(ParseEvictionPolicy(eviction));
+    o.hint_bound = hint_bound;
     o.block_tokens = block_tokens;
     o.capacity_blocks = capacity_blocks;
     o.window_capacity_blocks = window_capacity_blocks;
@@ -816,6 +819,31 @@ class PyCacheManager {
     return Match(Take(m_->LookupPrefix(q)));
   }
 
+  // A scheduler's hint: the prompt will be looked up soon (cache_manager.h, "Hints").
+  py::dict HintPrefix(const std::vector<TokenId>& tokens, const std::string& salt, const std::string& extra_keys,
+                      double ttl_seconds) {
+    if (!(ttl_seconds > 0) || ttl_seconds > 365.0 * 86400) {
+      Raise(Status::InvalidArgument("hint ttl of " + std::to_string(ttl_seconds) +
+                                    " s; expected more than 0 and at most a year"));
+    }
+    PrefixQuery q;
+    q.namespace_salt = salt;
+    q.extra_keys = extra_keys;
+    q.tokens = tokens;
+    HintOptions ho;
+    ho.ttl = std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(ttl_seconds * 1000)));
+    const HintInfo h = Take(m_->HintPrefix(q, ho));
+    py::dict d;
+    d["id"] = h.id;
+    d["found_blocks"] = h.found_blocks;
+    d["protected_blocks"] = h.protected_blocks;
+    return d;
+  }
+  void DropHint(uint64_t id) {
+    const Status st = m_->DropHint(id);
+    if (!st.ok()) Raise(st);
+  }
+
   py::dict AllocateSlots(uint64_t seq, uint64_t num_tokens) {
     SlotAllocation a = Take(m_->AllocateSlots(seq, num_tokens));
     py::dict d;
@@ -878,6 +906,11 @@ class PyCacheManager {
     d["cached_blocks"] = s.cached_blocks;
     d["sequences"] = s.sequences;
     d["internal_errors"] = s.internal_errors;
+    d["hints"] = s.hints;
+    d["hinted_blocks"] = s.hinted_blocks;
+    d["hints_expired"] = s.hints_expired;
+    d["hint_blocks_cut"] = s.hint_blocks_cut;
+    d["eviction"] = std::string(EvictionPolicyName(m_->options().eviction));
     return d;
   }
 
@@ -1301,10 +1334,12 @@ PYBIND11_MODULE(_sparsekv, m) {
 
   py::class_<PyCacheManager>(m, "_CacheManager")
       .def(py::init<const sparsekv::ModelSpec&, uint32_t, uint32_t, uint32_t, uint32_t, bool, const std::string&,
-                    bool>(),
+                    bool, const std::string&, double>(),
            py::arg("spec"), py::arg("block_tokens"), py::arg("capacity_blocks"), py::arg("window_capacity_blocks"),
            py::arg("state_capacity_blocks"), py::arg("huge_pages"), py::arg("hash_mode"),
-           py::arg("enable_prefix_caching"))
+           py::arg("enable_prefix_caching"), py::arg("eviction"), py::arg("hint_bound"))
+      .def("hint_prefix", &PyCacheManager::HintPrefix)
+      .def("drop_hint", &PyCacheManager::DropHint)
       .def_property_readonly("num_pools", &PyCacheManager::num_pools)
       .def_property_readonly("block_tokens", &PyCacheManager::block_tokens)
       .def("pool_info", &PyCacheManager::PoolInfo)

@@ -300,9 +300,11 @@ class CacheManager:
     """
 
     def __init__(self, spec, *, capacity_blocks, block_tokens=128, window_capacity_blocks=0,
-                 state_capacity_blocks=0, huge_pages=False, hash_mode="xxh3", enable_prefix_caching=True):
+                 state_capacity_blocks=0, huge_pages=False, hash_mode="xxh3", enable_prefix_caching=True,
+                 eviction="arc", hint_bound=0.5):
         self._m = _sparsekv._CacheManager(spec, block_tokens, capacity_blocks, window_capacity_blocks,
-                                          state_capacity_blocks, huge_pages, hash_mode, enable_prefix_caching)
+                                          state_capacity_blocks, huge_pages, hash_mode, enable_prefix_caching,
+                                          eviction, hint_bound)
 
     @property
     def num_pools(self):
@@ -336,6 +338,17 @@ class CacheManager:
     def lookup_prefix(self, tokens, namespace_salt="", extra_keys="", leave_last_token=True):
         """How much of a prompt is cached, without changing anything."""
         return self._m.lookup_prefix([int(t) for t in tokens], namespace_salt, extra_keys, leave_last_token)
+
+    def hint_prefix(self, tokens, namespace_salt="", extra_keys="", ttl=30.0):
+        """A scheduler's hint: this prompt will be looked up soon (a queued request, a session
+        that will continue). Its blocks, cached now or registered while the hint lives, are
+        evicted only when nothing unprotected is left, within `hint_bound` of the cache, for
+        `ttl` seconds or until drop_hint. Returns {id, found_blocks, protected_blocks}."""
+        return self._m.hint_prefix([int(t) for t in tokens], namespace_salt, extra_keys, float(ttl))
+
+    def drop_hint(self, hint):
+        """Ends a hint early (the id hint_prefix returned); sparsekv.NotFound once it is gone."""
+        self._m.drop_hint(int(hint))
 
     def allocate_slots(self, seq, num_tokens):
         """Pages for the sequence's first `num_tokens` tokens: {first_new_block, new_blocks,

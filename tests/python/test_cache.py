@@ -114,3 +114,40 @@ def test_memory_planner():
     assert fit["seq_len"] == 8192
     with pytest.raises(sparsekv.Error):
         sparsekv.plan_for_budget(spec, 1000, batch=4, block_tokens=64)
+
+
+def _run(m, tokens):
+    seq = m.create_sequence()
+    m.append_tokens(seq, tokens)
+    m.acquire_cached_prefix(seq)
+    m.allocate_slots(seq, len(tokens))
+    m.commit_computed(seq, len(tokens))
+    m.free(seq)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "arc"])
+def test_a_hinted_prompt_outlives_the_churn(eviction):
+    spec = sparsekv.model_preset("deepseek-v3.2-exp", "fp8")
+    m = sparsekv.CacheManager(spec, capacity_blocks=12, block_tokens=BLOCK, eviction=eviction)
+    assert m.stats()["eviction"] == eviction
+    a = [1000 + i for i in range(2 * BLOCK + 1)]
+    b = [5000 + i for i in range(2 * BLOCK + 1)]
+    _run(m, a)
+    _run(m, b)
+    h = m.hint_prefix(a, ttl=60)
+    assert h["found_blocks"] == 2 and h["protected_blocks"] == 2
+    assert m.stats()["hinted_blocks"] == 2
+    for k in range(8):
+        _run(m, [100000 * (k + 1) + i for i in range(2 * BLOCK + 1)])
+    assert m.lookup_prefix(a)["blocks"] == 2, "protected"
+    assert m.lookup_prefix(b)["blocks"] == 0, "the unhinted one of the same age went"
+    m.drop_hint(h["id"])
+    assert m.stats()["hinted_blocks"] == 0
+    with pytest.raises(sparsekv.NotFound):
+        m.drop_hint(h["id"])
+    with pytest.raises(sparsekv.InvalidArgument):
+        m.hint_prefix(a, ttl=0)
+    with pytest.raises(sparsekv.InvalidArgument):
+        sparsekv.CacheManager(spec, capacity_blocks=12, block_tokens=BLOCK, eviction="lfu")
+    with pytest.raises(sparsekv.InvalidArgument):
+        sparsekv.CacheManager(spec, capacity_blocks=12, block_tokens=BLOCK, hint_bound=2.0)
