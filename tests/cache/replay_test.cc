@@ -130,6 +130,17 @@ TEST(MooncakeReplay, DefaultPolicyKeepsMoreHitsThanLru) {
     if (w.capacity == 1000 || w.capacity == 5859) {
       EXPECT_GT(hinted->hit_blocks, lru_hinted->hit_blocks) << "more than hints under LRU give";
     }
+    // The offline model's ARC (bench/prefix_sim.h, written apart, without the chain rule) keeps
+    // the same hits on this trace: the rule changes nothing here, and the manager's lists, ghosts
+    // and adaptation are ARC's.
+    PrefixSimOptions so;
+    so.capacity_blocks = w.capacity;
+    so.policy = SimPolicy::kArc;
+    auto sim = SimulatePrefixCache(trace, so);
+    ASSERT_TRUE(sim.ok());
+    if (kDefaultEvictionPolicy == EvictionPolicyKind::kArc) {
+      EXPECT_EQ(sim->hit_blocks, plain->hit_blocks) << "capacity " << w.capacity;
+    }
   }
 }
 

@@ -1,5 +1,5 @@
-// EvictionPolicy: which evictable entry goes first, for every cache in sparsekv that evicts (the
-// page pools under CacheManager, the host tier).
+// EvictionPolicy: which evictable entry goes first, behind one interface (the page pools under
+// CacheManager use it; the offload tiers still keep their own LRU).
 //
 // An owner names its entries by dense ids in [0, capacity) (page ids, entry slots) and tells the
 // policy when an entry becomes evictable (Add), when it is taken back into use (Remove), when it
@@ -10,12 +10,12 @@
 //
 // What an owner may tell about an entry, kept until the entry is evicted or forgotten:
 //   - SetKey: the identity of its content (a block hash). A policy with a history (ARC's ghost
-//     lists) recognizes content evicted recently when it comes back.
+//     lists) looks it up there and then, and recognizes content evicted recently that comes back.
 //   - MarkReused: it was read or taken back since it was filled (a hit). ARC keeps reused
 //     entries apart from entries used once, so that a scan of one-off content cannot flush the
 //     entries that are read again and again.
 //   - SetParent: the entry extends another one (a block after its parent block in a prefix
-//     chain), so that entry has a dependent while this one holds content. Evicting a parent
+//     chain), so the parent has a dependent while this entry holds content. Evicting a parent
 //     would make its dependents useless, so a policy that honours it prefers, among the few
 //     oldest of a list, an entry without dependents. The count follows at once when a
 //     dependent is evicted or forgotten, and a parent evicted first (its id reused) is told
@@ -31,10 +31,11 @@
 //   arc  Adaptive Replacement Cache (Megiddo and Modha, FAST 2003): T1 holds entries used once,
 //        T2 entries reused; ghost lists B1 and B2 remember the keys evicted from each (at most
 //        `capacity` keys each), and a key coming back from B1 (B2) grows (shrinks) T1's target
-//        share p. The victim comes from T1 while it is above p, else from T2. Within a list
-//        the oldest of the first kLeafScan entries without dependents goes first (a prefix
-//        cache evicts the tail of a chain before its head); if all of them have dependents, the
-//        oldest does.
+//        share p. T1 and T2 count every entry they hold, evictable or taken into use since (a
+//        running request's hits are still in the cache). The victim comes from T1 while it is
+//        above p, else from T2: the oldest of that list's first kLeafScan entries without
+//        dependents (a prefix cache evicts the tail of a chain before its head), else the same
+//        in the other list, else the oldest of the first list.
 //
 // Not thread-safe: the owner's lock guards it.
 #pragma once
