@@ -133,7 +133,6 @@ void EvictionPolicy::Forget(uint32_t id) {
 }
 
 void EvictionPolicy::Clear(uint32_t id) {
-  PolicyForget(id);
   SetParent(id, kNone);
   e_[id].kids = 0;
   ++e_[id].gen;  // its dependents' links go stale
@@ -290,8 +289,7 @@ class ArcPolicy final : public EvictionPolicy {
     extra(id) = 1;
   }
   void PolicyPrefetch(uint64_t key) const override { __builtin_prefetch(&table_[static_cast<uint32_t>(Mix(key)) & mask_], 0); }
-  // extra(id): its key was found in the history, and it has not joined T2 yet.
-  void PolicyForget(uint32_t id) override { extra(id) = 0; }
+  // extra(id): its key was found in the history, and it has not joined T2 yet (Clear zeroes it).
 
   void PolicyAdd(uint32_t id) override {
     PushBack(reused(id) || extra(id) ? kT2 : kT1, id);

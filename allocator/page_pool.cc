@@ -216,20 +216,16 @@ Status PagePool::ReleaseImpl(PageId page, bool keep_cached, const Lineage* linea
     if (refs_[page].compare_exchange_weak(r, r - 1, std::memory_order_acq_rel)) break;
   }
   if (r > 1) return Status::OK();
-  if (keep_cached) {
-    if (lineage != nullptr && uses_lineage_ && !policy_->Seen(page)) {
-      Status st = TellLineageLocked(*lineage);
-      if (!st.ok()) {
-        CacheAppendLocked(page);
-        return st;
-      }
-    }
-    CacheAppendLocked(page);
-  } else {
+  if (!keep_cached) {
     ForgetLocked(page);
     PushFreeLocked(page);
+    return Status::OK();
   }
-  return Status::OK();
+  // A lineage the pool refuses is reported; the page is cached all the same.
+  Status told;
+  if (lineage != nullptr && uses_lineage_ && !policy_->Seen(page)) told = TellLineageLocked(*lineage);
+  CacheAppendLocked(page);
+  return told;
 }
 
 Status PagePool::Release(PageId page) { return ReleaseImpl(page, false); }

@@ -6,7 +6,6 @@
 #include <fstream>
 #include <memory>
 #include <sstream>
-#include <unordered_map>
 
 #include "bench_util.h"
 #include "sparsekv/cache_manager.h"
@@ -189,37 +188,11 @@ Result<ReplayResult> RunReplay(std::span<const TraceRequest> trace, const Replay
   const BlockDigest root = cache->hasher().Root(options.namespace_salt);
   HintOptions hint_options;
   hint_options.ttl = std::chrono::hours(24 * 365);  // dropped by the replay, never expired
-  // A scheduler hashes a queued prompt once and keeps the digests of prefixes it has seen; with
-  // cache blocks equal to trace blocks, a prefix is its chain of trace ids, so digests are
-  // remembered by that chain and only new blocks are synthesized and hashed.
-  std::unordered_map<uint64_t, BlockDigest> known;
-  const bool by_chain = options.block_tokens == options.trace_block_tokens;
-  if (by_chain && options.lookahead != 0) known.reserve(res.blocks / 2);
   auto hint = [&](size_t j) -> Status {
     if (j >= trace.size() || trace[j].input_length == 0) return Status::OK();
     const TraceRequest& r = trace[j];
     const uint64_t usable = (r.input_length - 1) / options.block_tokens * options.block_tokens;
     if (usable == 0) return Status::OK();
-    if (by_chain) {
-      hint_digests.clear();
-      hint_tokens.resize(options.block_tokens);
-      BlockDigest parent = root;
-      uint64_t chain = 0x12345;
-      for (uint64_t b = 0; b < usable / options.block_tokens; ++b) {
-        chain = Mix((chain ^ r.hash_ids[b]) * 0x100000001b3ull + b);
-        auto [it, fresh] = known.try_emplace(chain);
-        if (fresh) {
-          SynthesizeBlockTokens(r.hash_ids[b], 0, hint_tokens);
-          it->second = cache->hasher().Next(parent, hint_tokens, "");
-        }
-        parent = it->second;
-        hint_digests.push_back(parent);
-      }
-      SPARSEKV_ASSIGN_OR_RETURN(HintInfo h, cache->HintDigests(hint_digests, hint_options));
-      hint_of[j] = h.id;
-      ++res.hints;
-      return Status::OK();
-    }
     hint_tokens.resize(usable);
     for (uint64_t pos = 0; pos < usable;) {
       const uint64_t b = pos / options.trace_block_tokens;

@@ -415,7 +415,7 @@ void CacheManager::Impl::ProtectRecordLocked(RecordId r, bool on) {
 }
 
 void CacheManager::Impl::TellNewPageLocked(RecordId r, size_t q, PageId page) {
-  // (Repairs give window and snapshot pages, which get no lineage: see LinkRecordLocked.)
+  // (Repairs give window and snapshot pages, which get no lineage: see ReleaseSeqPageLocked.)
   Status st;
   if (record_protected_[r]) st = pools_[q]->SetPageProtected(page, true);
   if (!st.ok()) Internal(st);

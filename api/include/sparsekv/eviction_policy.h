@@ -148,7 +148,6 @@ class EvictionPolicy {
   virtual void PolicyEvicted(uint32_t id, uint8_t list) = 0;
   virtual void PolicyGrow(uint32_t capacity) = 0;
   virtual void PolicyKeyed(uint32_t) {}
-  virtual void PolicyForget(uint32_t) {}
   virtual void PolicyPrefetch(uint64_t) const {}
   virtual Status PolicyCheck() const { return Status::OK(); }
 
