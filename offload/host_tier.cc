@@ -1,9 +1,10 @@
-// The host-DRAM tier: records in extents of one arena, an LRU over them (host_tier.h).
+// The host-DRAM tier: records in extents of one arena, an eviction policy over them
+// (host_tier.h).
 //
 // An entry is a record's extent and what the index knows of it. A get pins the entry (readers),
 // copies or checks the record outside the lock and lets go; a put reserves an extent under the
-// lock (evicting least recently used entries nobody reads until one fits), copies the record
-// outside it and publishes the entry. Erasing, replacing or evicting an entry somebody reads
+// lock (evicting the policy's victims nobody reads until one fits), copies the record outside
+// it and publishes the entry. Erasing, replacing or evicting an entry somebody reads
 // only takes it out of the index ("orphaned"): its extent is freed by the last reader, so no
 // byte a reader holds is ever rewritten.
 #include "sparsekv/host_tier.h"
@@ -13,13 +14,13 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
-#include <list>
 #include <optional>
 #include <unordered_map>
 #include <vector>
 
 #include "allocator/arena.h"
 #include "extent_allocator.h"
+#include "tier_eviction.h"
 #include "sparsekv/thread_annotations.h"
 
 namespace sparsekv {
@@ -33,10 +34,17 @@ uint64_t UnitsOf(uint64_t bytes) {
 
 class HostTierImpl final : public HostTier {
  public:
-  explicit HostTierImpl(HostTierOptions options) : options_(std::move(options)) {}
+  explicit HostTierImpl(HostTierOptions options)
+      : options_(std::move(options)),
+        eviction_(options_.eviction, static_cast<uint64_t>(std::clamp(options_.hint_bound, 0.0, 1.0) *
+                                                           static_cast<double>(options_.capacity_bytes))) {}
   ~HostTierImpl() override { UnmapArena(arena_); }
 
   Status Init() {
+    if (!(options_.hint_bound >= 0 && options_.hint_bound <= 1)) {
+      return Status::InvalidArgument(
+          fmt::format("host tier: hint_bound {} must be from 0 to 1", options_.hint_bound));
+    }
     units_ = options_.capacity_bytes / kUnit;
     if (units_ == 0 || units_ > (uint64_t{1} << 40)) {
       return Status::InvalidArgument(fmt::format(
@@ -66,6 +74,10 @@ class HostTierImpl final : public HostTier {
     s.name = options_.name;
     s.capacity_bytes = capacity_bytes();
     s.items = index_.size();
+    s.protected_items = eviction_.protected_items();
+    s.protected_bytes = eviction_.protected_bytes();
+    s.hinted_keys = eviction_.hinted_keys();
+    s.hint_cut = eviction_.hint_cut();
     return s;
   }
 
@@ -196,8 +208,12 @@ class HostTierImpl final : public HostTier {
   std::vector<BundleKey> Keys() const override {
     MutexLock lock(mu_);
     std::vector<BundleKey> keys;
-    keys.reserve(lru_.size());
-    for (EntryId id : lru_) keys.push_back(entries_[id].key);
+    keys.reserve(index_.size());
+    eviction_.ForEach([&](uint32_t id) SPARSEKV_NO_THREAD_SAFETY_ANALYSIS { keys.push_back(entries_[id].key); });
+    // Parked entries (read when the policy named them) were read last.
+    for (EntryId id = 0; id < entries_.size(); ++id) {
+      if (entries_[id].indexed && eviction_.Parked(id)) keys.push_back(entries_[id].key);
+    }
     return keys;
   }
 
@@ -212,6 +228,23 @@ class HostTierImpl final : public HostTier {
   }
 
   Arena arena() const override { return {arena_.fd, arena_.base, units_ * kUnit}; }
+
+  void Hint(std::span<const BundleKey> keys, bool on) override {
+    MutexLock lock(mu_);
+    for (const BundleKey& k : keys) {
+      auto it = index_.find(k);
+      eviction_.Hint(k, it == index_.end() ? offload::TierEviction::kNone : it->second, on);
+    }
+  }
+
+  Status CheckEviction() const override {
+    MutexLock lock(mu_);
+    SPARSEKV_RETURN_IF_ERROR(eviction_.Check());
+    for (const auto& [k, id] : index_) {
+      if (!entries_[id].indexed) return Status::Internal("host tier: an indexed entry is marked unindexed");
+    }
+    return Status::OK();
+  }
 
   Result<BundlePtr> GetPinned(const BundleKey& key, bool check) override {
     return GetOne(key, /*in_place=*/true, check);
@@ -237,8 +270,7 @@ class HostTierImpl final : public HostTier {
     uint64_t checksum = 0;
     uint64_t sequence = 0;
     uint32_t readers = 0;  // gets holding the record, and the put writing it
-    bool indexed = false;  // named by index_ (and in lru_)
-    std::list<EntryId>::iterator lru;
+    bool indexed = false;  // named by index_ (and known to eviction_)
   };
   using Index = std::unordered_map<BundleKey, EntryId, BundleKeyHasher>;
 
@@ -261,28 +293,28 @@ class HostTierImpl final : public HostTier {
     spare_ids_.push_back(id);
   }
 
-  // Takes a published entry out of the index; frees it now unless somebody reads it.
-  void ForgetLocked(Index::iterator it) SPARSEKV_REQUIRES(mu_) {
+  // Takes a published entry out of the index; frees it now unless somebody reads it. The
+  // eviction order forgets it, unless it was `evicted` (then it was told so).
+  void ForgetLocked(Index::iterator it, bool evicted = false) SPARSEKV_REQUIRES(mu_) {
     const EntryId id = it->second;
     Entry& e = entries_[id];
     stats_.bytes -= e.record_bytes;
-    lru_.erase(e.lru);
+    if (!evicted) eviction_.Erase(id);
     e.indexed = false;
     index_.erase(it);
     if (e.readers == 0) ReleaseEntryLocked(id);
   }
 
-  // An extent of `units`, evicting least recently used entries nobody reads until one fits.
-  // Evicted records are copied out into `evicted` (checked like any read) when a listener wants
-  // them, before their bytes can be reused.
+  // An extent of `units`, evicting the policy's victims nobody reads until one fits. Evicted
+  // records are copied out into `evicted` (checked like any read) when a listener wants them,
+  // before their bytes can be reused.
   std::optional<uint64_t> AllocateLocked(uint64_t units, std::vector<BundlePtr>* evicted)
       SPARSEKV_REQUIRES(mu_) {
-    auto victim = lru_.begin();
     for (;;) {
       if (auto at = free_.Allocate(units)) return at;
-      while (victim != lru_.end() && entries_[*victim].readers > 0) ++victim;
-      if (victim == lru_.end()) return std::nullopt;
-      const EntryId id = *victim++;
+      const EntryId id = eviction_.Victim(
+          [&](uint32_t v) SPARSEKV_NO_THREAD_SAFETY_ANALYSIS { return entries_[v].readers > 0; });
+      if (id == offload::TierEviction::kNone) return std::nullopt;
       Entry& e = entries_[id];
       if (evicted != nullptr) {
         Result<BundlePtr> b = Bundle::ParseRecord({DataOf(e), e.record_bytes}, e.key);
@@ -294,7 +326,8 @@ class HostTierImpl final : public HostTier {
         }
       }
       ++stats_.evictions;
-      ForgetLocked(index_.find(e.key));
+      eviction_.Evicted(id);
+      ForgetLocked(index_.find(e.key), /*evicted=*/true);
     }
   }
 
@@ -349,7 +382,7 @@ class HostTierImpl final : public HostTier {
         if (held.sequence == b->sequence() && held.checksum == b->checksum() &&
             held.record_bytes == b->record_bytes()) {
           // The same bundle again (a repeated demote): only its recency changes.
-          lru_.splice(lru_.end(), lru_, held.lru);
+          eviction_.Refresh(same->second);
           return Status::OK();
         }
       }
@@ -394,7 +427,7 @@ class HostTierImpl final : public HostTier {
       ForgetLocked(it);
     }
     e.indexed = true;
-    e.lru = lru_.insert(lru_.end(), id);
+    eviction_.Insert(id, e.key, e.record_bytes);
     index_.emplace(e.key, id);
     stats_.bytes += e.record_bytes;
     stats_.bytes_written += e.record_bytes;
@@ -410,6 +443,14 @@ class HostTierImpl final : public HostTier {
     {
       MutexLock lock(mu_);
       auto it = index_.find(key);
+      // A key evicted but not yet handed to the listener is in no index yet (for a chain: not
+      // yet registered as moving down, where a read that misses here finds it): wait until it
+      // is, so that a read racing the move cannot miss a bundle the chain holds. Brief: the
+      // listener registers the move and returns.
+      while (it == index_.end() && handing_over_.count(key) != 0) {
+        handed_over_.wait(mu_, [&]() SPARSEKV_NO_THREAD_SAFETY_ANALYSIS { return handing_over_.count(key) == 0; });
+        it = index_.find(key);
+      }
       if (it == index_.end()) {
         ++stats_.misses;
         return Status::NotFound("host tier: no bundle " + key.ToString());
@@ -417,7 +458,7 @@ class HostTierImpl final : public HostTier {
       id = it->second;
       Entry& e = entries_[id];
       ++e.readers;
-      lru_.splice(lru_.end(), lru_, e.lru);
+      eviction_.Touch(id);
       data = DataOf(e);
       bytes = e.record_bytes;
     }
@@ -453,7 +494,12 @@ class HostTierImpl final : public HostTier {
 
   void ReleaseReaderLocked(EntryId id) SPARSEKV_REQUIRES(mu_) {
     Entry& e = entries_[id];
-    if (--e.readers == 0 && !e.indexed) ReleaseEntryLocked(id);  // orphaned meanwhile
+    if (--e.readers > 0) return;
+    if (!e.indexed) {
+      ReleaseEntryLocked(id);  // orphaned meanwhile
+    } else {
+      eviction_.Unbusy(id);
+    }
   }
 
   void ReleaseReader(EntryId id) SPARSEKV_EXCLUDES(mu_) {
@@ -469,7 +515,7 @@ class HostTierImpl final : public HostTier {
   std::vector<Entry> entries_ SPARSEKV_GUARDED_BY(mu_);
   std::vector<EntryId> spare_ids_ SPARSEKV_GUARDED_BY(mu_);
   Index index_ SPARSEKV_GUARDED_BY(mu_);
-  std::list<EntryId> lru_ SPARSEKV_GUARDED_BY(mu_);  // indexed entries, least recent first
+  offload::TierEviction eviction_ SPARSEKV_GUARDED_BY(mu_);  // the indexed entries' eviction order
   EvictionListener listener_ SPARSEKV_GUARDED_BY(mu_);
   // Keys evicted for the listener and not yet handed to it, and the signal that they were.
   std::unordered_map<BundleKey, uint32_t, BundleKeyHasher> handing_over_ SPARSEKV_GUARDED_BY(mu_);

@@ -144,6 +144,18 @@ class Section {
     return Status::OK();
   }
 
+  // A number from 0 to 1.
+  Status Fraction(const char* key, double* out) const {
+    if (!j_.contains(key)) return Status::OK();
+    const json& v = j_.at(key);
+    if (!v.is_number() || !(v.get<double>() >= 0 && v.get<double>() <= 1)) {
+      return Status::InvalidArgument(
+          fmt::format("{}.{}: expected a number from 0 to 1, got {}", path_, key, Shown(v)));
+    }
+    *out = v.get<double>();
+    return Status::OK();
+  }
+
   Status StringList(const char* key, std::vector<std::string>* out) const {
     if (!j_.contains(key)) return Status::OK();
     const json& v = j_.at(key);
@@ -169,7 +181,9 @@ class Section {
 Status ParseHost(const Section& s, OffloadOptions& o) {
   SPARSEKV_RETURN_IF_ERROR(s.IsObject());
   SPARSEKV_RETURN_IF_ERROR(s.OnlyKeys(
-      {"enabled", "capacity_bytes", "max_record_bytes", "slot_bytes", "huge_pages"}));
+      {"enabled", "capacity_bytes", "max_record_bytes", "slot_bytes", "huge_pages", "eviction", "hint_bound"}));
+  SPARSEKV_RETURN_IF_ERROR(s.Enum("eviction", &ParseEvictionPolicy, &o.host.eviction));
+  SPARSEKV_RETURN_IF_ERROR(s.Fraction("hint_bound", &o.host.hint_bound));
   SPARSEKV_RETURN_IF_ERROR(s.Bool("enabled", &o.host_enabled));
   SPARSEKV_RETURN_IF_ERROR(s.Bytes("capacity_bytes", 1, &o.host.capacity_bytes));
   // "slot_bytes" is the name this limit had when every record took a slot of that size.
@@ -183,8 +197,10 @@ Status ParseSsd(const Section& s, OffloadOptions& o) {
   SPARSEKV_RETURN_IF_ERROR(
       s.OnlyKeys({"enabled", "path", "capacity_bytes", "queue_depth", "io_threads", "io_bytes",
                   "max_record_bytes", "slab_grow_bytes", "durability", "register_buffers",
-                  "read_arena_bytes"}));
+                  "read_arena_bytes", "eviction", "hint_bound"}));
   SsdTierOptions& t = o.ssd;
+  SPARSEKV_RETURN_IF_ERROR(s.Enum("eviction", &ParseEvictionPolicy, &t.eviction));
+  SPARSEKV_RETURN_IF_ERROR(s.Fraction("hint_bound", &t.hint_bound));
   SPARSEKV_RETURN_IF_ERROR(s.Bool("enabled", &o.ssd_enabled));
   SPARSEKV_RETURN_IF_ERROR(s.String("path", &t.path));
   SPARSEKV_RETURN_IF_ERROR(s.Bytes("capacity_bytes", kDirectIoAlignment, &t.capacity_bytes));
@@ -286,7 +302,9 @@ std::string OffloadOptionsToJson(const OffloadOptions& o) {
   j["host"] = {{"enabled", o.host_enabled},
                {"capacity_bytes", o.host.capacity_bytes},
                {"max_record_bytes", o.host.max_record_bytes},
-               {"huge_pages", o.host.huge_pages}};
+               {"huge_pages", o.host.huge_pages},
+               {"eviction", std::string(EvictionPolicyName(o.host.eviction))},
+               {"hint_bound", o.host.hint_bound}};
   j["ssd"] = {{"enabled", o.ssd_enabled},
               {"path", o.ssd.path},
               {"capacity_bytes", o.ssd.capacity_bytes},
@@ -297,7 +315,9 @@ std::string OffloadOptionsToJson(const OffloadOptions& o) {
               {"slab_grow_bytes", o.ssd.slab_grow_bytes},
               {"durability", std::string(DurabilityName(o.ssd.durability))},
               {"register_buffers", o.ssd.register_buffers},
-              {"read_arena_bytes", o.ssd.read_arena_bytes}};
+              {"read_arena_bytes", o.ssd.read_arena_bytes},
+              {"eviction", std::string(EvictionPolicyName(o.ssd.eviction))},
+              {"hint_bound", o.ssd.hint_bound}};
   j["rocksdb"] = {{"enabled", o.rocksdb_enabled},
                   {"path", o.rocksdb.path},
                   {"capacity_bytes", o.rocksdb.capacity_bytes},

@@ -28,7 +28,6 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <list>
 #include <thread>
 #include <unordered_map>
 
@@ -37,6 +36,7 @@
 #include "key_codec.h"
 #include "record_arena.h"
 #include "sparsekv/thread_annotations.h"
+#include "tier_eviction.h"
 #include "uring_queue.h"
 #include "worker_pool.h"
 
@@ -70,7 +70,7 @@ struct IndexValue {
   uint64_t record_bytes = 0;
   uint64_t checksum = 0;
   uint64_t sequence = 0;  // the bundle's version (bundle.h)
-  uint64_t written = 0;   // put order, to rebuild the LRU at open
+  uint64_t written = 0;   // put order, to rebuild an eviction order at open
   std::vector<uint32_t> segment_bytes;
 };
 
@@ -124,7 +124,11 @@ std::vector<uint32_t> SegmentsOf(const Bundle& b) {
 
 class SsdTierImpl final : public SsdTier {
  public:
-  SsdTierImpl(SsdTierOptions options, FileSystem* fs) : options_(std::move(options)), fs_(fs) {
+  SsdTierImpl(SsdTierOptions options, FileSystem* fs)
+      : options_(std::move(options)),
+        fs_(fs),
+        eviction_(options_.eviction, static_cast<uint64_t>(std::clamp(options_.hint_bound, 0.0, 1.0) *
+                                                           static_cast<double>(options_.capacity_bytes))) {
     write_options_.sync = options_.durability != Durability::kNone;
   }
 
@@ -158,7 +162,32 @@ class SsdTierImpl final : public SsdTier {
     s.name = options_.name;
     s.capacity_bytes = capacity_bytes();
     s.items = entries_.size();
+    s.protected_items = eviction_.protected_items();
+    s.protected_bytes = eviction_.protected_bytes();
+    s.hinted_keys = eviction_.hinted_keys();
+    s.hint_cut = eviction_.hint_cut();
     return s;
+  }
+
+  void Hint(std::span<const BundleKey> keys, bool on) override {
+    MutexLock lock(mu_);
+    for (const BundleKey& k : keys) {
+      auto e = entries_.find(k);
+      eviction_.Hint(k, e == entries_.end() ? offload::TierEviction::kNone : e->second.id, on);
+    }
+  }
+
+  Status CheckEviction() const override {
+    MutexLock lock(mu_);
+    SPARSEKV_RETURN_IF_ERROR(eviction_.Check());
+    for (const auto& [k, e] : entries_) {
+      if (e.id >= id_keys_.size() || !(id_keys_[e.id] == k))
+        return Status::Internal(fmt::format("ssd tier: entry {} has id {} of another key", k.ToString(), e.id));
+      auto p = parked_at_.find(e.at);
+      if (eviction_.Parked(e.id) != (p != parked_at_.end() && p->second == e.id))
+        return Status::Internal(fmt::format("ssd tier: entry {} parked in one place only", k.ToString()));
+    }
+    return Status::OK();
   }
 
   SsdTierDetails Details() const override {
@@ -253,7 +282,7 @@ class SsdTierImpl final : public SsdTier {
     uint64_t record_bytes = 0;
     uint64_t checksum = 0;
     uint64_t sequence = 0;
-    std::list<BundleKey>::iterator lru;
+    uint32_t id = 0;  // its id in the eviction order (id_keys_[id] is its key)
   };
   // Where a read found a bundle; a corrupt one is removed only if it is still there.
   struct Location {
@@ -296,12 +325,15 @@ class SsdTierImpl final : public SsdTier {
                        const std::vector<uint64_t>* below, bool eviction)
       SPARSEKV_EXCLUDES(mu_, index_mu_);
 
-  // An extent of `units`: free space, else the file grown, else least recently used bundles
+  // An extent of `units`: free space, else the file grown, else the eviction order's victims
   // nobody reads evicted (their keys appended to `victims`) until a free extent holds it.
   Result<uint64_t> TakeExtentLocked(uint64_t units, std::vector<BundleKey>* victims,
                                     std::vector<Location>* victim_at) SPARSEKV_REQUIRES(mu_);
-  void RemoveEntryLocked(std::unordered_map<BundleKey, Entry, BundleKeyHasher>::iterator it)
-      SPARSEKV_REQUIRES(mu_);
+  // Takes an entry out of memory (not its extent); `evicted` tells the eviction order so.
+  void RemoveEntryLocked(std::unordered_map<BundleKey, Entry, BundleKeyHasher>::iterator it,
+                         bool evicted = false) SPARSEKV_REQUIRES(mu_);
+  // A new entry of `key` in memory, joining the eviction order as the most recent.
+  void AddEntryLocked(const BundleKey& key, Entry e) SPARSEKV_REQUIRES(mu_);
   void FreeExtentLocked(uint64_t at, uint64_t units) SPARSEKV_REQUIRES(mu_);
   void UnpinLocked(uint64_t at) SPARSEKV_REQUIRES(mu_);
   Status LoadIndex() SPARSEKV_EXCLUDES(mu_);
@@ -326,7 +358,11 @@ class SsdTierImpl final : public SsdTier {
   Mutex index_mu_;
   mutable Mutex mu_;
   std::unordered_map<BundleKey, Entry, BundleKeyHasher> entries_ SPARSEKV_GUARDED_BY(mu_);
-  std::list<BundleKey> lru_ SPARSEKV_GUARDED_BY(mu_);  // front: least recent
+  offload::TierEviction eviction_ SPARSEKV_GUARDED_BY(mu_);  // the entries' eviction order
+  std::vector<BundleKey> id_keys_ SPARSEKV_GUARDED_BY(mu_);     // per eviction id: its key
+  std::vector<uint32_t> spare_ids_ SPARSEKV_GUARDED_BY(mu_);
+  // Entries named as victims while read (pinned), out of the order until unpinned: extent -> id.
+  std::unordered_map<uint64_t, uint32_t> parked_at_ SPARSEKV_GUARDED_BY(mu_);
   offload::ExtentAllocator free_ SPARSEKV_GUARDED_BY(mu_);
   uint64_t file_units_ SPARSEKV_GUARDED_BY(mu_) = 0;
   std::unordered_map<uint64_t, uint32_t> pins_ SPARSEKV_GUARDED_BY(mu_);  // extent -> readers
@@ -369,6 +405,8 @@ Status SsdTierImpl::Init() {
   }
   if (o.slab_grow_bytes == 0)
     return Status::InvalidArgument("ssd tier: slab_grow_bytes must be positive");
+  if (!(o.hint_bound >= 0 && o.hint_bound <= 1))
+    return Status::InvalidArgument(fmt::format("ssd tier: hint_bound {} must be from 0 to 1", o.hint_bound));
   SPARSEKV_RETURN_IF_ERROR(fs_->CreateDirs(o.path));
 
   rocksdb::Options ro;
@@ -521,8 +559,7 @@ Status SsdTierImpl::LoadIndex() {
     e.record_bytes = l.v.record_bytes;
     e.checksum = l.v.checksum;
     e.sequence = l.v.sequence;
-    e.lru = lru_.insert(lru_.end(), l.key);
-    entries_.emplace(l.key, e);
+    AddEntryLocked(l.key, e);
     stats_.bytes += l.v.record_bytes;
     next_written_ = std::max(next_written_, l.v.written + 1);
     max_sequence_ = std::max(max_sequence_, l.v.sequence);
@@ -554,15 +591,21 @@ Result<uint64_t> SsdTierImpl::TakeExtentLocked(uint64_t units, std::vector<Bundl
     file_units_ += grow;
     if (auto at = free_.Allocate(units)) return *at;
   }
-  // Full: least recently used bundles nobody is reading give their space until one fits.
-  for (auto it = lru_.begin(); it != lru_.end();) {
-    auto e = entries_.find(*it++);
-    if (pins_.count(e->second.at)) continue;
+  // Full: the eviction order's victims nobody is reading give their space until one fits.
+  for (;;) {
+    const uint32_t id = eviction_.Victim([&](uint32_t v) SPARSEKV_NO_THREAD_SAFETY_ANALYSIS {
+      const uint64_t at = entries_.find(id_keys_[v])->second.at;
+      if (pins_.count(at) == 0) return false;
+      parked_at_[at] = v;  // back in the order when unpinned
+      return true;
+    });
+    if (id == offload::TierEviction::kNone) break;
+    auto e = entries_.find(id_keys_[id]);
     const Location l{e->second.at, UnitsOf(e->second.record_bytes), e->second.checksum};
     victims->push_back(e->first);
     victim_at->push_back(l);
     ++stats_.evictions;
-    RemoveEntryLocked(e);
+    RemoveEntryLocked(e, /*evicted=*/true);
     free_.Free(l.at, l.units);
     if (auto at = free_.Allocate(units)) return *at;
   }
@@ -575,10 +618,30 @@ Result<uint64_t> SsdTierImpl::TakeExtentLocked(uint64_t units, std::vector<Bundl
 }
 
 void SsdTierImpl::RemoveEntryLocked(
-    std::unordered_map<BundleKey, Entry, BundleKeyHasher>::iterator it) {
-  lru_.erase(it->second.lru);
+    std::unordered_map<BundleKey, Entry, BundleKeyHasher>::iterator it, bool evicted) {
+  const uint32_t id = it->second.id;
+  if (eviction_.Parked(id)) parked_at_.erase(it->second.at);
+  if (evicted) {
+    eviction_.Evicted(id);
+  } else {
+    eviction_.Erase(id);
+  }
+  spare_ids_.push_back(id);
   stats_.bytes -= it->second.record_bytes;
   entries_.erase(it);
+}
+
+void SsdTierImpl::AddEntryLocked(const BundleKey& key, Entry e) {
+  if (!spare_ids_.empty()) {
+    e.id = spare_ids_.back();
+    spare_ids_.pop_back();
+    id_keys_[e.id] = key;
+  } else {
+    e.id = static_cast<uint32_t>(id_keys_.size());
+    id_keys_.push_back(key);
+  }
+  eviction_.Insert(e.id, key, e.record_bytes);
+  entries_.emplace(key, e);
 }
 
 void SsdTierImpl::FreeExtentLocked(uint64_t at, uint64_t units) {
@@ -593,6 +656,11 @@ void SsdTierImpl::UnpinLocked(uint64_t at) {
   auto it = pins_.find(at);
   if (--it->second > 0) return;
   pins_.erase(it);
+  auto p = parked_at_.find(at);
+  if (p != parked_at_.end()) {
+    eviction_.Unbusy(p->second);
+    parked_at_.erase(p);
+  }
   auto f = free_when_unpinned_.find(at);
   if (f != free_when_unpinned_.end()) {
     free_.Free(at, f->second);
@@ -678,7 +746,7 @@ void SsdTierImpl::WriteData(UringQueue& q, std::vector<BundlePtr> bundles, Statu
           }
           if (e->second.sequence == b->sequence() && e->second.checksum == b->checksum() &&
               e->second.record_bytes == b->record_bytes()) {
-            lru_.splice(lru_.end(), lru_, e->second.lru);  // the same bundle: only its recency
+            eviction_.Refresh(e->second.id);  // the same bundle: only its recency
             continue;
           }
         }
@@ -881,8 +949,7 @@ void SsdTierImpl::Commit(std::vector<PendingPut>& group) {
           e.record_bytes = b.record_bytes();
           e.checksum = b.checksum();
           e.sequence = b.sequence();
-          e.lru = lru_.insert(lru_.end(), b.key());
-          entries_.emplace(b.key(), e);
+          AddEntryLocked(b.key(), e);
           max_sequence_ = std::max(max_sequence_, b.sequence());
           stats_.bytes += b.record_bytes();
           stats_.bytes_written += it.units * kUnit;
@@ -926,7 +993,7 @@ std::vector<Status> SsdTierImpl::DoReadSectors(UringQueue& q, std::span<const Se
       if (pinned.insert(e->second.at).second) {
         ++pins_[e->second.at];
         ++stats_.hits;
-        lru_.splice(lru_.end(), lru_, e->second.lru);  // read: recently used
+        eviction_.Touch(e->second.id);  // read: recently used
       }
       at[i] = e->second.at * kUnit + r.sector + 1;  // + 1: offset 0 is a real place
     }
@@ -990,7 +1057,7 @@ std::vector<Result<BundlePtr>> SsdTierImpl::DoGet(UringQueue& q,
         continue;
       }
       Item& it = items[i];
-      lru_.splice(lru_.end(), lru_, e->second.lru);
+      eviction_.Touch(e->second.id);
       it.found = true;
       it.record_bytes = e->second.record_bytes;
       it.aligned = UnitsOf(it.record_bytes) * kUnit;

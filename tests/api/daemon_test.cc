@@ -663,6 +663,9 @@ class DaemonArenaTest : public DaemonTest {
     // 100 units of 4 KiB: three of the ~100 KB values below, or four of exactly 100,000 bytes
     // (25 units each) fill it; a lend may pin a quarter, 102,400 bytes: one such value.
     so.offload.host.capacity_bytes = 100 * 4096;
+    // Recency alone, so that "ages out" below means the next puts: under ARC a value read once
+    // outlives any number of values put once (tier_eviction_test.cc has that).
+    so.offload.host.eviction = EvictionPolicyKind::kLru;
     opts.namespaces = {{"alpha", "alpha-token"}};
   }
 };

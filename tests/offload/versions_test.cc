@@ -105,6 +105,9 @@ class VersionsTest : public ::testing::Test {
     HostTierOptions h;
     h.capacity_bytes = host_records * 5 * 4096;
     h.huge_pages = false;
+    // PushDown relies on recency alone: fillers push every older key out. (ARC would keep a
+    // key read twice over one-off fillers; these tests are about versions, not eviction.)
+    h.eviction = EvictionPolicyKind::kLru;
     std::vector<std::unique_ptr<Tier>> tiers;
     tiers.push_back(HostTier::Open(h).value());
     auto ssd = SsdTier::Open(SsdOptions(), fs);
@@ -485,6 +488,7 @@ TEST_F(VersionsTest, OlderCopiesLeftByFailuresAreSkippedThenRepairedWhenTheTierA
   HostTierOptions h;
   h.capacity_bytes = 4 * 5 * 4096;
   h.huge_pages = false;
+  h.eviction = EvictionPolicyKind::kLru;  // the fillers below push by recency alone
   std::vector<std::unique_ptr<Tier>> tiers;
   tiers.push_back(HostTier::Open(h).value());
   auto ssd = SsdTier::Open(SsdOptions());

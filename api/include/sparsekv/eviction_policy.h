@@ -1,5 +1,5 @@
 // EvictionPolicy: which evictable entry goes first, behind one interface (the page pools under
-// CacheManager use it; the offload tiers still keep their own LRU).
+// CacheManager and the host and SSD offload tiers use it).
 //
 // An owner names its entries by dense ids in [0, capacity) (page ids, entry slots) and tells the
 // policy when an entry becomes evictable (Add), when it is taken back into use (Remove), when it
@@ -116,6 +116,16 @@ class EvictionPolicy {
   bool Evictable(uint32_t id) const { return e_[id].where != kOut; }
   bool Protected(uint32_t id) const { return (e_[id].flags & kProtected) != 0; }
   bool HasDependents(uint32_t id) const { return e_[id].kids != 0; }
+
+  // Calls fn(id) for every evictable entry, roughly in the order the policy would evict them
+  // (each of its lists oldest first, the protected list last). For listings, not for victims.
+  template <class Fn>
+  void ForEachEvictable(Fn&& fn) const {
+    for (uint8_t l = kFirstPolicyList; l <= kMaxLists; ++l) {
+      const uint8_t list = l == kMaxLists ? kProtectedList : l;
+      for (uint32_t id = lists_[list].head; id != kNone; id = e_[id].next) fn(id);
+    }
+  }
 
   // Evictable entries, and how many of them are protected.
   uint64_t size() const { return size_; }

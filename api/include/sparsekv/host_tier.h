@@ -3,8 +3,8 @@
 // Each bundle's record takes a contiguous extent of 4 KiB units of the arena (its size rounded
 // up to 4 KiB, so a record in place can be handed out as a bundle with its padding, GetPinned),
 // so a 64 KiB value takes 64 KiB whatever the largest bundle is: any mix of sizes fills the
-// arena before the first eviction. A put that does not fit evicts least recently used bundles
-// (never one being read) until a free extent holds it; with an eviction listener set, evicted
+// arena before the first eviction. A put that does not fit evicts the eviction policy's victims
+// (never one being read; hinted ones last) until a free extent holds it; with an eviction listener set, evicted
 // bundles are copied out first and handed over (write-back to the next tier). A put never
 // replaces a copy with a larger sequence (tier.h). Every operation completes on the caller's
 // thread before the call returns.
@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "sparsekv/eviction_policy.h"
 #include "sparsekv/page_pool.h"
 #include "sparsekv/tier.h"
 
@@ -35,6 +36,12 @@ struct HostTierOptions {
   ArenaBacking backing = ArenaBacking::kAnonymous;
   // Ask for transparent huge pages. Default: true.
   bool huge_pages = true;
+  // Which bundle a put that does not fit evicts first (eviction_policy.h). Default: the
+  // library's default policy (kDefaultEvictionPolicy).
+  EvictionPolicyKind eviction = kDefaultEvictionPolicy;
+  // At most this share of the capacity, in record bytes, is protected by hints (Tier::Hint).
+  // From 0 to 1. Default: 0.5.
+  double hint_bound = 0.5;
 };
 
 class HostTier : public Tier {
@@ -74,8 +81,10 @@ class HostTier : public Tier {
   };
   virtual Arena arena() const = 0;
 
-  // The keys of the bundles held now, least recently used first.
+  // The keys of the bundles held now, roughly in the order they would be evicted.
   virtual std::vector<BundleKey> Keys() const = 0;
+  // The eviction order's own check (the policy's lists, the protected bytes): for tests.
+  virtual Status CheckEviction() const = 0;
 
   // Test hook: flips one bit of the stored record of `key` at `offset`.
   virtual Status CorruptForTesting(const BundleKey& key, uint64_t offset) = 0;

@@ -3,11 +3,12 @@
 //
 // JSON shape (every key optional; sizes are integers of bytes or strings such as "64GiB"):
 //   {"write_policy": "write-back", "promote_into_first_tier": true, "prefetch_blocks": 4,
-//    "host":    {"enabled": true, "capacity_bytes": "4GiB", "max_record_bytes": 0, "huge_pages": true},
+//    "host":    {"enabled": true, "capacity_bytes": "4GiB", "max_record_bytes": 0, "huge_pages": true,
+//                "eviction": "arc", "hint_bound": 0.5},
 //    "ssd":     {"enabled": false, "path": "ssd", "capacity_bytes": "64GiB", "queue_depth": 16,
 //                "io_threads": 1, "io_bytes": "1MiB", "max_record_bytes": "64MiB",
 //                "slab_grow_bytes": "256MiB", "durability": "fdatasync", "register_buffers": true,
-//                "read_arena_bytes": "256MiB"},
+//                "read_arena_bytes": "256MiB", "eviction": "arc", "hint_bound": 0.5},
 //    "rocksdb": {"enabled": false, "path": "rocksdb", "capacity_bytes": "64GiB",
 //                "min_blob_size": 4096, "blob_file_size": "256MiB", "max_record_bytes": "64MiB",
 //                "durability": "fdatasync", "use_direct_io": false, "worker_threads": 4},

@@ -6,8 +6,8 @@
 // so any mix of record sizes fills the tier to its capacity before the first eviction (a tier
 // that kept one slab file per size class refused puts as "full" with most of its space
 // preallocated to classes nobody used). The file grows in preallocated steps (fallocate,
-// `slab_grow_bytes`) up to `capacity_bytes`; past that, a put evicts least recently used
-// bundles (never one being read) until a free extent holds it, best fit, freed neighbours
+// `slab_grow_bytes`) up to `capacity_bytes`; past that, a put evicts the eviction policy's
+// victims (never one being read; hinted ones last) until a free extent holds it, best fit, freed neighbours
 // coalescing. A put never replaces a copy with a larger sequence (tier.h).
 //
 // I/O. Each I/O thread owns one io_uring; a batch's records are cut into I/Os of at most
@@ -41,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "sparsekv/eviction_policy.h"
 #include "sparsekv/file_system.h"
 #include "sparsekv/tier.h"
 
@@ -71,6 +72,12 @@ struct SsdTierOptions {
   // Register the read arena with the rings (pinned memory; falls back to plain I/O, with a
   // warning, when the kernel refuses, e.g. for RLIMIT_MEMLOCK). Default: true.
   bool register_buffers = true;
+  // Which bundle a full tier evicts first (eviction_policy.h); after a restart every recovered
+  // bundle starts as new, oldest written first. Default: kDefaultEvictionPolicy.
+  EvictionPolicyKind eviction = kDefaultEvictionPolicy;
+  // At most this share of the capacity, in record bytes, is protected by hints (Tier::Hint).
+  // From 0 to 1. Default: 0.5.
+  double hint_bound = 0.5;
 };
 
 // Where a bundle's record lies (for tools and tests).
@@ -130,6 +137,9 @@ class SsdTier : public Tier {
                                           std::vector<SectorRecord>* records = nullptr) = 0;
   // Every key held, in no particular order.
   virtual std::vector<BundleKey> Keys() const = 0;
+  // The eviction order's own check (the policy's lists, the protected bytes, the parked
+  // entries): for tests.
+  virtual Status CheckEviction() const = 0;
   virtual SsdTierDetails Details() const = 0;
 };
 

@@ -63,6 +63,12 @@ struct TierStats {
   uint64_t io_errors = 0;     // operations the device failed
   uint64_t bytes_written = 0;
   uint64_t bytes_read = 0;
+  // Hints (Tier::Hint), in a tier that evicts by policy: bundles protected now and their record
+  // bytes, keys hinted (held or not), and hinted bundles left unprotected by the hint bound.
+  uint64_t protected_items = 0;
+  uint64_t protected_bytes = 0;
+  uint64_t hinted_keys = 0;
+  uint64_t hint_cut = 0;
 };
 
 // A figure of a tier's own beyond TierStats (the remote tier's state), for /metrics.
@@ -117,6 +123,12 @@ class Tier {
   virtual std::optional<std::vector<BundleKey>> ListKeys() const { return std::nullopt; }
   // Figures beyond TierStats, for /metrics.
   virtual std::vector<TierMetric> Metrics() const { return {}; }
+
+  // A scheduler will read `keys` soon (on) or no longer says so (off); each Hint(keys, true)
+  // is undone by one Hint(keys, false). A tier that evicts by policy (host, SSD) protects a
+  // hinted key's bundle, held now or stored while hinted: it is evicted only when nothing else
+  // can be, and at most the tier's hint bound of bytes is protected. Others ignore hints.
+  virtual void Hint(std::span<const BundleKey> keys, bool on) {}
 
   // Tiers that keep evicted bundles' bytes at hand (the host tier) pass them to `listener`,
   // on the thread that caused the eviction, outside the tier's locks. Others return
