@@ -1684,6 +1684,24 @@ Result<std::vector<Status>> Client::Delete(std::span<const WireBlockHash> hashes
   return Impl::ParseStatusList(impl_->Call(w::Opcode::kDelete, w::Encode(req)), hashes.size());
 }
 
+Result<Client::HintResult> Client::Hint(std::span<const WireBlockHash> hashes, std::chrono::milliseconds ttl) {
+  if (ttl.count() < 1 || ttl.count() > UINT32_MAX) {
+    return Status::InvalidArgument(fmt::format("hint time to live {} ms: must be from 1 ms to 2^32 - 1 ms", ttl.count()));
+  }
+  w::HintRequest req{static_cast<uint32_t>(ttl.count()), {hashes.begin(), hashes.end()}};
+  auto f = impl_->Call(w::Opcode::kHint, w::Encode(req));
+  if (!f.ok()) return f.status();
+  SPARSEKV_ASSIGN_OR_RETURN(w::HintReply r, w::DecodeHintReply(f->payload));
+  if (r.found > hashes.size()) return Status::Corruption("HINT reply counts more blocks found than were hinted");
+  return HintResult{r.hint, r.found, r.in_memory, r.prefetching};
+}
+
+Status Client::DropHint(uint64_t hint) {
+  SPARSEKV_ASSIGN_OR_RETURN(std::vector<Status> st,
+                            Impl::ParseStatusList(impl_->Call(w::Opcode::kHintDrop, w::EncodeHintDrop(hint)), 1));
+  return st[0];
+}
+
 Result<std::string> Client::Stats() {
   auto f = impl_->Call(w::Opcode::kStats, std::span<const std::byte>{});
   if (!f.ok()) return f.status();

@@ -114,6 +114,8 @@ std::string_view OpcodeName(Opcode op) {
     case Opcode::kShmViewEnd: return "SHM_VIEW_END";
     case Opcode::kShmGetOverlap: return "SHM_GET_OVERLAP";
     case Opcode::kShmVerdicts: return "SHM_VERDICTS";
+    case Opcode::kHint: return "HINT";
+    case Opcode::kHintDrop: return "HINT_DROP";
   }
   return "UNKNOWN";
 }
@@ -381,6 +383,58 @@ Result<PinRequest> DecodePinRequest(std::span<const std::byte> p) {
   SPARSEKV_ASSIGN_OR_RETURN(m.hashes, ReadHashes(r, "PIN hash count"));
   SPARSEKV_RETURN_IF_ERROR(r.Finish("PIN"));
   return m;
+}
+
+std::vector<std::byte> Encode(const HintRequest& m) {
+  PayloadWriter w;
+  w.U32(m.ttl_ms);
+  WriteHashes(w, m.hashes);
+  return w.Take();
+}
+
+Result<HintRequest> DecodeHintRequest(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  HintRequest m;
+  SPARSEKV_ASSIGN_OR_RETURN(m.ttl_ms, r.U32("HINT time to live"));
+  SPARSEKV_ASSIGN_OR_RETURN(m.hashes, ReadHashes(r, "HINT hash count"));
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("HINT"));
+  if (m.ttl_ms == 0) return Bad("HINT time to live is 0 ms: a hint must live at least 1 ms");
+  return m;
+}
+
+std::vector<std::byte> Encode(const HintReply& m) {
+  PayloadWriter w;
+  w.U64(m.hint);
+  w.U32(m.found);
+  w.U32(m.in_memory);
+  w.U32(m.prefetching);
+  return w.Take();
+}
+
+Result<HintReply> DecodeHintReply(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  HintReply m;
+  SPARSEKV_ASSIGN_OR_RETURN(m.hint, r.U64("HINT id"));
+  SPARSEKV_ASSIGN_OR_RETURN(m.found, r.U32("HINT found"));
+  SPARSEKV_ASSIGN_OR_RETURN(m.in_memory, r.U32("HINT in memory"));
+  SPARSEKV_ASSIGN_OR_RETURN(m.prefetching, r.U32("HINT prefetching"));
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("HINT reply"));
+  if (m.in_memory > m.found || m.prefetching > m.found - m.in_memory)
+    return Bad("HINT reply counts more blocks in memory or prefetching than found");
+  return m;
+}
+
+std::vector<std::byte> EncodeHintDrop(uint64_t hint) {
+  PayloadWriter w;
+  w.U64(hint);
+  return w.Take();
+}
+
+Result<uint64_t> DecodeHintDrop(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  SPARSEKV_ASSIGN_OR_RETURN(uint64_t hint, r.U64("HINT_DROP id"));
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("HINT_DROP"));
+  return hint;
 }
 
 std::vector<std::byte> Encode(const PutRequest& m) {

@@ -50,8 +50,10 @@ enum class Opcode : uint16_t {
   kShmViewEnd = 18, // ends a SHM_VIEW lease: its pages are unpinned
   kShmGetOverlap = 19,  // SHM_GET whose lent bundles are checked while the client copies them
   kShmVerdicts = 20,    // server -> client: the checks of a SHM_GET_OVERLAP, after its reply
+  kHint = 21,           // blocks a scheduler will read soon: protected from eviction a while
+  kHintDrop = 22,       // ends a HINT before its time to live
 };
-inline constexpr uint16_t kMaxOpcode = 20;
+inline constexpr uint16_t kMaxOpcode = 22;
 std::string_view OpcodeName(Opcode op);
 
 // Header flags.
@@ -178,6 +180,17 @@ struct PinRequest {
   uint8_t priority = 0;  // higher outlives lower
 };
 
+struct HintRequest {
+  uint32_t ttl_ms = 0;  // how long the hint lives, from 1 ms to the server's maximum
+  std::vector<WireHash> hashes;
+};
+struct HintReply {
+  uint64_t hint = 0;        // the hint's id, for HINT_DROP
+  uint32_t found = 0;       // hashes some tier holds now
+  uint32_t in_memory = 0;   // of those, held in the first tier (host memory)
+  uint32_t prefetching = 0; // held only below it, being brought up into it now
+};
+
 struct PutItem {
   WireHash hash{};
   std::span<const std::byte> bundle;  // a view into the frame's payload
@@ -281,6 +294,9 @@ std::vector<std::byte> Encode(const HelloReply& m);
 std::vector<std::byte> Encode(const HashList& m);
 std::vector<std::byte> Encode(const LookupReply& m);
 std::vector<std::byte> Encode(const PinRequest& m);
+std::vector<std::byte> Encode(const HintRequest& m);
+std::vector<std::byte> Encode(const HintReply& m);
+std::vector<std::byte> EncodeHintDrop(uint64_t hint);
 std::vector<std::byte> Encode(const PutRequest& m);
 // Encode(m) as pieces to send gathered: the list's framing goes into `framing` (which must
 // outlive the pieces), each bundle's bytes are named where they lie.
@@ -305,6 +321,9 @@ Result<HelloReply> DecodeHelloReply(std::span<const std::byte> p);
 Result<HashList> DecodeHashList(std::span<const std::byte> p);
 Result<LookupReply> DecodeLookupReply(std::span<const std::byte> p);
 Result<PinRequest> DecodePinRequest(std::span<const std::byte> p);
+Result<HintRequest> DecodeHintRequest(std::span<const std::byte> p);
+Result<HintReply> DecodeHintReply(std::span<const std::byte> p);
+Result<uint64_t> DecodeHintDrop(std::span<const std::byte> p);
 // Bundle views point into `p`, which must outlive the result.
 Result<PutRequest> DecodePutRequest(std::span<const std::byte> p, uint32_t max_bundle_bytes);
 Result<StatusListReply> DecodeStatusListReply(std::span<const std::byte> p);

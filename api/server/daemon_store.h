@@ -96,6 +96,21 @@ class DaemonStore {
   };
   virtual std::vector<TierInfo> Tiers() { return {}; }
 
+  // HINT: session `session` says the blocks `hashes` of `ns` will be read soon. Every tier that
+  // evicts by policy protects them (tier.h, Tier::Hint) and blocks held only below the first
+  // tier are brought up into it, until the time to live ends, DropHint, or EndSession.
+  // InvalidArgument for a time to live above the store's maximum; ResourceExhausted when the
+  // session would hint more blocks than its bound. The default answers NotSupported.
+  virtual Result<wire::HintReply> Hint(uint64_t session, uint32_t ns, std::span<const wire::WireHash> hashes,
+                                       uint32_t ttl_ms) {
+    return Status::NotSupported("this store takes no hints");
+  }
+  // Ends a hint of `session` early. NotFound when the session holds no such hint (never given,
+  // dropped, expired, or another session's).
+  virtual Status DropHint(uint64_t session, uint64_t hint) { return Status::NotFound("no such hint"); }
+  // The session is gone: its hints end.
+  virtual void EndSession(uint64_t session) {}
+
   // Events of namespace `ns` go to `sink` (from whichever thread made the change).
   using EventSink = std::function<void(const wire::EventRecord&)>;
   virtual uint64_t Subscribe(uint32_t ns, EventSink sink) = 0;

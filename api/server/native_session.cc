@@ -278,6 +278,9 @@ class Session : public std::enable_shared_from_this<Session> {
         created_(Clock::now()) {}
 
   ~Session() {
+    // Again here: a HINT a worker was still handling when the session closed lands before the
+    // last reference goes.
+    if (authed_) srv_.store_->EndSession(id_);
     if (staging_) {
       ::munmap(staging_, staging_bytes_);
       srv_.staging_total_.fetch_sub(staging_bytes_, std::memory_order_relaxed);
@@ -760,6 +763,8 @@ class Session : public std::enable_shared_from_this<Session> {
       case wire::Opcode::kDelete:
       case wire::Opcode::kShmRelease: return wire::DecodeHashList(p).status();
       case wire::Opcode::kPin: return wire::DecodePinRequest(p).status();
+      case wire::Opcode::kHint: return wire::DecodeHintRequest(p).status();
+      case wire::Opcode::kHintDrop: return wire::DecodeHintDrop(p).status();
       case wire::Opcode::kShmViewEnd: return wire::DecodeLease(p).status();
       case wire::Opcode::kStats:
       case wire::Opcode::kSubscribe:
@@ -1071,6 +1076,19 @@ class Session : public std::enable_shared_from_this<Session> {
       case wire::Opcode::kDelete: {
         SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
         return wire::Encode(wire::StatusListReply{store.Delete(ns_, req.hashes)});
+      }
+      case wire::Opcode::kHint: {
+        SPARSEKV_ASSIGN_OR_RETURN(wire::HintRequest req, wire::DecodeHintRequest(p));
+        SPARSEKV_ASSIGN_OR_RETURN(wire::HintReply r, store.Hint(id_, ns_, req.hashes, req.ttl_ms));
+        return wire::Encode(r);
+      }
+      case wire::Opcode::kHintDrop: {
+        SPARSEKV_ASSIGN_OR_RETURN(uint64_t hint, wire::DecodeHintDrop(p));
+        const Status st = store.DropHint(id_, hint);
+        wire::StatusListReply r;
+        r.items.resize(1);
+        if (!st.ok()) r.items[0] = {st.code(), std::string(st.message())};
+        return wire::Encode(r);
       }
       case wire::Opcode::kStats: {
         if (!p.empty()) return Status::InvalidArgument("STATS takes no payload");
@@ -1797,6 +1815,7 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     payload_.Reset();
     if (subscription_) srv_.store_->Unsubscribe(subscription_);
+    if (authed_) srv_.store_->EndSession(id_);  // its hints end with it
     boost::system::error_code ignored;
     socket_.close(ignored);
     srv_.OnSessionClosed(this);

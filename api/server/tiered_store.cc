@@ -109,6 +109,7 @@ uint8_t TieredStore::WireTier(int chain_index) const {
 }
 
 wire::LookupReply TieredStore::Lookup(uint32_t ns, std::span<const wire::WireHash> hashes) {
+  ExpireHints();
   std::vector<BundleKey> keys;
   keys.reserve(hashes.size());
   for (const auto& h : hashes) keys.push_back({ns, FromWire(h)});
@@ -147,6 +148,7 @@ bool TieredStore::TryPutWithoutBlocking(uint32_t ns, std::span<const wire::PutIt
 }
 
 void TieredStore::StartPut(uint32_t ns, std::span<const wire::PutItem> items, PutDone done) {
+  ExpireHints();  // before the put evicts
   struct Pending {
     std::vector<wire::ItemStatus> out;
     std::vector<BundlePtr> bundles;
@@ -240,6 +242,7 @@ void TieredStore::CountPuts(uint32_t ns, uint64_t ok, uint64_t failed, uint64_t 
 }
 
 void TieredStore::Get(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) {
+  ExpireHints();  // a read can evict too (onload into the host tier)
   std::vector<BundlePtr> from_pins(hashes.size());
   std::vector<BundleKey> keys;
   std::vector<size_t> index;
@@ -687,7 +690,26 @@ std::vector<wire::ItemStatus> TieredStore::Delete(uint32_t ns, std::span<const w
 }
 
 std::string TieredStore::StatsJson(uint32_t ns) {
+  ExpireHints();
   nlohmann::json j;
+  {
+    MutexLock l(hint_mu_);
+    uint64_t live = 0, blocks = 0;
+    for (const auto& [id, h] : hints_) {
+      if (h.ns != ns) continue;
+      ++live;
+      blocks += h.keys.size();
+    }
+    const HintCounters& c = hint_counters_[ns];
+    j["hints"] = {{"live", live},
+                  {"hinted_blocks", blocks},
+                  {"given", c.given},
+                  {"given_blocks", c.blocks},
+                  {"expired", c.expired},
+                  {"dropped", c.dropped},
+                  {"ended_with_session", c.ended_with_session},
+                  {"refused", c.refused}};
+  }
   {
     MutexLock l(mu_);
     const NamespaceCounters& c = counters_[ns];
@@ -721,6 +743,117 @@ std::string TieredStore::StatsJson(uint32_t ns) {
   }
   j["tiers"] = std::move(tiers);
   return j.dump();
+}
+
+Result<wire::HintReply> TieredStore::Hint(uint64_t session, uint32_t ns, std::span<const wire::WireHash> hashes,
+                                          uint32_t ttl_ms) {
+  ExpireHints();
+  if (ttl_ms == 0 || ttl_ms > options_.max_hint_ttl_ms) {
+    return Status::InvalidArgument(fmt::format("HINT time to live {} ms: must be from 1 to {} ms (max_hint_ttl_ms)",
+                                               ttl_ms, options_.max_hint_ttl_ms));
+  }
+  std::vector<BundleKey> keys;
+  keys.reserve(hashes.size());
+  for (const auto& h : hashes) keys.push_back({ns, FromWire(h)});
+  wire::HintReply reply;
+  {
+    MutexLock l(hint_mu_);
+    uint64_t& held = session_hinted_[session];
+    if (held + keys.size() > options_.max_hinted_blocks_per_session) {
+      ++hint_counters_[ns].refused;
+      const uint64_t now_held = held;
+      if (held == 0) session_hinted_.erase(session);
+      return Status::ResourceExhausted(fmt::format(
+          "HINT of {} blocks: the session hints {} already, and may hint at most {} at once "
+          "(max_hinted_blocks_per_session); drop a hint or let one expire",
+          keys.size(), now_held, options_.max_hinted_blocks_per_session));
+    }
+    held += keys.size();
+    hinted_blocks_ += keys.size();
+    const uint64_t id = next_hint_++;
+    const Clock::time_point expiry = Clock::now() + std::chrono::milliseconds(ttl_ms);
+    // Tiers first, then the record: a block stored from now on finds its key hinted.
+    for (size_t t = 0; t < chain_->tier_count(); ++t) chain_->tier(t).Hint(keys, true);
+    hints_.emplace(id, HintRecord{session, ns, keys, expiry});
+    hint_expiry_.emplace(expiry, id);
+    const int64_t at = std::chrono::duration_cast<std::chrono::nanoseconds>(hint_expiry_.top().first.time_since_epoch()).count();
+    next_hint_expiry_ns_.store(at, std::memory_order_relaxed);
+    HintCounters& c = hint_counters_[ns];
+    ++c.given;
+    c.blocks += keys.size();
+    reply.hint = id;
+  }
+  // What the tiers hold now; blocks held only below the first tier come up into it (where the
+  // hint protects them as they land).
+  const std::vector<int> where = chain_->Locate(keys);
+  std::vector<BundleKey> below;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (where[i] < 0) continue;
+    ++reply.found;
+    if (where[i] == 0) {
+      ++reply.in_memory;
+    } else {
+      below.push_back(keys[i]);
+    }
+  }
+  reply.prefetching = static_cast<uint32_t>(below.size());
+  if (!below.empty()) chain_->Prefetch(std::move(below));
+  return reply;
+}
+
+void TieredStore::EndHintLocked(uint64_t id, uint64_t* how) {
+  auto it = hints_.find(id);
+  if (it == hints_.end()) return;
+  HintRecord& h = it->second;
+  for (size_t t = 0; t < chain_->tier_count(); ++t) chain_->tier(t).Hint(h.keys, false);
+  auto s = session_hinted_.find(h.session);
+  if (s != session_hinted_.end()) {
+    s->second -= h.keys.size();
+    if (s->second == 0) session_hinted_.erase(s);
+  }
+  hinted_blocks_ -= h.keys.size();
+  ++*how;
+  hints_.erase(it);
+}
+
+void TieredStore::ExpireHints() {
+  const Clock::time_point now = Clock::now();
+  const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
+  if (now_ns < next_hint_expiry_ns_.load(std::memory_order_relaxed)) return;
+  MutexLock l(hint_mu_);
+  while (!hint_expiry_.empty() && hint_expiry_.top().first <= now) {
+    const uint64_t id = hint_expiry_.top().second;
+    hint_expiry_.pop();
+    auto it = hints_.find(id);
+    if (it != hints_.end()) EndHintLocked(id, &hint_counters_[it->second.ns].expired);
+  }
+  // Entries of hints ended early are dropped as they come to the top.
+  int64_t next = INT64_MAX;
+  if (!hint_expiry_.empty()) {
+    next = std::chrono::duration_cast<std::chrono::nanoseconds>(hint_expiry_.top().first.time_since_epoch()).count();
+  }
+  next_hint_expiry_ns_.store(next, std::memory_order_relaxed);
+}
+
+Status TieredStore::DropHint(uint64_t session, uint64_t hint) {
+  ExpireHints();
+  MutexLock l(hint_mu_);
+  auto it = hints_.find(hint);
+  if (it == hints_.end() || it->second.session != session) {
+    return Status::NotFound(fmt::format("no live hint {} in this session (never given, dropped or expired)", hint));
+  }
+  EndHintLocked(hint, &hint_counters_[it->second.ns].dropped);
+  return Status::OK();
+}
+
+void TieredStore::EndSession(uint64_t session) {
+  MutexLock l(hint_mu_);
+  if (session_hinted_.count(session) == 0) return;
+  std::vector<std::pair<uint64_t, uint32_t>> mine;
+  for (const auto& [id, h] : hints_) {
+    if (h.session == session) mine.emplace_back(id, h.ns);
+  }
+  for (const auto& [id, ns] : mine) EndHintLocked(id, &hint_counters_[ns].ended_with_session);
 }
 
 std::vector<wire::WireHash> TieredStore::ListHashes(uint32_t ns) {
@@ -814,6 +947,23 @@ void TieredStore::RenderMetrics(std::string& out) {
   series("sparsekv_tier_io_errors_total", "Operations the device failed.", "counter", [](const TierStats& s) { return s.io_errors; });
   series("sparsekv_tier_superseded_total", "Puts skipped because the tier held a newer version of the key.",
          "counter", [](const TierStats& s) { return s.superseded; });
+  series("sparsekv_tier_protected_bytes", "Record bytes the tier protects for hints (evicted last).", "gauge",
+         [](const TierStats& s) { return s.protected_bytes; });
+  series("sparsekv_tier_protected_items", "Bundles the tier protects for hints.", "gauge",
+         [](const TierStats& s) { return s.protected_items; });
+  series("sparsekv_tier_hint_cut_total", "Hinted bundles left unprotected by the tier's hint bound.", "counter",
+         [](const TierStats& s) { return s.hint_cut; });
+  {
+    MutexLock l(hint_mu_);
+    gauge_header("sparsekv_hints_live", "HINTs alive now.", "gauge");
+    out += fmt::format("sparsekv_hints_live {}\n", hints_.size());
+    gauge_header("sparsekv_hinted_blocks", "Blocks named by the live HINTs.", "gauge");
+    out += fmt::format("sparsekv_hinted_blocks {}\n", hinted_blocks_);
+    uint64_t expired = 0;
+    for (const auto& [ns, c] : hint_counters_) expired += c.expired;
+    gauge_header("sparsekv_hints_expired_total", "HINTs that ended at their time to live.", "counter");
+    out += fmt::format("sparsekv_hints_expired_total {}\n", expired);
+  }
   const TierChainStats c = chain_->Stats();
   const auto chain_series = [&](const char* name, const char* help, const char* type, uint64_t value) {
     gauge_header(name, help, type);

@@ -3,13 +3,17 @@
 // A client's bytes for one block become one single-segment bundle filed under
 // (namespace id, block hash); its XXH3 checksum is checked on every read by every tier, so
 // corrupt bytes are reported and never served. Pinned blocks are held in memory, outside the
-// tiers' LRUs, up to a byte budget: a pin that does not fit displaces pins of lower priority
-// or is refused. Unpinning hands the block back to the chain.
+// tiers' eviction orders, up to a byte budget: a pin that does not fit displaces pins of lower priority
+// or is refused. Unpinning hands the block back to the chain. Hinted blocks stay in the tiers,
+// protected from eviction within each tier's hint bound, for the hint's time to live.
 //
 // Thread safety: every method is thread-safe.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <memory>
+#include <queue>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -25,6 +29,10 @@ struct TieredStoreOptions {
   OffloadOptions offload;
   // Bytes of pinned blocks held in memory. Default: 256 MiB.
   uint64_t pin_budget_bytes = 256ull << 20;
+  // Blocks one session may hint at once (each HINT's blocks count until it ends). Default: 65536.
+  uint64_t max_hinted_blocks_per_session = 65536;
+  // The longest time to live a HINT may ask for. Default: 10 minutes.
+  uint32_t max_hint_ttl_ms = 600000;
 };
 
 class TieredStore : public DaemonStore {
@@ -56,6 +64,12 @@ class TieredStore : public DaemonStore {
   std::vector<wire::ItemStatus> Delete(uint32_t ns, std::span<const wire::WireHash> hashes) override;
   std::string StatsJson(uint32_t ns) override;
   std::vector<wire::WireHash> ListHashes(uint32_t ns) override;
+  // Hints end at their time to live, checked as requests arrive (Lookup, Put, Get, Hint,
+  // StatsJson): only a put or a read can evict, so none outlives its time where it matters.
+  Result<wire::HintReply> Hint(uint64_t session, uint32_t ns, std::span<const wire::WireHash> hashes,
+                               uint32_t ttl_ms) override;
+  Status DropHint(uint64_t session, uint64_t hint) override;
+  void EndSession(uint64_t session) override;
   // Under write-back, what the first tier holds; under write-through, what every local tier does.
   uint64_t MaxValueBytes() const override;
   std::vector<TierInfo> Tiers() override;
@@ -76,6 +90,10 @@ class TieredStore : public DaemonStore {
   void StartPut(uint32_t ns, std::span<const wire::PutItem> items, PutDone done);
   void CountPuts(uint32_t ns, uint64_t ok, uint64_t failed, uint64_t bytes);
   void CountGets(uint32_t ns, uint64_t asked, uint64_t hits, uint64_t bytes, uint64_t corrupt);
+  // Ends the hints whose time to live is over; cheap (one clock read) when none is.
+  void ExpireHints() SPARSEKV_EXCLUDES(hint_mu_);
+  // Ends one live hint: its keys are hinted once less in every tier. `how` counts it.
+  void EndHintLocked(uint64_t id, uint64_t* how) SPARSEKV_REQUIRES(hint_mu_);
 
   struct Pinned {
     BundlePtr bundle;
@@ -86,6 +104,16 @@ class TieredStore : public DaemonStore {
     uint64_t puts = 0, put_failures = 0, put_bytes = 0;
     uint64_t gets = 0, get_hits = 0, get_bytes = 0;
     uint64_t pins = 0, pinned_blocks = 0, pinned_bytes = 0, deletes = 0, corrupt = 0;
+  };
+  using Clock = std::chrono::steady_clock;
+  struct HintRecord {
+    uint64_t session = 0;
+    uint32_t ns = 0;
+    std::vector<BundleKey> keys;
+    Clock::time_point expiry;
+  };
+  struct HintCounters {
+    uint64_t given = 0, blocks = 0, expired = 0, dropped = 0, ended_with_session = 0, refused = 0;
   };
 
   const TieredStoreOptions options_;
@@ -105,6 +133,20 @@ class TieredStore : public DaemonStore {
   };
   std::unordered_map<uint64_t, Subscriber> subscribers_ SPARSEKV_GUARDED_BY(mu_);
   uint64_t next_subscription_ SPARSEKV_GUARDED_BY(mu_) = 1;
+
+  // Hints: live ones by id, their expiries (earliest first; ids of hints ended since are
+  // skipped), blocks hinted per session, counters per namespace.
+  Mutex hint_mu_;
+  std::unordered_map<uint64_t, HintRecord> hints_ SPARSEKV_GUARDED_BY(hint_mu_);
+  std::priority_queue<std::pair<Clock::time_point, uint64_t>, std::vector<std::pair<Clock::time_point, uint64_t>>,
+                      std::greater<>>
+      hint_expiry_ SPARSEKV_GUARDED_BY(hint_mu_);
+  std::unordered_map<uint64_t, uint64_t> session_hinted_ SPARSEKV_GUARDED_BY(hint_mu_);
+  std::unordered_map<uint32_t, HintCounters> hint_counters_ SPARSEKV_GUARDED_BY(hint_mu_);
+  uint64_t next_hint_ SPARSEKV_GUARDED_BY(hint_mu_) = 1;
+  uint64_t hinted_blocks_ SPARSEKV_GUARDED_BY(hint_mu_) = 0;
+  // The earliest expiry (steady clock, ns), INT64_MAX when no hint lives: ExpireHints's test.
+  std::atomic<int64_t> next_hint_expiry_ns_{INT64_MAX};
 };
 
 // The wire's 16 hash bytes as a BlockHash (lo first, little-endian) and back.

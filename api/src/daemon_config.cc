@@ -61,7 +61,8 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
                                 "max_connections", "max_frame_bytes", "max_inflight_bytes", "idle_timeout_ms",
                                 "staging_bytes", "pin_budget_bytes", "namespaces", "offload",
                                 "max_buffered_bytes", "max_handshakes", "handshake_timeout_ms", "frame_timeout_ms",
-                                "write_timeout_ms", "max_shared_staging_bytes"};
+                                "write_timeout_ms", "max_shared_staging_bytes",
+                                "max_hinted_blocks_per_session", "max_hint_ttl_ms"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool known = false;
     for (const char* k : kKeys) known = known || it.key() == k;
@@ -89,6 +90,9 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
   SPARSEKV_RETURN_IF_ERROR(Read(j, "idle_timeout_ms", c.idle_timeout_ms, "milliseconds"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "staging_bytes", c.staging_bytes, "a byte count"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "pin_budget_bytes", c.pin_budget_bytes, "a byte count"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "max_hinted_blocks_per_session", c.max_hinted_blocks_per_session, "a count"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "max_hint_ttl_ms", c.max_hint_ttl_ms, "milliseconds"));
+  if (c.max_hint_ttl_ms == 0) return Status::InvalidArgument("config key 'max_hint_ttl_ms' must be at least 1");
   SPARSEKV_RETURN_IF_ERROR(Read(j, "max_buffered_bytes", c.max_buffered_bytes, "a byte count"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "max_handshakes", c.max_handshakes, "a count"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "handshake_timeout_ms", c.handshake_timeout_ms, "milliseconds"));
@@ -186,6 +190,8 @@ std::string DaemonConfigToJson(const DaemonConfig& c) {
          {"idle_timeout_ms", c.idle_timeout_ms},
          {"staging_bytes", c.staging_bytes},
          {"pin_budget_bytes", c.pin_budget_bytes},
+         {"max_hinted_blocks_per_session", c.max_hinted_blocks_per_session},
+         {"max_hint_ttl_ms", c.max_hint_ttl_ms},
          {"max_buffered_bytes", c.max_buffered_bytes},
          {"max_handshakes", c.max_handshakes},
          {"handshake_timeout_ms", c.handshake_timeout_ms},

@@ -70,6 +70,10 @@ struct DaemonConfig {
   uint64_t max_shared_staging_bytes = 4ull << 30;
   // Bytes of pinned blocks held in memory. Default: 256 MiB.
   uint64_t pin_budget_bytes = 256ull << 20;
+  // HINTs: blocks one session may hint at once, and the longest time to live a HINT may ask
+  // for. Defaults: 65536 blocks, 600000 ms.
+  uint64_t max_hinted_blocks_per_session = 65536;
+  uint32_t max_hint_ttl_ms = 600000;
   // Namespaces clients may open. Default: [{"name": "default", "token": ""}].
   std::vector<DaemonNamespace> namespaces = {{"default", ""}};
   // The "offload" section as JSON text (see offload_options.h); "" keeps the library defaults.

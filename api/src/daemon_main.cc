@@ -123,6 +123,8 @@ int Run(DaemonConfig config) {
   }
   ResolveOffloadPaths(store_options.offload, config.data_dir);
   store_options.pin_budget_bytes = config.pin_budget_bytes;
+  store_options.max_hinted_blocks_per_session = config.max_hinted_blocks_per_session;
+  store_options.max_hint_ttl_ms = config.max_hint_ttl_ms;
   // One namespace: the host arena is a memfd that shared-memory clients map read-only, so a GET
   // is lent in place rather than copied (server.h, lend_from_arena).
   if (config.namespaces.size() == 1) store_options.offload.host.backing = ArenaBacking::kMemfd;

@@ -21,6 +21,8 @@ static void DecodeAs(uint16_t op, std::span<const std::byte> p) {
     case 12: (void)sw::DecodeShmPutRequest(p); break;
     case 13: (void)sw::DecodeShmGetReply(p); break;
     case 16: (void)sw::DecodeGetRangesRequest(p, 1u << 20); (void)sw::DecodeGetRangesReply(p); break;
+    case 21: (void)sw::DecodeHintRequest(p); (void)sw::DecodeHintReply(p); break;
+    case 22: (void)sw::DecodeHintDrop(p); break;
     default: (void)sw::DecodeHashList(p); break;
   }
 }

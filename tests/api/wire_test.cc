@@ -212,6 +212,35 @@ TEST(Wire, MalformedPayloadsAreRefused) {
   EXPECT_FALSE(DecodeLookupReply(lk.bytes()).ok());
 }
 
+// HINT and HINT_DROP: round trips, and what is refused.
+TEST(Wire, HintRoundTripAndRefusals) {
+  auto req = DecodeHintRequest(Encode(HintRequest{2500, {H(1), H(2)}}));
+  ASSERT_TRUE(req.ok()) << req.status().ToString();
+  EXPECT_EQ(req->ttl_ms, 2500u);
+  ASSERT_EQ(req->hashes.size(), 2u);
+  EXPECT_EQ(req->hashes[1], H(2));
+  EXPECT_THAT(std::string(DecodeHintRequest(Encode(HintRequest{0, {H(1)}})).status().message()),
+              HasSubstr("at least 1 ms"));
+  auto trailing = Encode(HintRequest{1, {}});
+  trailing.push_back(std::byte{0});
+  EXPECT_FALSE(DecodeHintRequest(trailing).ok());
+  EXPECT_FALSE(DecodeHintRequest(std::vector<std::byte>(3)).ok());
+  auto reply = DecodeHintReply(Encode(HintReply{77, 5, 3, 2}));
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  EXPECT_EQ(reply->hint, 77u);
+  EXPECT_EQ(reply->found, 5u);
+  EXPECT_EQ(reply->in_memory, 3u);
+  EXPECT_EQ(reply->prefetching, 2u);
+  EXPECT_FALSE(DecodeHintReply(Encode(HintReply{1, 2, 3, 0})).ok()) << "more in memory than found";
+  EXPECT_FALSE(DecodeHintReply(Encode(HintReply{1, 2, 1, 2})).ok()) << "more prefetching than below memory";
+  auto drop = DecodeHintDrop(EncodeHintDrop(9));
+  ASSERT_TRUE(drop.ok());
+  EXPECT_EQ(*drop, 9u);
+  EXPECT_FALSE(DecodeHintDrop(std::vector<std::byte>(7)).ok());
+  EXPECT_EQ(OpcodeName(Opcode::kHint), "HINT");
+  EXPECT_EQ(OpcodeName(Opcode::kHintDrop), "HINT_DROP");
+}
+
 // GET_RANGES round trips, and every way a request can be refused, by name.
 TEST(Wire, GetRangesRoundTripAndLimits) {
   GetRangesRequest req;

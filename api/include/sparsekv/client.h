@@ -170,6 +170,20 @@ class Client {
   Result<std::vector<Status>> Pin(std::span<const WireBlockHash> hashes, uint8_t priority);
   Result<std::vector<Status>> Unpin(std::span<const WireBlockHash> hashes);
   Result<std::vector<Status>> Delete(std::span<const WireBlockHash> hashes);
+  // HINT (api/PROTOCOL.md): the blocks `hashes` will be read soon. The daemon's tiers evict them
+  // last (within each tier's hint bound) and bring those held only below host memory up into
+  // it, until `ttl` passes, DropHint, or this connection closes. Errors: InvalidArgument (a time
+  // to live under 1 ms or above the daemon's max_hint_ttl_ms), ResourceExhausted (the session
+  // would hint more than max_hinted_blocks_per_session blocks at once).
+  struct HintResult {
+    uint64_t hint = 0;         // for DropHint
+    uint32_t found = 0;        // blocks some tier holds
+    uint32_t in_memory = 0;    // of those, in host memory
+    uint32_t prefetching = 0;  // held only below it, being brought up
+  };
+  Result<HintResult> Hint(std::span<const WireBlockHash> hashes, std::chrono::milliseconds ttl);
+  // NotFound when this connection holds no such hint (dropped or expired).
+  Status DropHint(uint64_t hint);
   Result<std::string> Stats();  // JSON
   Status Ping();
   // Starts event delivery to `callback` (on the reader thread).
