@@ -383,6 +383,27 @@ class PyClient {
     return out;
   }
 
+  // (hint id, found, in_memory, prefetching)
+  py::tuple Hint(const py::sequence& keys, double ttl_seconds) {
+    if (!(ttl_seconds >= 0.001 && ttl_seconds <= 4294967.0)) {
+      throw py::value_error("hint: ttl must be from 0.001 to 4294967 seconds; got " + std::to_string(ttl_seconds));
+    }
+    std::vector<WireBlockHash> hashes = KeysOf(keys);
+    const auto ttl = std::chrono::milliseconds(static_cast<int64_t>(ttl_seconds * 1000.0 + 0.5));
+    const Client::HintResult r = Unlocked([&](Client& c) { return c.Hint(hashes, ttl); });
+    return py::make_tuple(r.hint, r.found, r.in_memory, r.prefetching);
+  }
+
+  void DropHint(uint64_t hint) {
+    std::shared_ptr<Client> c = client();
+    Status st;
+    {
+      py::gil_scoped_release unlocked;
+      st = c->DropHint(hint);
+    }
+    if (!st.ok()) Raise(st);
+  }
+
   std::string Stats() {
     std::shared_ptr<Client> c = client();
     std::string json;
@@ -1297,6 +1318,8 @@ PYBIND11_MODULE(_sparsekv, m) {
       .def("get_views", &PyClient::GetViews)
       .def("lookup", &PyClient::Lookup)
       .def("delete", &PyClient::Delete)
+      .def("hint", &PyClient::Hint, py::arg("keys"), py::arg("ttl"))
+      .def("drop_hint", &PyClient::DropHint, py::arg("hint"))
       .def("stats", &PyClient::Stats)
       .def("ping", &PyClient::Ping)
       .def("close", &PyClient::Close)

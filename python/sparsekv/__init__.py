@@ -19,9 +19,15 @@ from . import _sparsekv
 
 __version__ = _sparsekv.__version__
 
-__all__ = ["CacheManager", "Client", "Codec", "Error", "KvEvent", "KvEventQueue", "ModelSpec", "OffloadedCache",
+__all__ = ["CacheManager", "Client", "Codec", "Error", "HintInfo", "KvEvent", "KvEventQueue", "ModelSpec", "OffloadedCache",
            "PoolRegion", "__version__", "block_hashes", "model_preset", "model_presets", "model_spec_from_json",
            "plan_for_budget", "plan_for_sequences"]
+
+import collections as _collections
+
+# What Client.hint returns: the hint's id (for drop_hint), the keys some tier holds, how many of
+# them are in host memory, and how many are being brought up into it.
+HintInfo = _collections.namedtuple("HintInfo", ["hint", "found", "in_memory", "prefetching"])
 
 ModelSpec = _sparsekv.ModelSpec
 KvEvent = _sparsekv.KvEvent
@@ -229,6 +235,18 @@ class Client:
     def delete(self, keys):
         """Deletes the keys; one entry per key, None or the item's error (not raised)."""
         return self._c.delete(keys)
+
+    def hint(self, keys, ttl=30.0):
+        """Says the keys will be read soon: the daemon's tiers evict them last (within each
+        tier's hint bound) and bring those held only on SSD or RocksDB up into host memory,
+        for `ttl` seconds, until drop_hint, or until this client closes. Returns a HintInfo
+        (hint id, found, in_memory, prefetching). Raises Error (InvalidArgument for a ttl above
+        the daemon's max_hint_ttl_ms, ResourceExhausted past max_hinted_blocks_per_session)."""
+        return HintInfo(*self._c.hint(keys, float(ttl)))
+
+    def drop_hint(self, hint):
+        """Ends a hint early; raises Error (NotFound) when it is not live in this client."""
+        self._c.drop_hint(int(hint))
 
     def stats(self):
         """The namespace's statistics, as a dict."""

@@ -41,6 +41,7 @@ daemon with no Python-level copy: ``Client.get_into`` straight into the pool's p
 Unix socket out of the daemon's shared memory, one memcpy), and ``Client.put`` from them.
 """
 
+import collections as _collections
 import ctypes as _ctypes
 import hashlib as _hashlib
 import threading as _threading
@@ -169,6 +170,10 @@ _OPTIONS = {
     "reconnect_interval": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 600,
                            "seconds, a number in [0, 600]", 1.0),
     "key_tag": (lambda v: isinstance(v, str) and len(v) <= 128, "a string of at most 128 bytes", ""),
+    # Pages batch_exists finds are about to be prefetched: they are hinted to the daemon for this
+    # long (protected from eviction, brought up into host memory). 0: no hints.
+    "hint_ttl": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 600,
+                 "seconds, a number in [0, 600]", 10.0),
 }
 # Keys of the extra config that belong to SGLang, not to this backend.
 _SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold",
@@ -204,7 +209,7 @@ class SparseKVStorage(HiCacheStorage):
     """SGLang HiCache L3 storage in sparsekvd. Construct as SGLang's dynamic factory does:
     ``SparseKVStorage(storage_config, kwargs)``; options come from
     ``storage_config.extra_config`` (address, namespace, token, transport, timeout,
-    reconnect_interval, key_tag); a bad one raises ValueError naming it."""
+    reconnect_interval, key_tag, hint_ttl); a bad one raises ValueError naming it."""
 
     def __init__(self, storage_config=None, kwargs=None):
         if storage_config is None:
@@ -229,7 +234,9 @@ class SparseKVStorage(HiCacheStorage):
         self._metrics = StorageMetrics()
         self._latencies = {"get": [], "set": [], "exists": []}  # the last 1,024 calls' seconds each
         self.counters = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0, "errors": 0,
-                         "get_seconds": 0.0, "set_seconds": 0.0, "exists_seconds": 0.0, "reconnects": 0}
+                         "get_seconds": 0.0, "set_seconds": 0.0, "exists_seconds": 0.0, "reconnects": 0,
+                         "hints": 0, "hinted_keys": 0, "hints_refused": 0}
+        self._hints = _collections.deque()  # (hint id, monotonic expiry) of this client's live hints
         self._connect(raise_errors=False)  # a daemon not up yet is tried again at the first call
 
     # ---- connection ----
@@ -419,19 +426,62 @@ class SparseKVStorage(HiCacheStorage):
             self._latency("exists", dt)
         return [t != "absent" for t in tiers]
 
-    def _pages_present(self, pool_name, pool, hashes):
+    def _pages_present(self, pool_name, pool, hashes, keys_out=None):
         """Per page of `hashes`, whether every piece of it is held (None: cannot tell; True for
-        every page of a pool that keeps no bytes)."""
+        every page of a pool that keeps no bytes). With `keys_out` (a list), each page's piece
+        keys are appended to it, one list per page."""
         if not hashes:
             return []
         layout = self._layout(pool)
         if layout is None:
+            if keys_out is not None:
+                keys_out.extend([] for _ in hashes)
             return [True] * len(hashes)
-        present = self._present(self._page_keys(pool_name, hashes, layout))
+        keys = self._page_keys(pool_name, hashes, layout)
+        k = len(layout)
+        if keys_out is not None:
+            keys_out.extend(keys[p * k:(p + 1) * k] for p in range(len(hashes)))
+        present = self._present(keys)
         if present is None:
             return None
-        k = len(layout)
         return [all(present[p * k:(p + 1) * k]) for p in range(len(hashes))]
+
+    def _hint(self, keys):
+        """Hints `keys` (pages about to be prefetched) to the daemon for hint_ttl seconds; never
+        raises. When the daemon's bound on a session's hinted blocks refuses it, this client's
+        oldest hint is dropped and the hint tried once more."""
+        ttl = float(self.options["hint_ttl"])
+        if ttl <= 0 or not keys:
+            return
+        c = self._get_client()
+        if c is None:
+            return
+        now = _time.monotonic()
+        with self._lock:
+            while self._hints and self._hints[0][1] <= now:
+                self._hints.popleft()
+        for attempt in range(2):
+            try:
+                info = c.hint(keys, ttl)
+            except Error as e:
+                if type(e).__name__ != "ResourceExhausted" or attempt == 1:
+                    self.counters["hints_refused"] += 1
+                    return
+                with self._lock:
+                    oldest = self._hints.popleft() if self._hints else None
+                if oldest is None:
+                    self.counters["hints_refused"] += 1
+                    return
+                try:
+                    c.drop_hint(oldest[0])
+                except Error:
+                    pass  # expired meanwhile
+                continue
+            with self._lock:
+                self._hints.append((info.hint, now + ttl))
+            self.counters["hints"] += 1
+            self.counters["hinted_keys"] += len(keys)
+            return
 
     def _layout(self, pool):
         """One page's pieces (pointer, bytes) of `pool`, from its first page (the sizes are what
@@ -455,16 +505,19 @@ class SparseKVStorage(HiCacheStorage):
 
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
         try:
-            present = self._pages_present("kv", self.mem_pool_host, list(keys))
+            page_keys = []
+            present = self._pages_present("kv", self.mem_pool_host, list(keys), page_keys)
+            if present is None:
+                return 0
+            n = 0
+            while n < len(present) and present[n]:
+                n += 1
+            # The controller prefetches what this found next: keep it from being evicted first.
+            self._hint([k for page in page_keys[:n] for k in page])
+            return n
         except Exception:  # noqa: BLE001 - never out of the prefetch thread
             self.counters["errors"] += 1
             return 0
-        if present is None:
-            return 0
-        n = 0
-        while n < len(present) and present[n]:
-            n += 1
-        return n
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -474,9 +527,11 @@ class SparseKVStorage(HiCacheStorage):
     def batch_exists_v2(self, keys: List[str], pool_transfers=None, extra_info=None):
         keys = list(keys)
         try:
-            kv = self._pages_present("kv", self.mem_pool_host, keys)
+            kv_keys = []
+            kv = self._pages_present("kv", self.mem_pool_host, keys, kv_keys)
             if kv is None:
                 return PoolTransferResult(0, {})
+            extra_keys = {}
             hit = 0
             while hit < len(kv) and kv[hit]:
                 hit += 1
@@ -486,7 +541,8 @@ class SparseKVStorage(HiCacheStorage):
                 if name == "kv":
                     continue
                 pool = self._pool(name)
-                present = self._pages_present(name, pool, keys[:hit])
+                extra_keys[name] = []
+                present = self._pages_present(name, pool, keys[:hit], extra_keys[name])
                 if present is None:
                     return PoolTransferResult(0, {})
                 if _name(t.hit_policy) == "trailing_pages":
@@ -506,6 +562,16 @@ class SparseKVStorage(HiCacheStorage):
                         run += 1
                     extra[name] = run
                     hit = min(hit, run)
+            # What the prefetch will read: every pool's pages of the prefix (a trailing pool's
+            # last pages only), hinted so that they stay until it does.
+            hinted = [k for page in kv_keys[:hit] for k in page]
+            for t in pool_transfers or []:
+                name = _name(t.name)
+                if name not in extra_keys:
+                    continue
+                first = max(0, hit - extra[name]) if _name(t.hit_policy) == "trailing_pages" else 0
+                hinted.extend(k for page in extra_keys[name][first:hit] for k in page)
+            self._hint(hinted)
             return PoolTransferResult(hit, extra)
         except Exception:  # noqa: BLE001 - never out of the prefetch thread
             self.counters["errors"] += 1

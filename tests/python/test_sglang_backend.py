@@ -373,3 +373,32 @@ def test_a_killed_and_restarted_daemon_gives_misses_not_exceptions():
         b.close()
     finally:
         d.stop()
+
+
+def test_pages_found_for_a_prefetch_are_hinted_to_the_daemon(daemon):
+    """batch_exists and batch_exists_v2 hint what they found (every piece of every page the
+    prefetch will read) for hint_ttl seconds; hint_ttl 0 turns hints off."""
+    n = 6
+    keys = [f"{0x4711_0000 + i:064x}" for i in range(n)]
+    absent = [f"{0x4712_0000 + i:064x}" for i in range(2)]
+    kv, ix = MLAPool("page_first", n), BytesPerPagePool("page_first", n)
+    a = attach(config(daemon.unix), kv, [(sk.PoolName.INDEXER, ix)])
+    assert backup(a, keys, 0, side=[sk.PoolName.INDEXER]) == n
+    with sparsekv.Client(daemon.unix) as watch:
+        given = watch.stats()["hints"]["given_blocks"]
+        assert a.batch_exists(keys + absent) == n
+        assert a.counters["hints"] == 1 and a.counters["hinted_keys"] == n  # one piece per MLA page
+        assert watch.stats()["hints"]["given_blocks"] == given + n
+        res = a.batch_exists_v2(keys, [sk.PoolTransfer(name=sk.PoolName.INDEXER, keys=None,
+                                                       hit_policy=sk.PoolHitPolicy.ALL_PAGES)])
+        assert res.kv_hit_pages == n
+        assert a.counters["hints"] == 2 and a.counters["hinted_keys"] == 3 * n  # KV and indexer pages
+        assert watch.stats()["hints"]["given_blocks"] == given + 3 * n
+        off = attach(config(daemon.unix, hint_ttl=0), kv, [(sk.PoolName.INDEXER, ix)])
+        assert off.batch_exists(keys) == n
+        assert off.counters["hints"] == 0
+        assert watch.stats()["hints"]["given_blocks"] == given + 3 * n
+        off.close()
+    with pytest.raises(ValueError, match="hint_ttl"):
+        sk.SparseKVStorage(config(daemon.unix, hint_ttl=-1), {})
+    a.close()
