@@ -87,7 +87,7 @@ bool SimdPathSupported(SimdPath path) {
     case SimdPath::kScalar:
       return true;
     case SimdPath::kAvx2:
-      return f.avx2 && f.f16c;
+      return f.avx2 && f.f16c && f.fma;
     case SimdPath::kAvx512:
       return avx512;
     case SimdPath::kAvx512Bf16:

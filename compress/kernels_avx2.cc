@@ -1,5 +1,6 @@
-// The AVX2 path (AVX2 + F16C; no FMA: a fused multiply-add would round once where the reference
-// rounds twice). Built with those flags only and chosen at run time. The same operations as the
+// The AVX2 path (AVX2 + F16C + FMA). Built with those flags only (and -ffp-contract=off: no
+// multiply-add is fused unless written so, since a fused one rounds once where the reference
+// rounds twice) and chosen at run time. The same operations as the
 // AVX-512 path (kernels_avx512_impl.h says how each one matches scalar_math.h), 8 lanes at a
 // time, with vector compares and blends where AVX-512 has mask registers.
 #if defined(__x86_64__)
@@ -106,17 +107,30 @@ inline __m256i E4m3AnyLanes(__m256 v) {
   return code;
 }
 
-// Bf16FromFloatRef on 8 lanes, left in the low half of each 32-bit lane.
+// Bf16FromFloatRef on 8 lanes, left in the low half of each 32-bit lane. Without kMayNaN the
+// caller knows no lane is NaN (a finite scale times finite values), and the NaN fix-up, three
+// of the eight instructions, is left out.
+template <bool kMayNaN = true>
 inline __m256i Bf16Lanes(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i r = _mm256_add_epi32(
       u, _mm256_add_epi32(Set1(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), Set1(1))));
+  if constexpr (!kMayNaN) return _mm256_srli_epi32(r, 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   return _mm256_srli_epi32(_mm256_blendv_epi8(r, _mm256_or_si256(u, Set1(0x00400000)), nan), 16);
 }
 
+template <bool kMayNaN = true>
 inline void StoreBf16x16(uint8_t* dst, __m256 lo, __m256 hi) {
-  const __m256i p = _mm256_packus_epi32(Bf16Lanes(lo), Bf16Lanes(hi));
+  const __m256i p = _mm256_packus_epi32(Bf16Lanes<kMayNaN>(lo), Bf16Lanes<kMayNaN>(hi));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute4x64_epi64(p, 0xD8));
+}
+
+// 16 values exactly representable in bf16 (an e4m3 value, four significant bits, times a power
+// of two, normal): their bf16 is the top half of their fp32 bits, no rounding to do.
+inline void StoreExactBf16x16(uint8_t* dst, __m256 lo, __m256 hi) {
+  const __m256i p = _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(lo), 16),
+                                        _mm256_srli_epi32(_mm256_castps_si256(hi), 16));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute4x64_epi64(p, 0xD8));
 }
 
@@ -166,10 +180,48 @@ SPARSEKV_INLINE void StoreCodes(const uint8_t* src, uint32_t n, __m256 inv, uint
   }
 }
 
-struct Int8Fn {
-  static constexpr bool kSigned = true;
-  __m256i operator()(__m256 v) const { return _mm256_cvtps_epi32(v); }  // MXCSR: nearest even
-};
+// int8 values of a tile, rne(fp32(x / scale)) (scalar_math.h, kInt8NearHalf): for bf16 input the
+// quotient corrected with fused multiply-adds; for fp32 input rne(x * inv), returning false
+// (having written garbage) when some product lies too near a half-integer to tell, and the
+// tile must be divided. Divides itself with kDivide.
+template <bool kBf16In, bool kDivide>
+SPARSEKV_INLINE bool StoreInt8(const uint8_t* src, uint32_t n, float inv, float scale, uint8_t* dst) {
+  constexpr uint32_t in = kInBytes<kBf16In>;
+  const __m256 vinv = _mm256_set1_ps(inv), vscale = _mm256_set1_ps(scale);
+  const __m256 abs = _mm256_castsi256_ps(Set1(kAbsMask));
+  const __m256 near_half = _mm256_set1_ps(kInt8NearHalf);
+  __m256 near = _mm256_setzero_ps();
+  auto lanes = [&](uint32_t i) {
+    const __m256 x = Load8<kBf16In>(src + i * in);
+    if constexpr (kDivide) {
+      return _mm256_cvtps_epi32(_mm256_div_ps(x, vscale));  // MXCSR: nearest even
+    } else if constexpr (kBf16In) {
+      const __m256 q = _mm256_mul_ps(x, vinv);
+      const __m256 r = _mm256_fnmadd_ps(q, vscale, x);  // x - q * scale, exact
+      return _mm256_cvtps_epi32(_mm256_fmadd_ps(r, vinv, q));
+    } else {
+      const __m256 y = _mm256_mul_ps(x, vinv);
+      const __m256 r = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      near = _mm256_or_ps(near, _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(y, r), abs), near_half, _CMP_GT_OQ));
+      return _mm256_cvttps_epi32(r);  // r is whole: no rounding left
+    }
+  };
+  for (uint32_t i = 0; i < n; i += 16) {
+    const __m256i c0 = lanes(i), c1 = lanes(i + 8);
+    if (i + 32 <= n) {
+      const __m256i c2 = lanes(i + 16), c3 = lanes(i + 24);
+      // Values in [-128, 127]: the signed packs saturate nothing.
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_permutevar8x32_epi32(p, PackOrder()));
+      i += 16;
+    } else {
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c0, c1), _mm256_setzero_si256());
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                       _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(p, PackOrder())));
+    }
+  }
+  return _mm256_testz_ps(near, near) != 0;
+}
 struct E4m3NormalFn {
   static constexpr bool kSigned = false;
   __m256i operator()(__m256 v) const { return E4m3NormalLanes(v); }
@@ -205,9 +257,8 @@ struct Avx2Prims {
     const __m128i r = kBf16In ? MaxWords4(mx, mx, mx, mx) : MaxDwords4(mx, mx, mx, mx);
     const uint32_t amax = static_cast<uint32_t>(_mm_cvtsi128_si32(r));
     if (amax >= kInfBits) return PlanInt8Ref<kBf16In>(src, n);
-    const TileQuant q = ComputeTileQuant(ScaleRule::kLinear127, amax);
     TilePlan plan;
-    plan.Set(q, q.prescale == 1.0f ? TileMode::kVector : TileMode::kScalar);
+    plan.Set(ComputeTileQuant(ScaleRule::kLinear127, amax), TileMode::kVector);
     return plan;
   }
 
@@ -239,10 +290,10 @@ struct Avx2Prims {
   template <bool kBf16In>
   SPARSEKV_INLINE static void ApplyInt8(const uint8_t* src, uint32_t n, const TilePlan& plan,
                                         uint8_t* dst) {
-    if (plan.mode == TileMode::kVector) [[likely]] {
-      StoreCodes<kBf16In>(src, n, _mm256_set1_ps(plan.inv), dst, Int8Fn{});
-    } else {
+    if (plan.mode != TileMode::kVector) {
       ApplyInt8Ref<kBf16In>(src, n, plan, dst);
+    } else if (!StoreInt8<kBf16In, false>(src, n, plan.inv, plan.scale, dst)) [[unlikely]] {
+      StoreInt8<kBf16In, true>(src, n, plan.inv, plan.scale, dst);
     }
   }
 
@@ -292,7 +343,11 @@ struct Avx2Prims {
     };
     uint32_t i = 0;
     if constexpr (kBf16Out) {
-      for (; i + 16 <= n; i += 16) StoreBf16x16(dst + 2 * i, lanes(i), lanes(i + 8));
+      if (__builtin_isfinite(scale)) [[likely]] {  // q * scale is finite or ±inf, never NaN
+        for (; i + 16 <= n; i += 16) StoreBf16x16<false>(dst + 2 * i, lanes(i), lanes(i + 8));
+      } else {
+        for (; i + 16 <= n; i += 16) StoreBf16x16(dst + 2 * i, lanes(i), lanes(i + 8));
+      }
       for (; i + 8 <= n; i += 8) StoreBf16x8(dst + 2 * i, lanes(i));
       DecodeInt8Ref<true>(q + i, scale, n - i, dst + 2 * i);
     } else {
@@ -312,6 +367,12 @@ struct Avx2Prims {
     }
     const __m256 s = _mm256_set1_ps(scale256);
     const bool has_nan = AnyNaNCode(codes, n);  // once per tile rather than in every vector
+    // Finite codes times a finite scale are never NaN (an infinite one times a zero code is).
+    const bool may_nan = has_nan || !__builtin_isfinite(scale);
+    // A power-of-two scale (every fp8 format's) from 2^-117 to 2^119 makes every product an
+    // exact normal number of at most four significant bits: exact in bf16.
+    const uint32_t sb = FloatBits(scale);
+    const bool exact = !may_nan && (sb & 0x807fffffu) == 0 && sb >= (10u << 23) && sb <= (246u << 23);
     uint32_t i = 0;
     for (; i + 16 <= n; i += 16) {
       const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
@@ -324,7 +385,13 @@ struct Avx2Prims {
         hi = FixNaNLanes(hi, _mm_srli_si128(c, 8));
       }
       if constexpr (kBf16Out) {
-        StoreBf16x16(dst + 2 * i, lo, hi);
+        if (exact) [[likely]] {
+          StoreExactBf16x16(dst + 2 * i, lo, hi);
+        } else if (may_nan) {
+          StoreBf16x16(dst + 2 * i, lo, hi);
+        } else {
+          StoreBf16x16<false>(dst + 2 * i, lo, hi);
+        }
       } else {
         _mm256_storeu_ps(reinterpret_cast<float*>(dst + 4 * i), lo);
         _mm256_storeu_ps(reinterpret_cast<float*>(dst + 4 * (i + 8)), hi);

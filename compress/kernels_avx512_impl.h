@@ -9,7 +9,10 @@
 //    and put NaN and inf above them all; a tile with either, or one small enough to need a
 //    prescale, goes to the scalar reference;
 //  - the scale comes from ComputeTileQuant, the same scalar code every path calls;
-//  - int8: one fp32 multiply and a round-to-nearest-even conversion;
+//  - int8: the quotient x / scale, from one multiply by 1/scale and a correction with two fused
+//    multiply-adds (bf16 input), or from the multiply alone where no product lies within 2^-14
+//    of a half-integer (fp32 input; such a tile is divided); scalar_math.h says why either is
+//    exact;
 //  - e4m3: one fp32 multiply, then the reference's integer rounding of the bits. If the tile's
 //    min |x| lands below 2^-6 (e4m3 subnormals, zeros) the tile takes a slower loop whose lanes
 //    below 2^-6 use the reference's 2^14 magic addition; most tiles have none;
@@ -262,12 +265,42 @@ SPARSEKV_INLINE void StoreCodes(const uint8_t* src, uint32_t n, __m512 inv, uint
   }
 }
 
-struct Int8Fn {
-  static constexpr bool kSigned = true;
-  __m512i operator()(__m512 v) const {
-    return _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+// int8 values of a tile, rne(fp32(x / scale)) (scalar_math.h, kInt8NearHalf): for bf16 input the
+// quotient corrected with fused multiply-adds; for fp32 input rne(x * inv), returning false
+// (having written garbage) when some product lies too near a half-integer to tell, and the
+// tile must be divided. Divides itself with kDivide.
+template <bool kBf16In, bool kDivide>
+SPARSEKV_INLINE bool StoreInt8(const uint8_t* src, uint32_t n, float inv, float scale, uint8_t* dst) {
+  constexpr uint32_t in = kInBytes<kBf16In>;
+  const __m512 vinv = _mm512_set1_ps(inv), vscale = _mm512_set1_ps(scale);
+  const __m512 near_half = _mm512_set1_ps(kInt8NearHalf);
+  __mmask16 near = 0;
+  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  auto lanes = [&](uint32_t i) {
+    const __m512 x = Load16<kBf16In>(src + i * in);
+    if constexpr (kDivide) {
+      return _mm512_cvt_roundps_epi32(_mm512_div_ps(x, vscale), kRne);
+    } else if constexpr (kBf16In) {
+      const __m512 q = _mm512_mul_ps(x, vinv);
+      const __m512 r = _mm512_fnmadd_ps(q, vscale, x);  // x - q * scale, exact
+      return _mm512_cvt_roundps_epi32(_mm512_fmadd_ps(r, vinv, q), kRne);
+    } else {
+      const __m512 y = _mm512_mul_ps(x, vinv);
+      const __m512 r = _mm512_roundscale_ps(y, kRne);
+      near |= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(y, r)), near_half, _CMP_GT_OQ);
+      return _mm512_cvttps_epi32(r);  // r is whole: no rounding left
+    }
+  };
+  uint32_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512i c0 = lanes(i), c1 = lanes(i + 16), c2 = lanes(i + 32), c3 = lanes(i + 48);
+    // Values in [-128, 127]: the signed packs saturate nothing.
+    const __m512i p = _mm512_packs_epi16(_mm512_packs_epi32(c0, c1), _mm512_packs_epi32(c2, c3));
+    _mm512_storeu_si512(dst + i, _mm512_permutexvar_epi32(PackOrder(), p));
   }
-};
+  for (; i < n; i += 16) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtepi32_epi8(lanes(i)));
+  return near == 0;
+}
 struct E4m3NormalFn {
   static constexpr bool kSigned = false;
   __m512i operator()(__m512 v) const { return E4m3NormalLanes(v); }
@@ -285,9 +318,8 @@ struct Avx512Prims {
     const __m128i r = kBf16In ? MaxWords4(mx, mx, mx, mx) : MaxDwords4(mx, mx, mx, mx);
     const uint32_t amax = static_cast<uint32_t>(_mm_cvtsi128_si32(r));
     if (amax >= kInfBits) return PlanInt8Ref<kBf16In>(src, n);
-    const TileQuant q = ComputeTileQuant(ScaleRule::kLinear127, amax);
     TilePlan plan;
-    plan.Set(q, q.prescale == 1.0f ? TileMode::kVector : TileMode::kScalar);
+    plan.Set(ComputeTileQuant(ScaleRule::kLinear127, amax), TileMode::kVector);
     return plan;
   }
 
@@ -319,10 +351,10 @@ struct Avx512Prims {
   template <bool kBf16In>
   SPARSEKV_INLINE static void ApplyInt8(const uint8_t* src, uint32_t n, const TilePlan& plan,
                                         uint8_t* dst) {
-    if (plan.mode == TileMode::kVector) [[likely]] {
-      StoreCodes<kBf16In>(src, n, _mm512_set1_ps(plan.inv), dst, Int8Fn{});
-    } else {
+    if (plan.mode != TileMode::kVector) {
       ApplyInt8Ref<kBf16In>(src, n, plan, dst);
+    } else if (!StoreInt8<kBf16In, false>(src, n, plan.inv, plan.scale, dst)) [[unlikely]] {
+      StoreInt8<kBf16In, true>(src, n, plan.inv, plan.scale, dst);
     }
   }
 

@@ -124,7 +124,12 @@ inline float Pow2(int k) {
 // ---- Tile scales ----
 
 enum class ScaleRule : uint8_t {
-  kLinear127,  // int8: scale = amax / 127 (fp32)
+  // int8 (c8_mla, idx_c8): scale = fp32(max(amax, 1e-8) / 127), as CANN's golden for DeepSeek
+  // V3.2's quantized sparse flash attention writes it (hicann/pypto
+  // models/deepseek_v32_exp/deepseekv32_sparse_flash_attention_quant.py and
+  // deepseekv32_sparse_attention_antiquant.py, at b945dd2d2fd6015f11ad4e44ed108358cc7a4303);
+  // values are rne(fp32(x / scale)) clamped to [-128, 127] (Int8FromRatio).
+  kLinear127,
   // fp8_ds_mla: scale = 2^ceil(log2(max(amax / 448, 1e-4))) stored as fp32, as FlashMLA's
   // quantize_k_cache (tests/quant.py) and vLLM's fp8_ds_mla writers store it: the 1e-4 floor
   // comes before the ceil-log2, so the least scale is 2^-13 (an all-zero tile's too).
@@ -142,7 +147,7 @@ enum class ScaleRule : uint8_t {
 // ceil(log2(1e-4 / 448)) = ceil(-22.095) = -22.
 inline int Pow2RuleMinExponent(ScaleRule rule) { return rule == ScaleRule::kPow2Fp32AmaxFloor ? -22 : -13; }
 
-// How one tile is quantized. A value x becomes round((x * prescale) * inv): two fp32
+// How one tile is quantized. An e4m3 value x becomes round((x * prescale) * inv): two fp32
 // multiplies, the first exact. `prescale` is 1 except for tiles so small that 1/scale would
 // overflow (a denormal scale); the SIMD paths hand such tiles to the scalar loops.
 struct TileQuant {
@@ -154,27 +159,23 @@ struct TileQuant {
 
 // `amax_bits`: the bits of the tile's largest |x| over its finite values (0 for all zeros).
 //
-// The linear (int8) rule stores scale = amax / N (N = 127) rounded to nearest. Where that is an
-// fp32 denormal (amax below about 1.5e-36) its rounding error is no longer negligible, so there
-// it is moved up one ulp if it left scale * N < amax: no |x| / scale then exceeds N and nothing
-// is clipped. (In the normal range |x| / scale <= N * (1 + 2^-24), which still rounds to at
-// most N.) Power-of-two rules store the smallest 2^k with 448 * 2^k >= amax, computed
+// The linear (int8) rule stores scale = max(amax, 1e-8) / 127 rounded to nearest, so the least
+// scale is 1e-8 / 127 (an all-zero tile's too) and every scale is a normal fp32 number; `inv` is
+// 1 / scale rounded, which the SIMD paths use to find the values quickly (Int8FromRatio says how
+// they stay exact). |x| / scale <= 127 * (1 + 2^-24), which rounds to at most 127. Power-of-two
+// rules store the smallest 2^k with 448 * 2^k >= amax, computed
 // exactly from the bits (ceil(log2(amax / 448)) without a rounding step), but never less than
 // their floor (Pow2RuleMinExponent): that is max(ceil(log2(x)), ceil(log2(floor))), which is
 // ceil(log2(max(x, floor))), the public writers' formula.
-// An all-zero tile stores scale 0 under the linear rule and the floor under the power-of-two
-// ones (2^-13, or 2^-22 for idx_fp8), as the public writers do.
+// An all-zero tile stores the floor: 1e-8 / 127 under the linear rule, 2^-13 (or 2^-22 for
+// idx_fp8) under the power-of-two ones, as the public writers do.
+inline constexpr float kInt8AmaxFloor = 1e-8f;
 inline TileQuant ComputeTileQuant(ScaleRule rule, uint32_t amax_bits) {
   TileQuant q;
   if (rule == ScaleRule::kLinear127) {
-    if (amax_bits == 0) return q;  // scale 0, inv 0: every value quantizes to 0
-    const float n = 127.0f;
     const float amax = BitsToFloat(amax_bits);
-    float s = amax / n;
-    if (s < 0x1p-126f && s * n < amax) s = BitsToFloat(FloatBits(s) + 1);
-    q.scale = s;
-    q.prescale = s >= 0x1p-126f ? 1.0f : 0x1p64f;
-    q.inv = 1.0f / (s * q.prescale);
+    q.scale = (amax > kInt8AmaxFloor ? amax : kInt8AmaxFloor) / 127.0f;
+    q.inv = 1.0f / q.scale;
     return q;
   }
   const int kmin = Pow2RuleMinExponent(rule);
@@ -258,8 +259,30 @@ struct TilePlan {
   }
 };
 
-// int8 tile: scale = amax / 127. A tile holding any NaN or infinity gets a NaN scale and zero
-// values, so all of it (and only it) decodes as NaN: int8 has no code to mark one element.
+// One int8 value from its ratio x / scale (fp32, as divided): rounded to nearest, ties to even,
+// clamped to [-128, 127] as the golden clamps (|x| <= amax makes it at most 127 in magnitude).
+inline uint8_t Int8FromRatio(float v) {
+  v = RoundHalfEven(v);
+  v = v > 127.0f ? 127.0f : (v < -128.0f ? -128.0f : v);
+  return static_cast<uint8_t>(static_cast<int8_t>(static_cast<int>(v)));
+}
+
+// How the SIMD paths get fp32(x / scale) without dividing:
+//  - bf16 input: q = x * inv, then one correction with fused multiply-adds (Markstein):
+//    r = x - q * scale (exact), q' = q + r * inv, rounded once. For inv = fp32(1 / scale) and a
+//    faithful q this is the correctly rounded quotient; PageCodec.Int8QuotientsOfEveryBf16Value
+//    checks it for every bf16 significand and every scale a bf16 tile can have (the scale's
+//    significand depends only on amax's, and nothing here depends on exponents while
+//    |x / scale| >= 1/4; below that every value rounds to 0 anyway).
+//  - fp32 input: x * inv, which is within 2^-16 of x / scale (|x / scale| <= 127.0001, two
+//    roundings of 2^-24 relative), while fp32(x / scale) is within 2^-18 of it (half an ulp at
+//    127). So where x * inv lies more than 2^-14 from the nearest half-integer, fp32(x / scale)
+//    rounds to the same integer; a tile with any value closer than that is divided.
+inline constexpr float kInt8NearHalf = 0.5f - 0x1p-14f;
+
+// int8 tile: scale = max(amax, 1e-8) / 127, q = rne(x / scale). A tile holding any NaN or
+// infinity gets a NaN scale and zero values, so all of it (and only it) decodes as NaN: int8 has
+// no code to mark one element.
 template <bool kBf16In>
 inline TilePlan PlanInt8Ref(const uint8_t* src, uint32_t n) {
   uint32_t amax = 0;
@@ -283,11 +306,7 @@ inline void ApplyInt8Ref(const uint8_t* src, uint32_t n, const TilePlan& plan, u
     __builtin_memset(dst, 0, n);
     return;
   }
-  for (uint32_t i = 0; i < n; ++i) {
-    float v = RoundHalfEven((LoadIn<kBf16In>(src, i) * plan.prescale) * plan.inv);
-    v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-    dst[i] = static_cast<uint8_t>(static_cast<int8_t>(static_cast<int>(v)));
-  }
+  for (uint32_t i = 0; i < n; ++i) dst[i] = Int8FromRatio(LoadIn<kBf16In>(src, i) / plan.scale);
 }
 
 // e4m3 tile. The scale comes from the finite values only; a NaN or an infinity becomes the NaN

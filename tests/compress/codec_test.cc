@@ -93,6 +93,42 @@ void ExpectAllPathsAgree(const Shape& shape, const Rows& rows, const char* what)
   }
 }
 
+// The scalar page of `rows` holds, per tile, scale = max(amax, 1e-8) / 127 and values
+// rne(fp32(x / scale)) clamped to [-128, 127], from fp32 and from bf16 input: CANN's golden, by
+// division. (ExpectAllPathsAgree then holds every path to it.)
+void ExpectInt8Quotients(const Shape& shape, const Rows& rows) {
+  const uint32_t tile = shape.format == StorageFormat::kC8Mla ? 128 : shape.dims;
+  const uint32_t quantized = shape.format == StorageFormat::kC8Mla ? 512 : shape.dims;
+  const uint32_t first = 2, entries = rows.count + 3;
+  const PageCodec ref = MakeCodec(shape, entries, SimdPath::kScalar);
+  for (RowType t : kRowTypes) {
+    SCOPED_TRACE(RowTypeName(t));
+    const std::vector<uint8_t> page = Encode(ref, rows, t, first);
+    for (uint32_t r = 0; r < rows.count; ++r) {
+      for (uint32_t t0 = 0; t0 < quantized; t0 += tile) {
+        float amax = 0;
+        for (uint32_t i = 0; i < tile; ++i) amax = std::max(amax, std::fabs(rows.Seen(t, r, t0 + i)));
+        const float s = std::max(amax, 1e-8f) / 127.0f;
+        const uint32_t slot = first + r;
+        float stored;
+        const uint8_t* q;
+        if (shape.format == StorageFormat::kC8Mla) {
+          std::memcpy(&stored, page.data() + size_t{slot} * 656 + 640 + 4 * (t0 / tile), 4);
+          q = page.data() + size_t{slot} * 656 + t0;
+        } else {
+          std::memcpy(&stored, page.data() + layout::IdxScaleOffset(shape.dims, entries, slot), 4);
+          q = page.data() + size_t{slot} * shape.dims;
+        }
+        ASSERT_EQ(std::bit_cast<uint32_t>(stored), std::bit_cast<uint32_t>(s)) << "row " << r << " tile " << t0 / tile;
+        for (uint32_t i = 0; i < tile; ++i) {
+          const float want = std::clamp(std::nearbyint(rows.Seen(t, r, t0 + i) / s), -128.0f, 127.0f);
+          ASSERT_EQ(static_cast<int8_t>(q[i]), static_cast<int>(want)) << "row " << r << " dim " << t0 + i;
+        }
+      }
+    }
+  }
+}
+
 TEST(PageCodec, EveryPathMatchesScalarBitForBit) {
   for (const Shape& shape : AllShapes()) {
     ExpectAllPathsAgree(shape, codec_testing::GaussianRows(67, shape.dims, 1), "gaussian");
@@ -135,6 +171,101 @@ TEST(PageCodec, EveryPathDecodesArbitraryBytesLikeScalar) {
         ASSERT_EQ(FirstBitDifference(b16, ref_b16), b16.size());
       }
     }
+  }
+}
+
+// int8 values are rne(fp32(x / scale)), scale = max(amax, 1e-8) / 127 (CANN's golden divides).
+// The SIMD paths multiply by fp32(1 / scale) and divide a tile where a product lies within
+// 2^-14 of a half-integer. Rows whose values sit next to half-integer multiples of their
+// tile's scale, where the product and the quotient round to different integers, must come out
+// as the quotient on every path; so must exact halves (ties to even) and tiles below the floor.
+TEST(PageCodec, Int8ValuesAreRoundedQuotientsOnEveryPath) {
+  std::mt19937_64 rng(36);
+  for (const Shape& shape : {Shape{StorageFormat::kC8Mla, 576}, Shape{StorageFormat::kIdxC8, 128},
+                             Shape{StorageFormat::kIdxC8, 48}}) {
+    const uint32_t tile = shape.format == StorageFormat::kC8Mla ? 128 : shape.dims;
+    const uint32_t quantized = shape.format == StorageFormat::kC8Mla ? 512 : shape.dims;
+    Rows rows(96, shape.dims);
+    uint64_t differ = 0;  // values where x * fp32(1 / s) and fp32(x / s) round apart
+    for (uint32_t r = 0; r < rows.count; ++r) {
+      for (uint32_t t0 = 0; t0 < quantized; t0 += tile) {
+        // Tile kinds: near-half ratios at a random scale; exact halves of a power-of-two scale
+        // (amax = 127 * 2^k); everything below the 1e-8 floor.
+        const uint32_t kind = (r + t0 / tile) % 3;
+        const float amax = kind == 1 ? std::ldexp(127.0f, static_cast<int>(rng() % 40) - 20)
+                           : kind == 2 ? 3e-9f
+                                       : std::ldexp(1.0f + static_cast<float>(rng() % 8388608) / 8388608.0f,
+                                                    static_cast<int>(rng() % 60) - 30);
+        const float s = std::max(amax, 1e-8f) / 127.0f, inv = 1.0f / s;
+        rows.at(r, t0) = rng() % 2 ? amax : -amax;
+        for (uint32_t i = 1; i < tile; ++i) {
+          float x;
+          if (kind == 2) {
+            x = static_cast<float>(rng() % 2001) * 1.5e-12f - 1.5e-9f;
+          } else {
+            const float k = static_cast<float>(static_cast<int>(rng() % 253) - 126) + 0.5f;
+            x = k * s;  // a half-integer multiple, rounded
+            if (kind == 0) {
+              for (int step = static_cast<int>(rng() % 7) - 3; step != 0; step += step > 0 ? -1 : 1)
+                x = std::nextafter(x, step > 0 ? 1e30f : -1e30f);
+            }
+            if (std::fabs(x) > amax) x = k > 0 ? amax : -amax;
+          }
+          rows.at(r, t0 + i) = x;
+          differ += std::nearbyint(x * inv) != std::nearbyint(x / s);
+        }
+      }
+      for (uint32_t i = quantized; i < shape.dims; ++i) rows.at(r, i) = 0.25f;
+    }
+    rows.Finish();
+    EXPECT_GT(differ, 20u) << "the rows must reach the values where multiplying is wrong";
+    ExpectAllPathsAgree(shape, rows, "near-half ratios");
+    ExpectInt8Quotients(shape, rows);
+  }
+}
+
+// Every bf16 value against every scale a bf16 tile can have, on every path: the scale's
+// significand depends only on amax's (128 of them, plus the 1e-8 floor), and x / scale only on
+// the significands and the exponent difference while |x / scale| >= 1/4 (below, everything
+// rounds to 0). So tiles whose largest value is each bf16 significand (at three exponents) and
+// whose other values are every bf16 value from amax down to amax / 1024, both signs, cover
+// every case of the bf16 encoders' quotient (scalar_math.h, kInt8NearHalf).
+TEST(PageCodec, Int8QuotientsOfEveryBf16Value) {
+  std::vector<std::vector<float>> tiles;  // 128 values each, the largest first
+  auto add_class = [&](float amax, float low) {
+    std::vector<float> xs;
+    for (uint32_t b = 0; b < 0x7f80; ++b) {  // every finite positive bf16
+      const float x = std::bit_cast<float>(b << 16);
+      if (x > amax || x < low) continue;
+      xs.push_back(x);
+      xs.push_back(-x);
+    }
+    for (size_t at = 0; at < xs.size(); at += 127) {
+      std::vector<float> t(128, 0.0f);
+      t[0] = amax;
+      for (size_t i = 0; i < 127 && at + i < xs.size(); ++i) t[1 + i] = xs[at + i];
+      tiles.push_back(std::move(t));
+    }
+  };
+  for (int e : {0, 37, -40}) {
+    for (uint32_t m = 0; m < 128; ++m) {
+      const float amax = std::ldexp(1.0f + static_cast<float>(m) / 128.0f, e);
+      add_class(amax, amax / 1024.0f);
+    }
+  }
+  add_class(std::bit_cast<float>(Bf16FromFloat(9e-9f) << 16), 1e-8f / 127.0f / 8.0f);  // the floor's scale
+  for (const Shape& shape : {Shape{StorageFormat::kC8Mla, 576}, Shape{StorageFormat::kIdxC8, 128}}) {
+    const uint32_t per_row = shape.format == StorageFormat::kC8Mla ? 4 : 1;
+    Rows rows(static_cast<uint32_t>((tiles.size() + per_row - 1) / per_row), shape.dims);
+    for (size_t t = 0; t < tiles.size(); ++t) {
+      for (uint32_t i = 0; i < 128; ++i) rows.at(static_cast<uint32_t>(t / per_row), (t % per_row) * 128 + i) = tiles[t][i];
+    }
+    rows.Finish();
+    for (size_t i = 0; i < rows.fp32.size(); ++i) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(rows.fp32[i]), uint32_t{rows.bf16[i]} << 16) << "not a bf16 value";
+    }
+    ExpectAllPathsAgree(shape, rows, "every bf16 quotient");
+    ExpectInt8Quotients(shape, rows);
   }
 }
 
@@ -368,10 +499,10 @@ TEST(PageCodec, ZeroTilesStoreTheDocumentedScaleAndDecodeToZero) {
       const auto dec = Decode<float>(codec, page, 0, rows.count);
       for (uint32_t r = 0; r < 2; ++r) {
         // The public writers' floors: 2^-13 for fp8_ds_mla and fp8_v4 (max(amax / 448, 1e-4)),
-        // 2^-22 for idx_fp8 (max(amax, 1e-4) / 448); the int8 formats store 0.
+        // 2^-22 for idx_fp8 (max(amax, 1e-4) / 448); the int8 formats 1e-8 / 127 (CANN's golden).
         const float expected = shape.format == StorageFormat::kFp8DsMla || shape.format == StorageFormat::kFp8V4
                                    ? 0x1p-13f
-                                   : shape.format == StorageFormat::kIdxFp8 ? 0x1p-22f : 0.0f;
+                                   : shape.format == StorageFormat::kIdxFp8 ? 0x1p-22f : 1e-8f / 127.0f;
         for (const TileRef& tile : Tiles(shape, page, rows.count, r)) EXPECT_EQ(tile.scale, expected);
         for (uint32_t i = 0; i < NopeDims(shape); ++i) {
           const float y = dec[size_t{r} * shape.dims + i];

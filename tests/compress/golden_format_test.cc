@@ -14,8 +14,11 @@
 //    the paged layout is vLLM's indexer_k_quant_and_cache (n x 128 fp8, then n x fp32).
 //  - c8_mla: CANN npu_kv_quant_sparse_flash_attention's key with key_quant_mode 2, tile 128
 //    (Ascend op-plugin docs @461b5f7): per token 512 int8 | 64 bf16 rope | 4 fp32 scales. The
-//    docs give the order and the per-tile fp32 scale, not the rounding arithmetic, so the int8
-//    values here follow our documented rule (scale = amax / 127, q = rne(x * fp32(1 / scale))).
+//    arithmetic is the golden of CANN's quantized sparse flash attention for DeepSeek V3.2 in
+//    hicann/pypto (models/deepseek_v32_exp/deepseekv32_sparse_flash_attention_quant.py and
+//    deepseekv32_sparse_attention_antiquant.py, last changed at
+//    b945dd2d2fd6015f11ad4e44ed108358cc7a4303): per token and tile of 128, in fp32,
+//    s = max(amax, 1e-8) / 127, q = round-half-even(x / s) clamped to [-128, 127].
 //
 // e4m3 here is the OCP 8-bit float E4M3 (bias 7, no infinities, S.1111.111 NaN, largest 448),
 // rounded to nearest, ties to the even code: written from the spec by searching the 126 finite
@@ -238,11 +241,10 @@ RefPage RefC8Mla(const std::vector<uint16_t>& rows, uint32_t n) {
       p.decoded[size_t{r} * 576 + 512 + i] = Bf16Value(x[512 + i]);
     }
     for (uint32_t t = 0; t < 4; ++t) {
-      const float s = TileAmax(x + 128 * t, 128) / 127.0f;  // normal for these inputs
-      PutF32(p.bytes, tok + 640 + 4 * t, s);                 // scales last
-      const float inv = s == 0 ? 0.0f : 1.0f / s;
+      const float s = std::max(TileAmax(x + 128 * t, 128), 1e-8f) / 127.0f;
+      PutF32(p.bytes, tok + 640 + 4 * t, s);  // scales last
       for (uint32_t i = 128 * t; i < 128 * t + 128; ++i) {
-        const float v = std::clamp(std::nearbyint(Bf16Value(x[i]) * inv), -127.0f, 127.0f);
+        const float v = std::clamp(std::nearbyint(Bf16Value(x[i]) / s), -128.0f, 127.0f);
         const int8_t q = static_cast<int8_t>(v);
         p.bytes[tok + i] = static_cast<uint8_t>(q);
         p.decoded[size_t{r} * 576 + i] = static_cast<float>(q) * s;
