@@ -100,6 +100,7 @@ class FaultRandomRWFile final : public RandomRWFile {
   }
 
   Result<uint64_t> Size() override { return base_->Size(); }
+  Status Truncate(uint64_t size) override { return base_->Truncate(size); }
   const std::string& path() const override { return base_->path(); }
   int fd() const override { return base_->fd(); }
 

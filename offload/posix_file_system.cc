@@ -57,6 +57,13 @@ class PosixRandomRWFile final : public RandomRWFile {
     return Status::OK();
   }
 
+  Status Truncate(uint64_t size) override {
+    if (::ftruncate(fd_, static_cast<off_t>(size)) != 0) {
+      return ErrnoStatus(errno, fmt::format("ftruncate {} to {}", path_, size));
+    }
+    return Status::OK();
+  }
+
   Status Allocate(uint64_t offset, uint64_t length) override {
     if (::fallocate(fd_, 0, static_cast<off_t>(offset), static_cast<off_t>(length)) == 0)
       return Status::OK();

@@ -71,6 +71,8 @@ class RandomRWFile {
   // Reserves [offset, offset + length) on disk (fallocate), growing the file if needed.
   virtual Status Allocate(uint64_t offset, uint64_t length) = 0;
   virtual Result<uint64_t> Size() = 0;
+  // Cuts the file to `size` bytes (ftruncate), as the request log cuts a torn tail.
+  virtual Status Truncate(uint64_t size) = 0;
   virtual const std::string& path() const = 0;
 
   // io_uring support: the descriptor to submit against, and the hooks (see the top).

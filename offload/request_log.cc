@@ -1,0 +1,522 @@
+// RequestLog (request_log.h): segments of checksummed records, group-committed by one thread.
+#include "sparsekv/request_log.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <map>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "sparsekv/thread_annotations.h"
+
+namespace sparsekv {
+namespace {
+
+constexpr char kMagic[8] = {'S', 'K', 'V', 'L', 'O', 'G', '0', '1'};
+constexpr uint64_t kSegmentHeaderBytes = 16;
+constexpr uint64_t kRecordHeaderBytes = 24;
+constexpr uint8_t kTokens = 1, kSuspended = 2, kFinished = 3;
+constexpr uint64_t kTokensBodyHeader = 16;
+constexpr uint64_t kSuspendedBody = 32;
+constexpr const char* kSuffix = ".skvlog";
+
+template <class T>
+void Put(std::vector<std::byte>& out, T v) {
+  const size_t at = out.size();
+  out.resize(at + sizeof(T));
+  std::memcpy(out.data() + at, &v, sizeof(T));
+}
+
+template <class T>
+T Get(const std::byte* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+uint32_t Checksum(const std::byte* from, size_t bytes, uint64_t segment) {
+  return static_cast<uint32_t>(XXH3_64bits_withSeed(from, bytes, segment));
+}
+
+// Appends one record: header (checksum filled last) and body.
+void EncodeRecord(std::vector<std::byte>& out, uint64_t segment, uint8_t type, uint64_t request,
+                  std::span<const std::byte> body) {
+  const size_t at = out.size();
+  Put<uint32_t>(out, 0);
+  Put<uint32_t>(out, static_cast<uint32_t>(body.size()));
+  Put<uint8_t>(out, type);
+  for (int i = 0; i < 7; ++i) Put<uint8_t>(out, 0);
+  Put<uint64_t>(out, request);
+  out.insert(out.end(), body.begin(), body.end());
+  const uint32_t sum = Checksum(out.data() + at + 4, out.size() - at - 4, segment);
+  std::memcpy(out.data() + at, &sum, 4);
+}
+
+std::string SegmentName(uint64_t number) { return fmt::format("{:016x}{}", number, kSuffix); }
+
+class RequestLogImpl final : public RequestLog {
+ public:
+  explicit RequestLogImpl(RequestLogOptions o) : o_(std::move(o)), fs_(o_.fs ? o_.fs : FileSystem::Default()) {}
+
+  ~RequestLogImpl() override {
+    {
+      MutexLock l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (committer_.joinable()) committer_.join();
+  }
+
+  Status Init() {
+    if (o_.path.empty()) return Status::InvalidArgument("request log: path must be set");
+    if (o_.segment_bytes < 4096) {
+      return Status::InvalidArgument(fmt::format("request log: segment_bytes {} is below 4096", o_.segment_bytes));
+    }
+    if (o_.max_append_tokens == 0) return Status::InvalidArgument("request log: max_append_tokens must be positive");
+    SPARSEKV_RETURN_IF_ERROR(fs_->CreateDirs(o_.path));
+    SPARSEKV_RETURN_IF_ERROR(RecoverSegments());
+    {
+      MutexLock l(mu_);
+      SPARSEKV_RETURN_IF_ERROR(StartSegmentLocked());
+    }
+    committer_ = std::thread([this] { CommitLoop(); });
+    return Status::OK();
+  }
+
+  Status Append(uint64_t request, uint64_t first_token, std::span<const int32_t> tokens) override {
+    std::promise<Status> p;
+    auto f = p.get_future();
+    AppendAsync(request, first_token, tokens, [&p](Status s) { p.set_value(std::move(s)); });
+    return f.get();
+  }
+
+  void AppendAsync(uint64_t request, uint64_t first_token, std::span<const int32_t> tokens,
+                   std::function<void(Status)> done) override {
+    if (tokens.empty()) return done(Status::InvalidArgument("request log: an append of no tokens"));
+    if (tokens.size() > o_.max_append_tokens) {
+      return done(Status::InvalidArgument(fmt::format("request log: an append of {} tokens; at most {}",
+                                                      tokens.size(), o_.max_append_tokens)));
+    }
+    std::vector<std::byte> body;
+    body.reserve(kTokensBodyHeader + 4 * tokens.size());
+    Put<uint64_t>(body, first_token);
+    Put<uint32_t>(body, static_cast<uint32_t>(tokens.size()));
+    Put<uint32_t>(body, 0);
+    const size_t at = body.size();
+    body.resize(at + 4 * tokens.size());
+    std::memcpy(body.data() + at, tokens.data(), 4 * tokens.size());
+    Status refused;
+    {
+      MutexLock l(mu_);
+      auto it = live_.find(request);
+      const uint64_t have = it == live_.end() ? 0 : it->second.queued;
+      if (!failed_.ok()) {
+        refused = failed_;
+      } else if (it != live_.end() && it->second.finished) {
+        refused = Status::FailedPrecondition(fmt::format("request log: request {} is finished", request));
+      } else if (first_token != have) {
+        refused = Status::FailedPrecondition(fmt::format(
+            "request log: request {} has {} tokens logged or queued; an append must start there, not at {}", request,
+            have, first_token));
+      } else {
+        live_[request].queued += tokens.size();
+        Queue(kTokens, request, body, tokens.size(), std::move(done));
+        return;
+      }
+    }
+    done(refused);  // outside the lock: `done` may call the log
+  }
+
+  Status Suspended(uint64_t request, const Suspension& s) override {
+    std::vector<std::byte> body;
+    Put<uint64_t>(body, s.tokens);
+    Put<uint64_t>(body, s.tail.lo);
+    Put<uint64_t>(body, s.tail.hi);
+    Put<uint64_t>(body, s.tag);
+    std::promise<Status> p;
+    auto f = p.get_future();
+    {
+      MutexLock l(mu_);
+      if (!failed_.ok()) return failed_;
+      auto it = live_.find(request);
+      if (it == live_.end() || it->second.finished) {
+        return Status::FailedPrecondition(fmt::format("request log: request {} has no tokens logged, or is finished", request));
+      }
+      if (s.tokens > it->second.queued) {
+        return Status::FailedPrecondition(fmt::format(
+            "request log: a suspension at token {} of request {}, which has {} tokens logged", s.tokens, request,
+            it->second.queued));
+      }
+      Queue(kSuspended, request, body, 0, [&p](Status st) { p.set_value(std::move(st)); });
+    }
+    return f.get();
+  }
+
+  Status Finish(uint64_t request) override {
+    std::promise<Status> p;
+    auto f = p.get_future();
+    {
+      MutexLock l(mu_);
+      if (!failed_.ok()) return failed_;
+      auto it = live_.find(request);
+      if (it == live_.end() || it->second.finished) {
+        return Status::NotFound(fmt::format("request log: no unfinished request {}", request));
+      }
+      it->second.finished = true;  // no more appends; reclaimed once the record is durable
+      Queue(kFinished, request, {}, 0, [&p](Status st) { p.set_value(std::move(st)); });
+    }
+    return f.get();
+  }
+
+  std::vector<Request> Recover() const override {
+    MutexLock l(mu_);
+    return recovered_;
+  }
+
+  RequestLogStats Stats() const override {
+    MutexLock l(mu_);
+    RequestLogStats s = stats_;
+    s.segments = segments_.size();
+    s.live_requests = 0;
+    for (const auto& [id, r] : live_) s.live_requests += !r.finished;
+    return s;
+  }
+
+ private:
+  // A request with records in the log: its tokens logged or queued, the segments holding its
+  // records (they stay while it is unfinished), and whether Finish was called.
+  struct Live {
+    uint64_t queued = 0;
+    bool finished = false;
+    std::unordered_set<uint64_t> segments;
+  };
+  struct Pending {
+    uint8_t type;
+    uint64_t request;
+    std::vector<std::byte> body;
+    uint64_t tokens;
+    std::function<void(Status)> done;
+  };
+  struct Segment {
+    std::unique_ptr<RandomRWFile> file;  // open only for the active one
+    uint64_t bytes = 0;
+    uint64_t holders = 0;  // unfinished requests with records here
+  };
+
+  void Queue(uint8_t type, uint64_t request, std::span<const std::byte> body, uint64_t tokens,
+             std::function<void(Status)> done) SPARSEKV_REQUIRES(mu_) {
+    pending_.push_back(Pending{type, request, {body.begin(), body.end()}, tokens, std::move(done)});
+    cv_.notify_one();
+  }
+
+  std::string PathOf(uint64_t number) const { return o_.path + "/" + SegmentName(number); }
+
+  Status StartSegmentLocked() SPARSEKV_REQUIRES(mu_) {
+    const uint64_t number = next_segment_++;
+    FileOpenOptions fo;
+    fo.create = true;
+    fo.dsync = o_.durability == Durability::kDsync;
+    SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<RandomRWFile> f, fs_->OpenRandomRW(PathOf(number), fo));
+    std::vector<std::byte> header(kSegmentHeaderBytes);
+    std::memcpy(header.data(), kMagic, 8);
+    std::memcpy(header.data() + 8, &number, 8);
+    SPARSEKV_RETURN_IF_ERROR(f->Write(0, header));
+    if (o_.durability != Durability::kNone) {
+      SPARSEKV_RETURN_IF_ERROR(f->Sync());
+      SPARSEKV_RETURN_IF_ERROR(fs_->SyncDir(o_.path));
+    }
+    if (active_ != 0) segments_[active_].file.reset();
+    Segment& s = segments_[number];
+    s.file = std::move(f);
+    s.bytes = kSegmentHeaderBytes;
+    active_ = number;
+    return Status::OK();
+  }
+
+  void CommitLoop() {
+    for (;;) {
+      std::deque<Pending> batch;
+      {
+        MutexLock l(mu_);
+        cv_.wait(mu_, [&]() SPARSEKV_NO_THREAD_SAFETY_ANALYSIS { return stop_ || !pending_.empty(); });
+        if (pending_.empty()) return;  // stopping, nothing left
+        batch.swap(pending_);
+      }
+      Commit(batch);
+    }
+  }
+
+  void Commit(std::deque<Pending>& batch) SPARSEKV_EXCLUDES(mu_) {
+    Status st;
+    uint64_t segment = 0;
+    RandomRWFile* file = nullptr;
+    uint64_t offset = 0;
+    {
+      MutexLock l(mu_);
+      st = failed_;
+      if (st.ok() && segments_[active_].bytes >= o_.segment_bytes) st = StartSegmentLocked();
+      if (st.ok()) {
+        segment = active_;
+        file = segments_[active_].file.get();
+        offset = segments_[active_].bytes;
+      }
+    }
+    std::vector<std::byte> bytes;
+    if (st.ok()) {
+      for (const Pending& p : batch) EncodeRecord(bytes, segment, p.type, p.request, p.body);
+      st = file->Write(offset, bytes);
+      if (st.ok() && o_.durability == Durability::kFdatasync) st = file->Sync();
+    }
+    std::vector<uint64_t> to_delete;
+    {
+      MutexLock l(mu_);
+      if (!st.ok()) {
+        if (failed_.ok()) {
+          failed_ = st.WithContext("request log: a group commit failed; reopen the log to recover");
+          spdlog::error("{}", failed_.ToString());
+        }
+        st = failed_;
+      } else {
+        Segment& s = segments_[segment];
+        s.bytes += bytes.size();
+        ++stats_.commits;
+        stats_.syncs += o_.durability == Durability::kFdatasync;
+        stats_.bytes_written += bytes.size();
+        for (const Pending& p : batch) {
+          auto it = live_.find(p.request);
+          if (it == live_.end()) continue;
+          if (p.type == kFinished) {
+            for (uint64_t seg : it->second.segments) --segments_[seg].holders;
+            live_.erase(it);
+          } else {
+            if (it->second.segments.insert(segment).second) ++s.holders;
+            if (p.type == kTokens) {
+              ++stats_.appends;
+              stats_.tokens += p.tokens;
+            }
+          }
+        }
+        // Oldest first, never the active one: a finish record goes only after every older
+        // segment, so it never outlives the tokens it ends.
+        while (!segments_.empty() && segments_.begin()->first != active_ && segments_.begin()->second.holders == 0) {
+          to_delete.push_back(segments_.begin()->first);
+          segments_.erase(segments_.begin());
+        }
+        stats_.segments_deleted += to_delete.size();
+      }
+    }
+    for (uint64_t n : to_delete) {
+      const Status d = fs_->DeleteFile(PathOf(n));
+      if (!d.ok()) spdlog::warn("request log: deleting {}: {}", PathOf(n), d.ToString());
+    }
+    if (!to_delete.empty() && o_.durability != Durability::kNone) (void)fs_->SyncDir(o_.path);
+    for (Pending& p : batch) p.done(st);
+  }
+
+  // Reads every segment, rebuilding the requests and their segments; cuts a torn tail.
+  Status RecoverSegments() SPARSEKV_EXCLUDES(mu_) {
+    MutexLock l(mu_);  // no other thread yet; for the annotations
+    SPARSEKV_ASSIGN_OR_RETURN(std::vector<std::string> names, fs_->ListDir(o_.path));
+    std::vector<uint64_t> numbers;
+    for (const std::string& n : names) {
+      if (n.size() != 16 + std::strlen(kSuffix) || n.compare(16, std::string::npos, kSuffix) != 0) continue;
+      uint64_t v = 0;
+      bool ok = true;
+      for (int i = 0; i < 16 && ok; ++i) {
+        const char c = n[i];
+        const int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        ok = d >= 0;
+        v = v << 4 | static_cast<uint64_t>(d < 0 ? 0 : d);
+      }
+      if (ok) numbers.push_back(v);
+    }
+    std::sort(numbers.begin(), numbers.end());
+    std::map<uint64_t, Partial> requests;  // unfinished, by id
+    std::unordered_map<uint64_t, std::unordered_set<uint64_t>> held;
+    for (size_t k = 0; k < numbers.size(); ++k) {
+      const uint64_t number = numbers[k];
+      const bool last = k + 1 == numbers.size();
+      const std::string path = PathOf(number);
+      SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<RandomRWFile> f, fs_->OpenRandomRW(path, FileOpenOptions{}));
+      SPARSEKV_ASSIGN_OR_RETURN(uint64_t size, f->Size());
+      std::vector<std::byte> data(size);
+      SPARSEKV_ASSIGN_OR_RETURN(uint64_t got, f->Read(0, data));
+      data.resize(got);
+      uint64_t good = 0;  // bytes up to the end of the last valid record
+      std::string fault;
+      if (data.size() < kSegmentHeaderBytes || std::memcmp(data.data(), kMagic, 8) != 0 ||
+          Get<uint64_t>(data.data() + 8) != number) {
+        fault = "its header is missing or not a request log segment's";
+      } else {
+        good = kSegmentHeaderBytes;
+        while (good < data.size()) {
+          std::string why;
+          bool broken = false;
+          const uint64_t used = ReadRecord(data, good, number, requests, held, &why, &broken);
+          if (broken) {
+            // A whole record whose checksum holds but which does not follow its request: not a
+            // torn write, whatever segment it is in.
+            return Status::Corruption(fmt::format("request log: {} at byte {}: {}", path, good, why));
+          }
+          if (used == 0) {
+            fault = fmt::format("record at byte {}: {}", good, why);
+            break;
+          }
+          good += used;
+        }
+      }
+      if (!fault.empty()) {
+        if (!last) {
+          return Status::Corruption(fmt::format(
+              "request log: {} is damaged before its end ({}), and it is not the newest segment: this is not "
+              "a torn write; move it aside to open the log without it",
+              path, fault));
+        }
+        // A torn tail: cut it so the segment ends with its last whole record.
+        spdlog::warn("request log: cutting {} bytes of a torn tail off {} ({})", data.size() - good, path, fault);
+        stats_.torn_bytes_cut += data.size() - good;
+        if (good < kSegmentHeaderBytes) {
+          SPARSEKV_RETURN_IF_ERROR(fs_->DeleteFile(path));
+          SPARSEKV_RETURN_IF_ERROR(fs_->SyncDir(o_.path));
+          continue;
+        }
+        SPARSEKV_RETURN_IF_ERROR(f->Truncate(good));
+        SPARSEKV_RETURN_IF_ERROR(f->Sync());
+      }
+      segments_[number].bytes = good;
+      next_segment_ = number + 1;
+    }
+    for (auto& [id, p] : requests) {
+      if (p.headless) {
+        return Status::Corruption(fmt::format(
+            "request log: request {} is unfinished but its first tokens are in no segment", id));
+      }
+      Request& r = p.r;
+      Live& live = live_[id];
+      live.queued = r.tokens.size();
+      for (uint64_t seg : held[id]) {
+        if (segments_.count(seg)) {
+          live.segments.insert(seg);
+          ++segments_[seg].holders;
+        }
+      }
+      recovered_.push_back(std::move(r));
+    }
+    return Status::OK();
+  }
+
+  // A request as recovery reads it. Its first records may be gone with a reclaimed segment when
+  // it was finished: then its tokens start at `base`, and its finish record comes later.
+  struct Partial {
+    Request r;
+    uint64_t base = 0;
+    bool headless = false;  // seen first mid-stream (base > 0) or by a suspension alone
+  };
+
+  // Parses the record at `at`; returns its bytes, or 0 (with `why`) when it is not whole and
+  // valid; sets `broken` when it is, but does not continue its request.
+  static uint64_t ReadRecord(const std::vector<std::byte>& data, uint64_t at, uint64_t segment,
+                             std::map<uint64_t, Partial>& requests,
+                             std::unordered_map<uint64_t, std::unordered_set<uint64_t>>& held, std::string* why,
+                             bool* broken) {
+    if (data.size() - at < kRecordHeaderBytes) {
+      *why = "a partial header";
+      return 0;
+    }
+    const std::byte* p = data.data() + at;
+    const uint32_t body = Get<uint32_t>(p + 4);
+    if (body > data.size() - at - kRecordHeaderBytes) {
+      *why = fmt::format("a body of {} bytes runs past the end", body);
+      return 0;
+    }
+    if (Checksum(p + 4, kRecordHeaderBytes - 4 + body, segment) != Get<uint32_t>(p)) {
+      *why = "checksum mismatch";
+      return 0;
+    }
+    const uint8_t type = Get<uint8_t>(p + 8);
+    const uint64_t request = Get<uint64_t>(p + 16);
+    const std::byte* b = p + kRecordHeaderBytes;
+    switch (type) {
+      case kTokens: {
+        if (body < kTokensBodyHeader) break;
+        const uint64_t first = Get<uint64_t>(b);
+        const uint32_t count = Get<uint32_t>(b + 8);
+        if (body != kTokensBodyHeader + 4ull * count) break;
+        auto [it, fresh] = requests.try_emplace(request);
+        Partial& p = it->second;
+        if (fresh || (p.headless && p.r.tokens.empty())) {
+          p.r.id = request;
+          p.base = first;  // 0 unless its head was reclaimed (it must be finished later)
+          p.headless = p.headless || first != 0;
+        }
+        if (first != p.base + p.r.tokens.size()) {
+          *why = fmt::format("tokens from {} of request {}, which has {}", first, request, p.base + p.r.tokens.size());
+          *broken = true;
+          return 0;
+        }
+        const size_t was = p.r.tokens.size();
+        p.r.tokens.resize(was + count);
+        std::memcpy(p.r.tokens.data() + was, b + kTokensBodyHeader, 4ull * count);
+        held[request].insert(segment);
+        return kRecordHeaderBytes + body;
+      }
+      case kSuspended: {
+        if (body != kSuspendedBody) break;
+        auto [it, fresh] = requests.try_emplace(request);
+        Suspension s{Get<uint64_t>(b), BlockHash{Get<uint64_t>(b + 8), Get<uint64_t>(b + 16)}, Get<uint64_t>(b + 24)};
+        if (fresh) {  // its tokens were reclaimed: it must be finished later
+          it->second.r.id = request;
+          it->second.headless = true;
+        } else if (!it->second.headless && s.tokens > it->second.base + it->second.r.tokens.size()) {
+          *why = fmt::format("a suspension of request {} past its tokens", request);
+          *broken = true;
+          return 0;
+        }
+        it->second.r.suspension = s;
+        held[request].insert(segment);
+        return kRecordHeaderBytes + body;
+      }
+      case kFinished:
+        if (body != 0) break;
+        requests.erase(request);
+        held.erase(request);
+        return kRecordHeaderBytes;
+      default: break;
+    }
+    *why = fmt::format("a record of type {} with a body of {} bytes", type, body);
+    return 0;
+  }
+
+  const RequestLogOptions o_;
+  FileSystem* const fs_;
+  mutable Mutex mu_;
+  std::condition_variable_any cv_;
+  bool stop_ SPARSEKV_GUARDED_BY(mu_) = false;
+  Status failed_ SPARSEKV_GUARDED_BY(mu_);
+  std::deque<Pending> pending_ SPARSEKV_GUARDED_BY(mu_);
+  std::unordered_map<uint64_t, Live> live_ SPARSEKV_GUARDED_BY(mu_);
+  std::map<uint64_t, Segment> segments_ SPARSEKV_GUARDED_BY(mu_);
+  uint64_t active_ SPARSEKV_GUARDED_BY(mu_) = 0;
+  uint64_t next_segment_ SPARSEKV_GUARDED_BY(mu_) = 1;
+  std::vector<Request> recovered_ SPARSEKV_GUARDED_BY(mu_);
+  RequestLogStats stats_ SPARSEKV_GUARDED_BY(mu_);
+  std::thread committer_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<RequestLog>> RequestLog::Open(const RequestLogOptions& options) {
+  auto log = std::make_unique<RequestLogImpl>(options);
+  SPARSEKV_RETURN_IF_ERROR(log->Init());
+  return std::unique_ptr<RequestLog>(std::move(log));
+}
+
+}  // namespace sparsekv
