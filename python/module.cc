@@ -38,6 +38,7 @@
 #include "sparsekv/model_spec.h"
 #include "sparsekv/offload_options.h"
 #include "sparsekv/offloaded_cache.h"
+#include "sparsekv/request_log.h"
 #include "sparsekv/status.h"
 
 namespace py = pybind11;
@@ -1054,6 +1055,104 @@ class PyCacheManager {
 
 // An OffloadedCache (offloaded_cache.h) over a CacheManager, with the tier chain it opens from
 // the daemon's "offload" options. It keeps the manager alive; destroyed before its chain.
+// ---- RequestLog ----
+
+class PyRequestLog {
+ public:
+  PyRequestLog(const std::string& path, const std::string& durability, uint64_t segment_bytes) {
+    RequestLogOptions o;
+    o.path = path;
+    o.durability = Take(ParseDurability(durability));
+    o.segment_bytes = segment_bytes;
+    py::gil_scoped_release unlocked;
+    log_ = Take(RequestLog::Open(o));
+  }
+
+  void Append(uint64_t request, uint64_t first_token, const std::vector<int64_t>& tokens) {
+    std::vector<int32_t> t(tokens.size());
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (tokens[i] < INT32_MIN || tokens[i] > INT32_MAX) {
+        throw py::value_error("append: token " + std::to_string(tokens[i]) + " does not fit in 32 bits");
+      }
+      t[i] = static_cast<int32_t>(tokens[i]);
+    }
+    Status st;
+    {
+      py::gil_scoped_release unlocked;
+      st = log()->Append(request, first_token, t);
+    }
+    if (!st.ok()) Raise(st);
+  }
+
+  void Suspended(uint64_t request, uint64_t tokens, const py::bytes& tail, uint64_t tag) {
+    const std::string t = tail;
+    if (t.size() != 16) throw py::value_error("suspended: the tail key is 16 bytes");
+    RequestLog::Suspension s;
+    s.tokens = tokens;
+    std::memcpy(&s.tail.lo, t.data(), 8);
+    std::memcpy(&s.tail.hi, t.data() + 8, 8);
+    s.tag = tag;
+    Status st;
+    {
+      py::gil_scoped_release unlocked;
+      st = log()->Suspended(request, s);
+    }
+    if (!st.ok()) Raise(st);
+  }
+
+  void Finish(uint64_t request) {
+    Status st;
+    {
+      py::gil_scoped_release unlocked;
+      st = log()->Finish(request);
+    }
+    if (!st.ok()) Raise(st);
+  }
+
+  // [(id, tokens, (tokens, tail bytes, tag) or None)]
+  py::list Recover() {
+    py::list out;
+    for (const RequestLog::Request& r : log()->Recover()) {
+      py::object susp = py::none();
+      if (r.suspension) {
+        char tail[16];
+        std::memcpy(tail, &r.suspension->tail.lo, 8);
+        std::memcpy(tail + 8, &r.suspension->tail.hi, 8);
+        susp = py::make_tuple(r.suspension->tokens, py::bytes(tail, 16), r.suspension->tag);
+      }
+      out.append(py::make_tuple(r.id, py::cast(r.tokens), susp));
+    }
+    return out;
+  }
+
+  py::dict Stats() {
+    const RequestLogStats s = log()->Stats();
+    py::dict d;
+    d["appends"] = s.appends;
+    d["tokens"] = s.tokens;
+    d["commits"] = s.commits;
+    d["syncs"] = s.syncs;
+    d["bytes_written"] = s.bytes_written;
+    d["segments"] = s.segments;
+    d["segments_deleted"] = s.segments_deleted;
+    d["live_requests"] = s.live_requests;
+    d["torn_bytes_cut"] = s.torn_bytes_cut;
+    return d;
+  }
+
+  void Close() {
+    py::gil_scoped_release unlocked;
+    log_.reset();
+  }
+
+ private:
+  RequestLog* log() {
+    if (!log_) Raise(Status::FailedPrecondition("the request log is closed"));
+    return log_.get();
+  }
+  std::unique_ptr<RequestLog> log_;
+};
+
 class PyOffloadedCache {
  public:
   PyOffloadedCache(PyCacheManager& manager, const std::string& offload_json, const std::string& data_dir,
@@ -1416,6 +1515,16 @@ PYBIND11_MODULE(_sparsekv, m) {
       .def_property_readonly("dropped", &PyEventQueue::dropped)
       .def_property_readonly("pending", &PyEventQueue::pending)
       .def("close", &PyEventQueue::Close);
+  py::class_<PyRequestLog>(m, "_RequestLog")
+      .def(py::init<const std::string&, const std::string&, uint64_t>(), py::arg("path"), py::arg("durability"),
+           py::arg("segment_bytes"))
+      .def("append", &PyRequestLog::Append)
+      .def("suspended", &PyRequestLog::Suspended)
+      .def("finish", &PyRequestLog::Finish)
+      .def("recover", &PyRequestLog::Recover)
+      .def("stats", &PyRequestLog::Stats)
+      .def("close", &PyRequestLog::Close);
+
   py::class_<PyOffloadedCache>(m, "_OffloadedCache")
       .def(py::init<PyCacheManager&, const std::string&, const std::string&, const std::string&, uint32_t, uint64_t,
                     uint32_t, int, uint32_t>(),

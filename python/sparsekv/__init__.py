@@ -20,7 +20,7 @@ from . import _sparsekv
 __version__ = _sparsekv.__version__
 
 __all__ = ["CacheManager", "Client", "Codec", "Error", "HintInfo", "KvEvent", "KvEventQueue", "ModelSpec", "OffloadedCache",
-           "PoolRegion", "__version__", "block_hashes", "model_preset", "model_presets", "model_spec_from_json",
+           "PoolRegion", "RequestLog", "__version__", "block_hashes", "model_preset", "model_presets", "model_spec_from_json",
            "plan_for_budget", "plan_for_sequences"]
 
 import collections as _collections
@@ -603,3 +603,50 @@ class OffloadedCache:
     def stats(self):
         """Demote and restore counts, and each tier's items, bytes, hits and misses."""
         return self._c.stats()
+
+
+class RequestLog:
+    """A token-granular write-ahead log of generation requests (request_log.h): append each
+    request's generated tokens as they come; an append returns once durable (group-committed with
+    every other append waiting, one fdatasync for all under the default durability). After a
+    crash, ``recover()`` lists every unfinished request with every acknowledged token and the last
+    state it was suspended at. A torn tail is cut at open; damage before it raises Corruption.
+
+    ``RequestLog(path, durability="fdatasync", segment_bytes=64 << 20)``; durability is
+    "fdatasync", "dsync" or "none"."""
+
+    def __init__(self, path, durability="fdatasync", segment_bytes=64 << 20):
+        self._l = _sparsekv._RequestLog(str(path), durability, int(segment_bytes))
+
+    def append(self, request, first_token, tokens):
+        """Appends `tokens` (ints) as tokens first_token.. of `request` (a new one starts at 0);
+        raises FailedPrecondition when that does not continue the request."""
+        self._l.append(int(request), int(first_token), [int(t) for t in tokens])
+
+    def suspended(self, request, tokens, tail, tag=0):
+        """Logs that `request` was suspended with its state at `tokens` tokens, kept under the
+        16-byte key `tail`."""
+        self._l.suspended(int(request), int(tokens), bytes(tail), int(tag))
+
+    def finish(self, request):
+        """Logs that `request` is done: its records become garbage and their segments are
+        deleted once no unfinished request needs them."""
+        self._l.finish(int(request))
+
+    def recover(self):
+        """Every unfinished request as the log was opened: a list of (id, tokens, suspension),
+        suspension None or (tokens, tail, tag)."""
+        return self._l.recover()
+
+    def stats(self):
+        return self._l.stats()
+
+    def close(self):
+        self._l.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
