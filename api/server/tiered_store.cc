@@ -1002,8 +1002,9 @@ void TieredStore::RenderMetrics(std::string& out) {
 
 // Under write-back a bundle goes below the host tier only when the host tier evicts it, so at a
 // graceful stop the host tier holds bundles no other tier has: they are copied to the tier
-// below (least recently used first, so that if that tier runs out of room it keeps the most
-// recent), in batches of at most kSpillBatchBytes pinned, each batch waited for.
+// below (in the host tier's eviction order, the next to go first, so that if that tier runs out
+// of room it keeps what the host tier valued most), in batches of at most kSpillBatchBytes
+// pinned, each batch waited for.
 Status TieredStore::Flush() {
   chain_->WaitIdle();
   Status st;
