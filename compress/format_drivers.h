@@ -94,11 +94,16 @@ void EncodeMla8(const EncodeJob& j) {
         StoreF32(tok + kMlaScaleAt<kFp8> + 4 * t, fp8.plans[r & 1][t].scale);
       }
     } else {
+      // Every tile's scale first: their divisions are independent and overlap, where planning
+      // and applying tile by tile made each value loop wait for its own scale.
+      TilePlan plans[kTiles];
       for (uint32_t t = 0; t < kTiles; ++t) {
-        const uint8_t* src = x + t * layout::kMlaTile * in;
-        const TilePlan plan = P::template PlanInt8<kBf16In>(src, layout::kMlaTile);
-        P::template ApplyInt8<kBf16In>(src, layout::kMlaTile, plan, tok + t * layout::kMlaTile);
-        StoreF32(tok + kMlaScaleAt<kFp8> + 4 * t, plan.scale);
+        plans[t] = P::template PlanInt8<kBf16In>(x + t * layout::kMlaTile * in, layout::kMlaTile);
+      }
+      for (uint32_t t = 0; t < kTiles; ++t) {
+        P::template ApplyInt8<kBf16In>(x + t * layout::kMlaTile * in, layout::kMlaTile, plans[t],
+                                       tok + t * layout::kMlaTile);
+        StoreF32(tok + kMlaScaleAt<kFp8> + 4 * t, plans[t].scale);
       }
     }
     P::template ToBf16<kBf16In>(x + layout::kMlaNopeDims * in, layout::kMlaRopeDims,
@@ -174,9 +179,13 @@ void EncodeIdx(const EncodeJob& j) {
   };
   auto values = [&j](uint32_t r) { return j.page + IdxValueOffset(j.dims, j.first_slot + r); };
   if constexpr (!kFp8) {
+    // The next key's scale is planned before this key's values are written, so that its
+    // divisions overlap this key's value loop instead of stalling the next one.
+    TilePlan next = j.count > 0 ? P::template PlanInt8<kBf16In>(j.rows, j.dims) : TilePlan{};
     for (uint32_t r = 0; r < j.count; ++r) {
       const uint8_t* x = j.rows + r * j.row_stride;
-      const TilePlan plan = P::template PlanInt8<kBf16In>(x, j.dims);
+      const TilePlan plan = next;
+      if (r + 1 < j.count) next = P::template PlanInt8<kBf16In>(x + j.row_stride, j.dims);
       P::template ApplyInt8<kBf16In>(x, j.dims, plan, values(r));
       store_scale(r, plan.scale);
     }
