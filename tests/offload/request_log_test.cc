@@ -288,21 +288,10 @@ TEST(RequestLogCrash, EveryAcknowledgedTokenSurvivesSigkill) {
   for (int cycle = 0; cycle < 4; ++cycle) {
     int fds[2];
     ASSERT_EQ(pipe(fds), 0);
-    const std::string env_dir = "SPARSEKV_RLOG_DIR=" + dir.path();
-    const std::string env_fd = "SPARSEKV_RLOG_FD=" + std::to_string(fds[1]);
-    char* envp[] = {const_cast<char*>(env_dir.c_str()), const_cast<char*>(env_fd.c_str()), nullptr};
-    char filter[] = "--gtest_filter=RequestLogCrashChild.DISABLED_AppendUntilKilled";
-    char disabled[] = "--gtest_also_run_disabled_tests";
-    char self[] = "/proc/self/exe";
-    char* argv[] = {self, filter, disabled, nullptr};
-    const pid_t pid = fork();
+    const pid_t pid = testing::SpawnChildTest(
+        "RequestLogCrashChild.DISABLED_AppendUntilKilled",
+        {"SPARSEKV_RLOG_DIR=" + dir.path(), "SPARSEKV_RLOG_FD=" + std::to_string(fds[1])}, fds);
     ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      close(fds[0]);
-      execve(self, argv, envp);
-      _exit(127);
-    }
-    close(fds[1]);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(200 + rng() % 500);
     auto drain = [&](int timeout_ms) {
       pollfd p{fds[0], POLLIN, 0};

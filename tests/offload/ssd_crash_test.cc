@@ -77,23 +77,12 @@ TEST(SsdCrash, AcknowledgedBundlesSurviveSigkill) {
   for (int cycle = 0; cycle < 3; ++cycle) {
     int fds[2];
     ASSERT_EQ(pipe(fds), 0);
-    const std::string env_dir = "SPARSEKV_CRASH_DIR=" + dir.path();
-    const std::string env_fd = "SPARSEKV_CRASH_FD=" + std::to_string(fds[1]);
-    const std::string env_base = "SPARSEKV_CRASH_BASE=" + std::to_string(uint64_t(cycle) << 32);
-    char* envp[] = {const_cast<char*>(env_dir.c_str()), const_cast<char*>(env_fd.c_str()),
-                    const_cast<char*>(env_base.c_str()), nullptr};
-    char filter[] = "--gtest_filter=SsdCrashChild.DISABLED_PutUntilKilled";
-    char disabled[] = "--gtest_also_run_disabled_tests";
-    char self[] = "/proc/self/exe";
-    char* argv[] = {self, filter, disabled, nullptr};
-    const pid_t pid = fork();
+    const pid_t pid = testing::SpawnChildTest(
+        "SsdCrashChild.DISABLED_PutUntilKilled",
+        {"SPARSEKV_CRASH_DIR=" + dir.path(), "SPARSEKV_CRASH_FD=" + std::to_string(fds[1]),
+         "SPARSEKV_CRASH_BASE=" + std::to_string(uint64_t(cycle) << 32)},
+        fds);
     ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      close(fds[0]);
-      execve(self, argv, envp);
-      _exit(127);
-    }
-    close(fds[1]);
     // Let it run for a random while (reading acks so it never blocks on the pipe), then kill.
     const auto deadline =
         std::chrono::steady_clock::now() + std::chrono::milliseconds(300 + rng() % 700);

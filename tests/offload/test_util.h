@@ -41,6 +41,27 @@ class TempDir {
   std::filesystem::path path_;
 };
 
+// Starts this test binary again in a child process that runs only `child_test` (a disabled
+// test, "Suite.DISABLED_Name"), with `env` ("NAME=value") as its whole environment. `pipe_fds`
+// (from pipe()) is split: the child keeps the write end, the caller the read end. Returns the
+// child's pid, or -1 when fork failed.
+inline pid_t SpawnChildTest(const std::string& child_test, std::vector<std::string> env, const int pipe_fds[2]) {
+  std::string self = "/proc/self/exe", filter = "--gtest_filter=" + child_test,
+              disabled = "--gtest_also_run_disabled_tests";
+  std::vector<char*> argv = {self.data(), filter.data(), disabled.data(), nullptr};
+  std::vector<char*> envp;
+  for (std::string& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(pipe_fds[0]);
+    execve(self.c_str(), argv.data(), envp.data());
+    _exit(127);
+  }
+  close(pipe_fds[1]);
+  return pid;
+}
+
 inline BundleKey KeyOf(uint64_t id, uint32_t ns = 7) {
   BundleKey k;
   k.namespace_id = ns;
