@@ -141,39 +141,28 @@ class RequestLogImpl final : public RequestLog {
     Put<uint64_t>(body, s.tail.lo);
     Put<uint64_t>(body, s.tail.hi);
     Put<uint64_t>(body, s.tag);
-    std::promise<Status> p;
-    auto f = p.get_future();
-    {
-      MutexLock l(mu_);
-      if (!failed_.ok()) return failed_;
-      auto it = live_.find(request);
-      if (it == live_.end() || it->second.finished) {
-        return Status::FailedPrecondition(fmt::format("request log: request {} has no tokens logged, or is finished", request));
+    return LogAndWait(kSuspended, request, body, [&](Live* r) SPARSEKV_NO_THREAD_SAFETY_ANALYSIS {
+      if (r == nullptr || r->finished) {
+        return Status::FailedPrecondition(
+            fmt::format("request log: request {} has no tokens logged, or is finished", request));
       }
-      if (s.tokens > it->second.queued) {
+      if (s.tokens > r->queued) {
         return Status::FailedPrecondition(fmt::format(
             "request log: a suspension at token {} of request {}, which has {} tokens logged", s.tokens, request,
-            it->second.queued));
+            r->queued));
       }
-      Queue(kSuspended, request, body, 0, [&p](Status st) { p.set_value(std::move(st)); });
-    }
-    return f.get();
+      return Status::OK();
+    });
   }
 
   Status Finish(uint64_t request) override {
-    std::promise<Status> p;
-    auto f = p.get_future();
-    {
-      MutexLock l(mu_);
-      if (!failed_.ok()) return failed_;
-      auto it = live_.find(request);
-      if (it == live_.end() || it->second.finished) {
+    return LogAndWait(kFinished, request, {}, [&](Live* r) {
+      if (r == nullptr || r->finished) {
         return Status::NotFound(fmt::format("request log: no unfinished request {}", request));
       }
-      it->second.finished = true;  // no more appends; reclaimed once the record is durable
-      Queue(kFinished, request, {}, 0, [&p](Status st) { p.set_value(std::move(st)); });
-    }
-    return f.get();
+      r->finished = true;  // no more appends; reclaimed once the record is durable
+      return Status::OK();
+    });
   }
 
   std::vector<Request> Recover() const override {
@@ -210,6 +199,23 @@ class RequestLogImpl final : public RequestLog {
     uint64_t bytes = 0;
     uint64_t holders = 0;  // unfinished requests with records here
   };
+
+  // Logs one record of `request` unless `check` (given the request's entry, or null when it
+  // has none, under the lock) refuses; returns once the record is durable.
+  template <class Check>
+  Status LogAndWait(uint8_t type, uint64_t request, std::span<const std::byte> body, Check&& check)
+      SPARSEKV_EXCLUDES(mu_) {
+    std::promise<Status> p;
+    auto f = p.get_future();
+    {
+      MutexLock l(mu_);
+      if (!failed_.ok()) return failed_;
+      auto it = live_.find(request);
+      SPARSEKV_RETURN_IF_ERROR(check(it == live_.end() ? nullptr : &it->second));
+      Queue(type, request, body, 0, [&p](Status st) { p.set_value(std::move(st)); });
+    }
+    return f.get();
+  }
 
   void Queue(uint8_t type, uint64_t request, std::span<const std::byte> body, uint64_t tokens,
              std::function<void(Status)> done) SPARSEKV_REQUIRES(mu_) {
