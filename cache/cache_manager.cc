@@ -89,7 +89,18 @@ class CacheManager::Impl {
   // ---- public API, one to one ----
   Result<SequenceId> CreateSequence(const SequenceOptions& options) SPARSEKV_EXCLUDES(mu_);
   Status AppendTokens(SequenceId seq, std::span<const TokenId> tokens) SPARSEKV_EXCLUDES(mu_);
-  Result<PrefixMatch> AcquireCachedPrefix(SequenceId seq) SPARSEKV_EXCLUDES(mu_);
+  Result<PrefixMatch> AcquireCachedPrefix(SequenceId seq, uint32_t max_blocks, bool resume)
+      SPARSEKV_EXCLUDES(mu_);
+  bool ReadCachedBlock(const BlockDigest& digest, const std::function<void(std::span<const PageId>)>& read) const
+      SPARSEKV_EXCLUDES(mu_) {
+    MutexLock l(mu_);
+    const RecordId r = index_.Find(digest.hash);
+    if (r == kNoRecord || !(record_digest_[r].check == digest.check)) return false;
+    std::vector<PageId> pages(P());
+    for (size_t q = 0; q < P(); ++q) pages[q] = RecPage(r, q);
+    read(pages);
+    return true;
+  }
   Result<SlotAllocation> AllocateSlots(SequenceId seq, uint64_t num_tokens) SPARSEKV_EXCLUDES(mu_);
   Status CommitComputed(SequenceId seq, uint64_t num_tokens) SPARSEKV_EXCLUDES(mu_);
   Result<SequenceId> Fork(SequenceId seq) SPARSEKV_EXCLUDES(mu_);
@@ -1190,7 +1201,8 @@ Status CacheManager::Impl::AppendTokens(SequenceId seq, std::span<const TokenId>
   return Status::OK();
 }
 
-Result<PrefixMatch> CacheManager::Impl::AcquireCachedPrefix(SequenceId seq) {
+Result<PrefixMatch> CacheManager::Impl::AcquireCachedPrefix(SequenceId seq, uint32_t max_blocks,
+                                                            bool resume) {
   MutexLock l(mu_);
   ChangeCheck check(*this, seq);
   SequenceEntry* s = FindLocked(seq);
@@ -1206,7 +1218,9 @@ Result<PrefixMatch> CacheManager::Impl::AcquireCachedPrefix(SequenceId seq) {
   MutexLock tl(t.mu);
   if (!t.hashing || t.num_tokens == 0) return PrefixMatch{};
   const PrefixMatch m = FindResumableLocked(
-      t.digests, MaxLookupBlocks(t.num_tokens, t.digests.size(), true), &chain_scratch_);
+      t.digests,
+      std::min<size_t>(max_blocks, MaxLookupBlocks(t.num_tokens, t.digests.size(), !resume)),
+      &chain_scratch_);
   RecordLookupLocked(m.tokens, t.num_tokens);
   const uint32_t k = m.blocks;
   if (k == 0) return m;
@@ -1834,7 +1848,16 @@ Status CacheManager::AppendTokens(SequenceId seq, std::span<const TokenId> token
   return impl_->AppendTokens(seq, tokens);
 }
 Result<PrefixMatch> CacheManager::AcquireCachedPrefix(SequenceId seq) {
-  return impl_->AcquireCachedPrefix(seq);
+  return impl_->AcquireCachedPrefix(seq, UINT32_MAX, /*resume=*/false);
+}
+
+bool CacheManager::ReadCachedBlock(const BlockDigest& digest,
+                                   const std::function<void(std::span<const PageId>)>& read) const {
+  return impl_->ReadCachedBlock(digest, read);
+}
+
+Result<PrefixMatch> CacheManager::AcquireResumePrefix(SequenceId seq, uint32_t max_blocks) {
+  return impl_->AcquireCachedPrefix(seq, max_blocks, /*resume=*/true);
 }
 Result<SlotAllocation> CacheManager::AllocateSlots(SequenceId seq, uint64_t num_tokens) {
   return impl_->AllocateSlots(seq, num_tokens);

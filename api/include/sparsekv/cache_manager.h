@@ -310,6 +310,10 @@ class CacheManager {
   // the block tables and its tokens count as computed. Counts in the statistics. Precondition:
   // the sequence has no pages yet (FailedPrecondition otherwise).
   Result<PrefixMatch> AcquireCachedPrefix(SequenceId seq);
+  // The same for a sequence resumed at a suspended state (OffloadedCache::Resume): at most
+  // `max_blocks` blocks, and no token is left to compute (the state covers every token of the
+  // blocks; the engine's next input is the token after them).
+  Result<PrefixMatch> AcquireResumePrefix(SequenceId seq, uint32_t max_blocks);
   // Pages in every pool for tokens [0, num_tokens) (num_tokens may exceed the appended tokens,
   // for lookahead), copying a partial block shared with a fork before it is written. Asking for
   // fewer tokens than the sequence holds slots for keeps every block it holds; only the shared
@@ -377,6 +381,12 @@ class CacheManager {
   // schedule an EvictAhead elsewhere. Replaces any previous one; an empty function removes it.
   // As SetBlockEvictHook, once this returns the previous one is not running.
   void SetLowFreePagesNotify(uint32_t low_free_pages, std::function<void()> notify);
+  // Calls `read` with the pages of the cached block `digest` names (indexed like pool(i);
+  // kInvalidPage where it holds none), under the manager's lock, so that none is evicted or
+  // written meanwhile; false when the block is not cached. `read` has BlockEvictHook's contract
+  // (no manager calls) and holds every other manager call up while it runs: copy and go.
+  bool ReadCachedBlock(const BlockDigest& digest,
+                       const std::function<void(std::span<const PageId>)>& read) const;
   // Gives back the pages of a block EvictAhead handed over (each becomes free once nobody else
   // holds it). Takes no manager lock: callable from anywhere, a HeldBlockTaker included.
   void ReleaseHeldBlock(const HeldBlock& block);
