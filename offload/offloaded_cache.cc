@@ -6,9 +6,12 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <cstring>
 #include <future>
 #include <limits>
+
+#include <xxhash.h>
 
 #include "sparsekv/host_tier.h"
 #include "worker_pool.h"
@@ -24,6 +27,7 @@ struct OffloadedCache::SequenceState {
   std::vector<TokenId> tail;         // tokens after the last full block
   std::vector<BlockDigest> digests;  // one per full block
   uint64_t tokens = 0;
+  std::vector<TokenId> all;  // every token: a suspension's tail names those since its block
 };
 
 // Write-back: a block the eviction hook copied out, not yet a bundle: every pool's page back to
@@ -110,6 +114,13 @@ OffloadedCache::OffloadedCache(CacheManager& manager, TierChain& chain,
   for (const PoolGeometry& g : manager_.geometry().pools) sizes.push_back(g.block_stride);
   sizes.push_back(sizeof(BlockHash));
   block_record_bytes_ = BundleRecordBytes(sizes);
+  {
+    std::vector<uint64_t> tail = {48, uint64_t{manager_.geometry().block_tokens} * sizeof(TokenId)};
+    tail.insert(tail.end(), sizes.begin(), sizes.end() - 1);
+    max_tail_record_bytes_ = BundleRecordBytes(tail);
+  }
+  geometry_fingerprint_ = XXH3_64bits(sizes.data(), sizes.size() * sizeof(uint64_t)) ^
+                          manager_.geometry().block_tokens;
   for (uint64_t n : sizes) block_payload_bytes_ += n;
   // Spare staging buffers kept for reuse: what the backlog may hold, at most 64 MiB of them.
   spare_ = std::make_shared<SparePool>();
@@ -186,6 +197,7 @@ Status OffloadedCache::AppendTokens(SequenceId seq, std::span<const TokenId> tok
   SPARSEKV_RETURN_IF_ERROR(manager_.AppendTokens(seq, tokens));
   // The same chain the manager hashes (block_hash.h), kept here to name bundles.
   st->tail.insert(st->tail.end(), tokens.begin(), tokens.end());
+  st->all.insert(st->all.end(), tokens.begin(), tokens.end());
   st->tokens += tokens.size();
   const BlockDigest parent = st->digests.empty() ? st->root : st->digests.back();
   const size_t added =
@@ -836,6 +848,286 @@ Result<OffloadedPrefix> OffloadedCache::LookupPrefix(const PrefixQuery& query) {
   out.blocks = out.l1_blocks + out.lower_blocks;
   out.tokens = uint64_t{out.blocks} * bt;
   return out;
+}
+
+// ---- suspend and resume ----
+
+namespace {
+
+constexpr uint32_t kTailMagic = 0x544b5653;  // "SKVT" read as little-endian bytes
+constexpr uint16_t kTailVersion = 1;
+
+struct TailHeader {
+  uint32_t magic = kTailMagic;
+  uint16_t version = kTailVersion;
+  uint16_t pools = 0;
+  uint32_t block_tokens = 0;
+  uint32_t tail_tokens = 0;
+  uint64_t state_tokens = 0;
+  BlockHash parent_check;
+  uint64_t geometry = 0;
+};
+static_assert(sizeof(TailHeader) == 48);
+
+}  // namespace
+
+BlockHash OffloadedCache::TailKey(const BlockDigest& parent, std::string_view extra_keys,
+                                  std::span<const TokenId> tail_tokens,
+                                  uint64_t state_tokens) const {
+  // A domain of its own, so no tail key equals a block's: XXH3-128 of a tag, the parent's
+  // digest, the state's length, the extra keys and the tail tokens.
+  XXH3_state_t* h = XXH3_createState();
+  XXH3_128bits_reset(h);
+  static constexpr char kTag[] = "sparsekv.tail.v1";
+  XXH3_128bits_update(h, kTag, sizeof kTag - 1);
+  XXH3_128bits_update(h, &parent, sizeof parent);
+  XXH3_128bits_update(h, &state_tokens, sizeof state_tokens);
+  const uint64_t extra = extra_keys.size();
+  XXH3_128bits_update(h, &extra, sizeof extra);
+  XXH3_128bits_update(h, extra_keys.data(), extra_keys.size());
+  XXH3_128bits_update(h, tail_tokens.data(), tail_tokens.size_bytes());
+  const XXH128_hash_t r = XXH3_128bits_digest(h);
+  XXH3_freeState(h);
+  return BlockHash{r.low64, r.high64};
+}
+
+Result<BlockHash> OffloadedCache::SuspensionKey(const SequenceOptions& options,
+                                                std::span<const TokenId> tokens,
+                                                uint64_t state_tokens) const {
+  if (state_tokens > tokens.size()) {
+    return Status::InvalidArgument(fmt::format(
+        "offloaded cache: a state of {} tokens for a sequence of {}", state_tokens, tokens.size()));
+  }
+  const uint32_t bt = manager_.geometry().block_tokens;
+  const uint64_t full = state_tokens / bt * bt;
+  std::vector<BlockDigest> digests;
+  const BlockDigest root = manager_.hasher().Root(options.namespace_salt);
+  manager_.hasher().HashFullBlocks(root, tokens.first(full), options.extra_keys, &digests);
+  return TailKey(digests.empty() ? root : digests.back(), options.extra_keys,
+                 tokens.subspan(full, state_tokens - full), state_tokens);
+}
+
+Result<SuspendInfo> OffloadedCache::Suspend(SequenceId seq) {
+  std::shared_ptr<SequenceState> st;
+  {
+    MutexLock lock(mu_);
+    auto it = sequences_.find(seq);
+    if (it == sequences_.end())
+      return Status::NotFound(fmt::format("offloaded cache: no sequence {}", seq));
+    st = it->second;
+  }
+  if (!st->cache_blocks) {
+    return Status::FailedPrecondition(fmt::format(
+        "offloaded cache: sequence {} does not cache its blocks; it cannot be suspended", seq));
+  }
+  SPARSEKV_ASSIGN_OR_RETURN(SequenceInfo info, manager_.GetSequenceInfo(seq));
+  const BlockGeometry& geo = manager_.geometry();
+  const uint32_t bt = geo.block_tokens;
+  const uint64_t P = info.computed_tokens;
+  const auto nb = static_cast<uint32_t>(P / bt);
+  std::vector<std::vector<PageId>> tables(geo.pools.size());
+  for (size_t p = 0; p < tables.size(); ++p)
+    SPARSEKV_RETURN_IF_ERROR(manager_.GetBlockTable(seq, p, &tables[p]));
+
+  SuspendInfo out;
+  out.tokens = P;
+  out.blocks = nb;
+  // Full blocks the chain lacks (nor has on the way) are gathered from the sequence's pages.
+  std::vector<BundleKey> keys;
+  for (uint32_t b = 0; b < nb; ++b) keys.push_back(KeyOf(st->digests[b]));
+  const std::vector<int> where = chain_.Locate(keys);
+  const std::vector<BundlePtr> pending = PendingBundles(keys);
+  std::vector<uint32_t> missing;
+  for (uint32_t b = 0; b < nb; ++b) {
+    if (where[b] < 0 && pending[b] == nullptr) missing.push_back(b);
+  }
+  // Gathered (copy and hash, split between threads as a write-through commit is) and handed to
+  // the chain a chunk at a time, a few chunks in flight: memory stays bounded for a sequence of
+  // any length, and the tier writes one chunk while the next is gathered.
+  constexpr size_t kChunk = 8, kInFlight = 4;
+  std::deque<std::future<std::vector<Status>>> flying;
+  auto settle = [&](size_t keep) -> Status {
+    while (flying.size() > keep) {
+      const std::vector<Status> got = flying.front().get();
+      flying.pop_front();
+      for (const Status& s : got) {
+        if (!s.ok()) return s.WithContext(fmt::format("offloaded cache: suspending sequence {}", seq));
+      }
+    }
+    return Status::OK();
+  };
+  for (size_t c = 0; c < missing.size(); c += kChunk) {
+    const auto count = static_cast<uint32_t>(std::min(kChunk, missing.size() - c));
+    std::vector<BundlePtr> made(count);
+    RunSplit(count, [&](uint32_t from, uint32_t to) {
+      for (uint32_t i = from; i < to; ++i) {
+        const uint32_t b = missing[c + i];
+        made[i] = GatherBlock(seq, b, st->digests[b], tables, /*into_host=*/true);
+        // A window or snapshot page the sequence gave up early may still be the cached block's.
+        if (made[i] == nullptr) {
+          manager_.ReadCachedBlock(st->digests[b], [&](std::span<const PageId> pages) {
+            made[i] = GatherPages(st->digests[b], pages, /*into_host=*/true);
+          });
+        }
+      }
+    });
+    std::vector<BundlePtr> chunk;
+    for (BundlePtr& b : made) {
+      if (b == nullptr) {
+        ++out.unsaved_blocks;
+        continue;
+      }
+      out.written_bytes += b->record().size();
+      chunk.push_back(std::move(b));
+    }
+    out.written_blocks += static_cast<uint32_t>(chunk.size());
+    if (chunk.empty()) continue;
+    flying.push_back(chain_.Demote(std::move(chunk)));
+    SPARSEKV_RETURN_IF_ERROR(settle(kInFlight - 1));
+  }
+
+  // The tail record.
+  const BlockDigest parent = nb == 0 ? st->root : st->digests[nb - 1];
+  const std::span<const TokenId> tail_tokens(st->all.data() + uint64_t{nb} * bt, P - uint64_t{nb} * bt);
+  out.tail = TailKey(parent, st->extra_keys, tail_tokens, P);
+  TailHeader header;
+  header.pools = static_cast<uint16_t>(geo.pools.size());
+  header.block_tokens = bt;
+  header.tail_tokens = static_cast<uint32_t>(tail_tokens.size());
+  header.state_tokens = P;
+  header.parent_check = parent.check;
+  header.geometry = geometry_fingerprint_;
+  std::vector<std::span<const std::byte>> segments;
+  segments.emplace_back(reinterpret_cast<const std::byte*>(&header), sizeof header);
+  segments.emplace_back(reinterpret_cast<const std::byte*>(tail_tokens.data()), tail_tokens.size_bytes());
+  if (P % bt != 0) {
+    for (size_t p = 0; p < geo.pools.size(); ++p) {
+      const PageId page = nb < tables[p].size() ? tables[p][nb] : kInvalidPage;
+      if (page == kInvalidPage) {
+        return Status::Internal(fmt::format(
+            "offloaded cache: sequence {} holds no page of pool {} for its partial block {}", seq, p, nb));
+      }
+      segments.emplace_back(manager_.pool(p).PageData(page), geo.pools[p].block_stride);
+    }
+  }
+  SPARSEKV_ASSIGN_OR_RETURN(BundlePtr tail,
+                            Bundle::Make(BundleKey{options_.namespace_id, out.tail}, segments,
+                                         chain_.NextSequence()));
+  out.tail_bytes = tail->record().size();
+  out.written_bytes += out.tail_bytes;
+  // Acknowledged by the chain before the pages go: a crash after this returns finds it all.
+  flying.push_back(chain_.Demote({std::move(tail)}));
+  SPARSEKV_RETURN_IF_ERROR(settle(0));
+  SPARSEKV_RETURN_IF_ERROR(Free(seq));
+  return out;
+}
+
+Status OffloadedCache::RestoreTail(SequenceId seq, const Bundle& b, const BlockDigest& parent,
+                                   std::span<const TokenId> tail_tokens, uint64_t state_tokens) {
+  const BlockGeometry& geo = manager_.geometry();
+  const uint32_t bt = geo.block_tokens;
+  const std::string name = "tail record " + b.key().ToString();
+  if (b.segment_count() != 2 + geo.pools.size())
+    return Status::Corruption(fmt::format("{}: {} segments, expected {}", name, b.segment_count(), 2 + geo.pools.size()));
+  TailHeader h;
+  const auto hs = b.segment(0);
+  if (hs.size() != sizeof h) return Status::Corruption(name + ": header size");
+  std::memcpy(&h, hs.data(), sizeof h);
+  if (h.magic != kTailMagic || h.version != kTailVersion)
+    return Status::Corruption(fmt::format("{}: magic {:#x} version {} (expected version {})", name, h.magic, h.version, kTailVersion));
+  if (h.pools != geo.pools.size() || h.block_tokens != bt || h.geometry != geometry_fingerprint_)
+    return Status::Corruption(name + ": laid out for another geometry");
+  if (h.state_tokens != state_tokens || !(h.parent_check == parent.check) ||
+      h.tail_tokens != tail_tokens.size())
+    return Status::Corruption(name + ": names another state (a hash collision)");
+  const auto ts = b.segment(1);
+  if (ts.size() != tail_tokens.size_bytes() || std::memcmp(ts.data(), tail_tokens.data(), ts.size()) != 0)
+    return Status::Corruption(name + ": its tokens differ (a hash collision)");
+  for (size_t p = 0; p < geo.pools.size(); ++p) {
+    if (b.segment(static_cast<uint32_t>(2 + p)).size() != geo.pools[p].block_stride)
+      return Status::Corruption(fmt::format("{}: pool {} page of {} bytes", name, p, b.segment(static_cast<uint32_t>(2 + p)).size()));
+  }
+  SPARSEKV_ASSIGN_OR_RETURN(SlotAllocation alloc, manager_.AllocateSlots(seq, state_tokens));
+  for (const PageCopy& c : alloc.copies) {
+    std::memcpy(manager_.pool(c.pool).PageData(c.dst), manager_.pool(c.pool).PageData(c.src),
+                geo.pools[c.pool].block_stride);
+  }
+  const auto block = static_cast<uint32_t>(state_tokens / bt);
+  std::vector<PageId> table;
+  for (size_t p = 0; p < geo.pools.size(); ++p) {
+    SPARSEKV_RETURN_IF_ERROR(manager_.GetBlockTable(seq, p, &table));
+    if (block >= table.size() || table[block] == kInvalidPage)
+      return Status::Internal(fmt::format("{}: no page of pool {} for block {}", name, p, block));
+    const auto seg = b.segment(static_cast<uint32_t>(2 + p));
+    std::memcpy(manager_.pool(p).PageData(table[block]), seg.data(), seg.size());
+  }
+  return CommitComputed(seq, state_tokens);
+}
+
+Result<ResumeInfo> OffloadedCache::Resume(const SequenceOptions& options,
+                                          std::span<const TokenId> tokens, uint64_t state_tokens) {
+  if (state_tokens > tokens.size()) {
+    return Status::InvalidArgument(fmt::format(
+        "offloaded cache: a state of {} tokens for a sequence of {}", state_tokens, tokens.size()));
+  }
+  SPARSEKV_ASSIGN_OR_RETURN(SequenceId seq, CreateSequence(options));
+  auto fail = [&](Status s) {
+    Free(seq).IgnoreError();
+    return s;
+  };
+  if (Status s = AppendTokens(seq, tokens); !s.ok()) return fail(s);
+  std::shared_ptr<SequenceState> st;
+  {
+    MutexLock lock(mu_);
+    st = sequences_.at(seq);
+  }
+  const uint32_t bt = manager_.geometry().block_tokens;
+  const auto nb = static_cast<uint32_t>(state_tokens / bt);
+  ResumeInfo out;
+  out.seq = seq;
+  out.tokens = tokens.size();
+  out.state_tokens = state_tokens;
+  Result<PrefixMatch> l1 = manager_.AcquireResumePrefix(seq, nb);
+  if (!l1.ok()) return fail(l1.status());
+  out.l1_blocks = l1->blocks;
+  uint32_t have = l1->blocks;
+  if (st->cache_blocks && have < nb) {
+    std::span<const BlockDigest> rest(st->digests.data() + have, nb - have);
+    out.lower_blocks = RestoreBlocks(seq, have, rest);
+    have += out.lower_blocks;
+    if (have < nb) {
+      out.lost = fmt::format("block {} of {} not found whole in L1 or the chain", have, nb);
+    }
+  } else if (!st->cache_blocks && nb > 0) {
+    out.lost = "the sequence does not cache blocks";
+  }
+  out.restored_tokens = uint64_t{have} * bt;
+  if (have == nb && state_tokens % bt != 0) {
+    const BlockDigest parent = nb == 0 ? st->root : st->digests[nb - 1];
+    const std::span<const TokenId> tail_tokens = tokens.subspan(uint64_t{nb} * bt, state_tokens - uint64_t{nb} * bt);
+    const BundleKey key{options_.namespace_id, TailKey(parent, st->extra_keys, tail_tokens, state_tokens)};
+    std::vector<Result<BundlePtr>> got = chain_.Promote({key}).get();
+    Status used = got[0].ok() ? RestoreTail(seq, **got[0], parent, tail_tokens, state_tokens) : got[0].status();
+    if (used.ok()) {
+      out.tail_restored = true;
+      out.restored_tokens = state_tokens;
+    } else {
+      out.lost = used.Is(StatusCode::kNotFound) ? "tail record " + key.ToString() + " not found"
+                                                 : used.ToString();
+      if (!used.Is(StatusCode::kNotFound)) {
+        spdlog::warn("offloaded cache: resume: {}", used.ToString());
+        MutexLock lock(shared_->mu);
+        ++shared_->stats.restore_rejected;
+      }
+    }
+  }
+  out.recompute_tokens = state_tokens - out.restored_tokens;
+  return out;
+}
+
+Status OffloadedCache::DropSuspension(const BlockHash& tail) {
+  const std::vector<Status> st = chain_.Erase({BundleKey{options_.namespace_id, tail}}).get();
+  return st[0];
 }
 
 }  // namespace sparsekv

@@ -405,6 +405,55 @@ class PyClient {
     if (!st.ok()) Raise(st);
   }
 
+  void LogAppend(uint64_t request, uint64_t first_token, const std::vector<int32_t>& tokens) {
+    std::shared_ptr<Client> c = client();
+    Status st;
+    {
+      py::gil_scoped_release unlocked;  // waits for the daemon's fdatasync
+      st = c->LogAppend(request, first_token, tokens);
+    }
+    if (!st.ok()) Raise(st);
+  }
+  void LogSuspended(uint64_t request, uint64_t state_tokens, const std::string& tail, uint64_t tag) {
+    if (tail.size() != 16) Raise(Status::InvalidArgument("a tail key is 16 bytes"));
+    WireBlockHash h;
+    std::memcpy(h.data(), tail.data(), 16);
+    std::shared_ptr<Client> c = client();
+    Status st;
+    {
+      py::gil_scoped_release unlocked;
+      st = c->LogSuspended(request, state_tokens, h, tag);
+    }
+    if (!st.ok()) Raise(st);
+  }
+  void LogFinish(uint64_t request) {
+    std::shared_ptr<Client> c = client();
+    Status st;
+    {
+      py::gil_scoped_release unlocked;
+      st = c->LogFinish(request);
+    }
+    if (!st.ok()) Raise(st);
+  }
+  py::list LogRecover() {
+    std::shared_ptr<Client> c = client();
+    Result<std::vector<Client::LoggedRequest>> r = Status::Internal("");
+    {
+      py::gil_scoped_release unlocked;
+      r = c->LogRecover();
+    }
+    if (!r.ok()) Raise(r.status());
+    py::list out;
+    for (const Client::LoggedRequest& q : *r) {
+      py::object su = py::none();
+      if (q.suspended) {
+        su = py::make_tuple(q.state_tokens, py::bytes(reinterpret_cast<const char*>(q.tail.data()), 16), q.tag);
+      }
+      out.append(py::make_tuple(q.id, q.tokens, su));
+    }
+    return out;
+  }
+
   std::string Stats() {
     std::shared_ptr<Client> c = client();
     std::string json;
@@ -1243,6 +1292,64 @@ class PyOffloadedCache {
     py::gil_scoped_release unlocked;
     return cache_->Evict(free_pages, max_blocks);
   }
+  py::dict Suspend(uint64_t seq) {
+    Result<SuspendInfo> r = Status::Internal("");
+    {
+      py::gil_scoped_release unlocked;  // waits for the chain's acknowledgement
+      r = cache_->Suspend(seq);
+    }
+    const SuspendInfo i = Take(std::move(r));
+    py::dict d;
+    d["tail"] = HashBytes(i.tail);
+    d["tokens"] = i.tokens;
+    d["blocks"] = i.blocks;
+    d["written_blocks"] = i.written_blocks;
+    d["unsaved_blocks"] = i.unsaved_blocks;
+    d["tail_bytes"] = i.tail_bytes;
+    d["written_bytes"] = i.written_bytes;
+    return d;
+  }
+  py::dict Resume(const std::vector<TokenId>& tokens, uint64_t state_tokens, const std::string& salt,
+                  const std::string& extra_keys) {
+    SequenceOptions o;
+    o.namespace_salt = salt;
+    o.extra_keys = extra_keys;
+    Result<ResumeInfo> r = Status::Internal("");
+    {
+      py::gil_scoped_release unlocked;  // reads the tiers
+      r = cache_->Resume(o, tokens, state_tokens);
+    }
+    const ResumeInfo i = Take(std::move(r));
+    py::dict d;
+    d["seq"] = i.seq;
+    d["tokens"] = i.tokens;
+    d["state_tokens"] = i.state_tokens;
+    d["restored_tokens"] = i.restored_tokens;
+    d["recompute_tokens"] = i.recompute_tokens;
+    d["l1_blocks"] = i.l1_blocks;
+    d["lower_blocks"] = i.lower_blocks;
+    d["tail_restored"] = i.tail_restored;
+    d["lost"] = i.lost;
+    return d;
+  }
+  py::bytes SuspensionKey(const std::vector<TokenId>& tokens, uint64_t state_tokens, const std::string& salt,
+                          const std::string& extra_keys) const {
+    SequenceOptions o;
+    o.namespace_salt = salt;
+    o.extra_keys = extra_keys;
+    return HashBytes(Take(cache_->SuspensionKey(o, tokens, state_tokens)));
+  }
+  void DropSuspension(const std::string& tail) {
+    if (tail.size() != sizeof(BlockHash)) Raise(Status::InvalidArgument("a tail key is 16 bytes"));
+    BlockHash h;
+    std::memcpy(&h, tail.data(), sizeof h);
+    Status st;
+    {
+      py::gil_scoped_release unlocked;
+      st = cache_->DropSuspension(h);
+    }
+    Check(st);
+  }
   void WaitIdle() {
     py::gil_scoped_release unlocked;
     cache_->WaitIdle();
@@ -1419,6 +1526,10 @@ PYBIND11_MODULE(_sparsekv, m) {
       .def("delete", &PyClient::Delete)
       .def("hint", &PyClient::Hint, py::arg("keys"), py::arg("ttl"))
       .def("drop_hint", &PyClient::DropHint, py::arg("hint"))
+      .def("log_append", &PyClient::LogAppend)
+      .def("log_suspended", &PyClient::LogSuspended)
+      .def("log_finish", &PyClient::LogFinish)
+      .def("log_recover", &PyClient::LogRecover)
       .def("stats", &PyClient::Stats)
       .def("ping", &PyClient::Ping)
       .def("close", &PyClient::Close)
@@ -1539,6 +1650,10 @@ PYBIND11_MODULE(_sparsekv, m) {
       .def("lookup_prefix", &PyOffloadedCache::LookupPrefix)
       .def("block_digests", &PyOffloadedCache::BlockDigests)
       .def("evict", &PyOffloadedCache::Evict)
+      .def("suspend", &PyOffloadedCache::Suspend)
+      .def("resume", &PyOffloadedCache::Resume)
+      .def("suspension_key", &PyOffloadedCache::SuspensionKey)
+      .def("drop_suspension", &PyOffloadedCache::DropSuspension)
       .def("wait_idle", &PyOffloadedCache::WaitIdle)
       .def("stats", &PyOffloadedCache::Stats);
   py::class_<PyCodec>(m, "_Codec")

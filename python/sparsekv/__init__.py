@@ -248,6 +248,26 @@ class Client:
         """Ends a hint early; raises Error (NotFound) when it is not live in this client."""
         self._c.drop_hint(int(hint))
 
+    def log_append(self, request, first_token, tokens):
+        """Appends `tokens` as tokens first_token.. of `request` to the namespace's request log in
+        the daemon; returns once durable there (fdatasync, group-committed with every client's
+        appends). FailedPrecondition when they do not continue the request."""
+        self._c.log_append(int(request), int(first_token), [int(t) for t in tokens])
+
+    def log_suspended(self, request, tokens, tail, tag=0):
+        """Logs that `request` was suspended at `tokens` tokens, its tail record under the 16-byte
+        key `tail` (OffloadedCache.suspend's)."""
+        self._c.log_suspended(int(request), int(tokens), bytes(tail), int(tag))
+
+    def log_finish(self, request):
+        """Logs that `request` is done; the daemon reclaims its records."""
+        self._c.log_finish(int(request))
+
+    def log_recover(self):
+        """Every unfinished request of the namespace: a list of (id, tokens, suspension), suspension
+        None or (tokens, tail, tag). What an engine that restarted resumes from."""
+        return self._c.log_recover()
+
     def stats(self):
         """The namespace's statistics, as a dict."""
         return _json.loads(self._c.stats())
@@ -595,6 +615,29 @@ class OffloadedCache:
         `free_pages` free pages (at most `max_blocks`), each reaching the tiers; returns how
         many left L1."""
         return self._c.evict(free_pages, max_blocks)
+
+    def suspend(self, seq):
+        """Saves the sequence at its computed tokens and frees it (offloaded_cache.h): its full
+        blocks as ordinary bundles (those the tiers lack written now) and one tail record (the
+        partial block's pages of every kind, V4's window rows and compressor state, the tokens
+        since the last full block). Returns once the tiers acknowledged it: {tail (16-byte key),
+        tokens, blocks, written_blocks, unsaved_blocks, tail_bytes, written_bytes}."""
+        return self._c.suspend(seq)
+
+    def resume(self, tokens, state_tokens, namespace_salt="", extra_keys=""):
+        """A new sequence with `tokens` appended and the state suspended at `state_tokens` of
+        them restored as far as it is found exact: {seq, tokens, state_tokens, restored_tokens,
+        recompute_tokens, l1_blocks, lower_blocks, tail_restored, lost}. Tokens
+        [restored_tokens, len(tokens)) are the engine's to compute."""
+        return self._c.resume([int(t) for t in tokens], int(state_tokens), namespace_salt, extra_keys)
+
+    def suspension_key(self, tokens, state_tokens, namespace_salt="", extra_keys=""):
+        """The tail record's key (16 bytes) of the state at `state_tokens` of `tokens`."""
+        return self._c.suspension_key([int(t) for t in tokens], int(state_tokens), namespace_salt, extra_keys)
+
+    def drop_suspension(self, tail):
+        """Erases a tail record (16-byte key) from every tier; its blocks stay."""
+        self._c.drop_suspension(bytes(tail))
 
     def wait_idle(self):
         """Waits for the background demotes and prefetches."""

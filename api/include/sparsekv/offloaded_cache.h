@@ -28,6 +28,26 @@
 // Durability: under write-back, a block that is only in L1 is lost with the process; a restart
 // finds what was evicted (and acknowledged by a persistent tier) before it.
 //
+// Suspend and resume (issue 35). Suspend saves a running sequence at its computed token P and
+// frees its L1 pages: its full blocks as the ordinary bundles above (shared with every sequence
+// that has them; those the chain lacks are written now), plus one small *tail record* that holds
+// what continuing at exactly P needs beyond them: the page of every pool for the block P falls
+// in (the partial block's latent, indexer and compressed entries, V4's window rows and the
+// compressor's running state at P), the tokens since the last full block, and a header
+// (version, geometry, the parent block's check). Its key is derived from the tokens
+// (SuspensionKey), so one conversation suspended after every turn costs its blocks once plus one
+// tail per live suspension (DropSuspension erases an old one). Resume rebuilds a sequence from
+// the tokens: the longest exact prefix from L1 and the chain, then the tail; whatever is missing
+// or damaged ends the exact state there, and the result says how many tokens must be computed
+// again. The tail record's layout (little-endian), segments of one bundle:
+//   0  header: u32 magic "SKVT", u16 version 1, u16 pools, u32 block_tokens, u32 tail tokens,
+//      u64 state tokens P, 16-byte check of the parent block's digest (the root's for P < one
+//      block), u64 XXH3 of the pools' block strides
+//   1  the tail tokens, i32 each
+//   2.. one page per pool (block_stride bytes), only when P is not a multiple of block_tokens
+// Durability: Suspend returns once the chain has acknowledged the tail and the blocks it wrote
+// (the chain's Demote: the first tier under write-back, every tier under write-through).
+//
 // Sequences must be created, fed and freed through this class (it keeps their tokens' digests
 // to name bundles); AllocateSlots, GetBlockTable and the rest are called on manager().
 //
@@ -43,6 +63,8 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <string>
+#include <string_view>
 #include <unordered_map>
 
 #include "sparsekv/cache_manager.h"
@@ -111,6 +133,30 @@ struct OffloadedCacheStats {
   uint64_t restore_no_room = 0;  // restores given up for want of L1 pages
 };
 
+struct SuspendInfo {
+  BlockHash tail;             // the tail record's key (namespace OffloadedCacheOptions::namespace_id)
+  uint64_t tokens = 0;        // state tokens: the sequence's computed tokens when suspended
+  uint32_t blocks = 0;        // full blocks the state covers
+  uint32_t written_blocks = 0;  // of those, written to the chain by this call (the rest were there)
+  // Blocks the chain lacked that could not be written (a window or snapshot page gone from the
+  // sequence and from L1, and the block's bundle nowhere): a resume recomputes from the first.
+  uint32_t unsaved_blocks = 0;
+  uint64_t tail_bytes = 0;      // the tail record's bytes
+  uint64_t written_bytes = 0;   // record bytes written by this call, tail included
+};
+
+struct ResumeInfo {
+  SequenceId seq = 0;           // the resumed sequence (tokens appended, state restored)
+  uint64_t tokens = 0;          // tokens appended
+  uint64_t state_tokens = 0;    // the suspended state asked for
+  uint64_t restored_tokens = 0;  // computed tokens after the resume: exact up to here
+  uint64_t recompute_tokens = 0;  // state_tokens - restored_tokens (0 when all was found)
+  uint32_t l1_blocks = 0;       // blocks found in L1
+  uint32_t lower_blocks = 0;    // blocks restored from the chain
+  bool tail_restored = false;   // the tail record was used (false at a block edge: not needed)
+  std::string lost;             // what ended the exact state early, when recompute_tokens > 0
+};
+
 class OffloadedCache {
  public:
   OffloadedCache(CacheManager& manager, TierChain& chain, OffloadedCacheOptions options = {});
@@ -131,6 +177,26 @@ class OffloadedCache {
   // under ({namespace_id, digest.hash}), and what an engine files other records of the same
   // blocks under (sparse records, sparse_offload.h). Errors: NotFound (no such sequence).
   Result<std::vector<BlockDigest>> BlockDigests(SequenceId seq) const SPARSEKV_EXCLUDES(mu_);
+
+  // ---- suspend and resume (see the top) ----
+  // Saves `seq` at its computed tokens and frees it. Errors: NotFound; FailedPrecondition for a
+  // sequence created with cache_blocks false; a chain error (the sequence is then left as it
+  // was, not freed).
+  Result<SuspendInfo> Suspend(SequenceId seq) SPARSEKV_EXCLUDES(mu_);
+  // A new sequence with `tokens` appended and the state suspended at `state_tokens` of them
+  // restored as far as it is found exact. Errors: state_tokens > tokens.size() (InvalidArgument),
+  // those of CreateSequence and AppendTokens. Not finding (or rejecting) a block or the tail is
+  // not an error: see ResumeInfo::recompute_tokens and lost.
+  Result<ResumeInfo> Resume(const SequenceOptions& options, std::span<const TokenId> tokens,
+                            uint64_t state_tokens) SPARSEKV_EXCLUDES(mu_);
+  // The tail record's key for that state (what Suspend returned for it).
+  Result<BlockHash> SuspensionKey(const SequenceOptions& options, std::span<const TokenId> tokens,
+                                  uint64_t state_tokens) const;
+  // The largest tail record of this geometry: a tier refusing records above it (its
+  // max_record_bytes) refuses some suspensions.
+  uint64_t max_tail_record_bytes() const { return max_tail_record_bytes_; }
+  // Erases a tail record from every tier (its blocks stay: other sequences may share them).
+  Status DropSuspension(const BlockHash& tail);
 
   // Evicts cached blocks no sequence holds, least recently used first, until every
   // full-history pool has `free_pages` free pages or `max_blocks` have gone; returns how many
@@ -192,6 +258,15 @@ class OffloadedCache {
   Status CheckLayout(const Bundle& b, const BlockDigest& digest) const;
   uint32_t RestoreBlocks(SequenceId seq, uint32_t first_block,
                          std::span<const BlockDigest> digests);
+  // The tail key for tokens [0, state_tokens) given the digests of their full blocks.
+  BlockHash TailKey(const BlockDigest& parent, std::string_view extra_keys,
+                    std::span<const TokenId> tail_tokens, uint64_t state_tokens) const;
+  // Copies a tail record into the sequence's block `state_tokens / block_tokens` and commits
+  // up to state_tokens; an error says why it was not used (nothing committed then).
+  Status RestoreTail(SequenceId seq, const Bundle& b, const BlockDigest& parent,
+                     std::span<const TokenId> tail_tokens, uint64_t state_tokens);
+  uint64_t geometry_fingerprint_ = 0;
+  uint64_t max_tail_record_bytes_ = 0;
 
   CacheManager& manager_;
   TierChain& chain_;
