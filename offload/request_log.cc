@@ -170,6 +170,17 @@ class RequestLogImpl final : public RequestLog {
     return recovered_;
   }
 
+  std::vector<Request> Unfinished() const override {
+    MutexLock l(mu_);
+    std::vector<Request> out;
+    for (const auto& [id, r] : live_) {
+      if (r.finished) continue;
+      out.push_back(Request{id, r.tokens, r.suspension});
+    }
+    std::sort(out.begin(), out.end(), [](const Request& a, const Request& b) { return a.id < b.id; });
+    return out;
+  }
+
   RequestLogStats Stats() const override {
     MutexLock l(mu_);
     RequestLogStats s = stats_;
@@ -185,6 +196,8 @@ class RequestLogImpl final : public RequestLog {
   struct Live {
     uint64_t queued = 0;
     bool finished = false;
+    std::vector<int32_t> tokens;            // acknowledged
+    std::optional<Suspension> suspension;   // the last acknowledged
     std::unordered_set<uint64_t> segments;
   };
   struct Pending {
@@ -307,6 +320,17 @@ class RequestLogImpl final : public RequestLog {
             if (p.type == kTokens) {
               ++stats_.appends;
               stats_.tokens += p.tokens;
+              std::vector<int32_t>& t = it->second.tokens;
+              const size_t n = t.size();
+              t.resize(n + p.tokens);
+              std::memcpy(t.data() + n, p.body.data() + kTokensBodyHeader, 4 * p.tokens);
+            } else if (p.type == kSuspended) {
+              Suspension su;
+              std::memcpy(&su.tokens, p.body.data(), 8);
+              std::memcpy(&su.tail.lo, p.body.data() + 8, 8);
+              std::memcpy(&su.tail.hi, p.body.data() + 16, 8);
+              std::memcpy(&su.tag, p.body.data() + 24, 8);
+              it->second.suspension = su;
             }
           }
         }
@@ -408,6 +432,8 @@ class RequestLogImpl final : public RequestLog {
       Request& r = p.r;
       Live& live = live_[id];
       live.queued = r.tokens.size();
+      live.tokens = r.tokens;
+      live.suspension = r.suspension;
       for (uint64_t seg : held[id]) {
         if (segments_.count(seg)) {
           live.segments.insert(seg);

@@ -90,6 +90,19 @@ TEST(RequestLog, TokensAndSuspensionsSurviveAReopenAndFinishedRequestsDoNot) {
   // Appends go on where they stopped; a finished id may start again at 0.
   EXPECT_TRUE(log->Append(7, 50, Tokens(7, 50, 3)).ok());
   EXPECT_TRUE(log->Append(9, 0, Tokens(9, 0, 2)).ok());
+  // Unfinished: the state now (Recover stays what the open found).
+  ASSERT_TRUE(log->Suspended(9, {1, BlockHash{5, 6}, 0}).ok());
+  ASSERT_TRUE(log->Finish(8).ok());
+  const std::vector<RequestLog::Request> now = log->Unfinished();
+  ASSERT_EQ(now.size(), 2u);
+  EXPECT_EQ(now[0].id, 7u);
+  EXPECT_EQ(now[0].tokens, Tokens(7, 0, 53));
+  EXPECT_FALSE(now[0].suspension.has_value());
+  EXPECT_EQ(now[1].id, 9u);
+  EXPECT_EQ(now[1].tokens, Tokens(9, 0, 2));
+  ASSERT_TRUE(now[1].suspension.has_value());
+  EXPECT_EQ(now[1].suspension->tail, (BlockHash{5, 6}));
+  EXPECT_EQ(log->Recover().size(), 2u);
 }
 
 TEST(RequestLog, RefusesWhatWouldNotContinueARequest) {

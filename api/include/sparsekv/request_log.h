@@ -109,6 +109,9 @@ class RequestLog {
 
   // Every unfinished request as Open found it: what the last run (or a crash) left.
   virtual std::vector<Request> Recover() const = 0;
+  // Every unfinished request now: what Open found, with every append and suspension
+  // acknowledged since (a daemon answers an engine that restarted while it ran), by id.
+  virtual std::vector<Request> Unfinished() const = 0;
   virtual RequestLogStats Stats() const = 0;
 };
 
