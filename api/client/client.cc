@@ -1702,6 +1702,37 @@ Status Client::DropHint(uint64_t hint) {
   return st[0];
 }
 
+Status Client::LogAppend(uint64_t request, uint64_t first_token, std::span<const int32_t> tokens) {
+  w::LogAppendRequest m{request, first_token, {tokens.begin(), tokens.end()}};
+  SPARSEKV_ASSIGN_OR_RETURN(std::vector<Status> st,
+                            Impl::ParseStatusList(impl_->Call(w::Opcode::kLogAppend, w::Encode(m)), 1));
+  return st[0];
+}
+
+Status Client::LogSuspended(uint64_t request, uint64_t state_tokens, const WireBlockHash& tail, uint64_t tag) {
+  w::LogSuspendedRequest m{request, state_tokens, tail, tag};
+  SPARSEKV_ASSIGN_OR_RETURN(std::vector<Status> st,
+                            Impl::ParseStatusList(impl_->Call(w::Opcode::kLogSuspended, w::Encode(m)), 1));
+  return st[0];
+}
+
+Status Client::LogFinish(uint64_t request) {
+  SPARSEKV_ASSIGN_OR_RETURN(std::vector<Status> st, Impl::ParseStatusList(
+                                                        impl_->Call(w::Opcode::kLogFinish, w::EncodeLogFinish(request)), 1));
+  return st[0];
+}
+
+Result<std::vector<Client::LoggedRequest>> Client::LogRecover() {
+  auto f = impl_->Call(w::Opcode::kLogRecover, std::span<const std::byte>{});
+  if (!f.ok()) return f.status();
+  SPARSEKV_ASSIGN_OR_RETURN(w::LogRecoverReply r, w::DecodeLogRecoverReply(f->payload));
+  std::vector<LoggedRequest> out;
+  for (w::LogRequestState& q : r.requests) {
+    out.push_back(LoggedRequest{q.request, std::move(q.tokens), q.suspended, q.state_tokens, q.tail, q.tag});
+  }
+  return out;
+}
+
 Result<std::string> Client::Stats() {
   auto f = impl_->Call(w::Opcode::kStats, std::span<const std::byte>{});
   if (!f.ok()) return f.status();

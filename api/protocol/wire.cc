@@ -116,6 +116,10 @@ std::string_view OpcodeName(Opcode op) {
     case Opcode::kShmVerdicts: return "SHM_VERDICTS";
     case Opcode::kHint: return "HINT";
     case Opcode::kHintDrop: return "HINT_DROP";
+    case Opcode::kLogAppend: return "LOG_APPEND";
+    case Opcode::kLogSuspended: return "LOG_SUSPENDED";
+    case Opcode::kLogFinish: return "LOG_FINISH";
+    case Opcode::kLogRecover: return "LOG_RECOVER";
   }
   return "UNKNOWN";
 }
@@ -435,6 +439,112 @@ Result<uint64_t> DecodeHintDrop(std::span<const std::byte> p) {
   SPARSEKV_ASSIGN_OR_RETURN(uint64_t hint, r.U64("HINT_DROP id"));
   SPARSEKV_RETURN_IF_ERROR(r.Finish("HINT_DROP"));
   return hint;
+}
+
+namespace {
+void WriteTokens(PayloadWriter& w, const std::vector<int32_t>& t) {
+  w.U32(static_cast<uint32_t>(t.size()));
+  w.Bytes(std::as_bytes(std::span<const int32_t>(t)));
+}
+Result<std::vector<int32_t>> ReadTokens(PayloadReader& r, const char* field, uint32_t max_tokens) {
+  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count(field, max_tokens, 4));
+  SPARSEKV_ASSIGN_OR_RETURN(auto b, r.Bytes(4ull * n, field));
+  std::vector<int32_t> out(n);
+  std::memcpy(out.data(), b.data(), b.size());
+  return out;
+}
+}  // namespace
+
+std::vector<std::byte> Encode(const LogAppendRequest& m) {
+  PayloadWriter w;
+  w.U64(m.request);
+  w.U64(m.first_token);
+  WriteTokens(w, m.tokens);
+  return w.Take();
+}
+
+Result<LogAppendRequest> DecodeLogAppend(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  LogAppendRequest m;
+  SPARSEKV_ASSIGN_OR_RETURN(m.request, r.U64("LOG_APPEND request"));
+  SPARSEKV_ASSIGN_OR_RETURN(m.first_token, r.U64("LOG_APPEND first token"));
+  SPARSEKV_ASSIGN_OR_RETURN(m.tokens, ReadTokens(r, "LOG_APPEND token count", kMaxLogAppendTokens));
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("LOG_APPEND"));
+  if (m.tokens.empty()) return Bad("LOG_APPEND of no tokens");
+  return m;
+}
+
+std::vector<std::byte> Encode(const LogSuspendedRequest& m) {
+  PayloadWriter w;
+  w.U64(m.request);
+  w.U64(m.tokens);
+  w.Bytes(m.tail);
+  w.U64(m.tag);
+  return w.Take();
+}
+
+Result<LogSuspendedRequest> DecodeLogSuspended(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  LogSuspendedRequest m;
+  SPARSEKV_ASSIGN_OR_RETURN(m.request, r.U64("LOG_SUSPENDED request"));
+  SPARSEKV_ASSIGN_OR_RETURN(m.tokens, r.U64("LOG_SUSPENDED tokens"));
+  SPARSEKV_ASSIGN_OR_RETURN(auto b, r.Bytes(16, "LOG_SUSPENDED tail"));
+  std::memcpy(m.tail.data(), b.data(), 16);
+  SPARSEKV_ASSIGN_OR_RETURN(m.tag, r.U64("LOG_SUSPENDED tag"));
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("LOG_SUSPENDED"));
+  return m;
+}
+
+std::vector<std::byte> EncodeLogFinish(uint64_t request) {
+  PayloadWriter w;
+  w.U64(request);
+  return w.Take();
+}
+
+Result<uint64_t> DecodeLogFinish(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  SPARSEKV_ASSIGN_OR_RETURN(uint64_t request, r.U64("LOG_FINISH request"));
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("LOG_FINISH"));
+  return request;
+}
+
+std::vector<std::byte> Encode(const LogRecoverReply& m) {
+  PayloadWriter w;
+  w.U32(static_cast<uint32_t>(m.requests.size()));
+  for (const LogRequestState& q : m.requests) {
+    w.U64(q.request);
+    WriteTokens(w, q.tokens);
+    w.U8(q.suspended ? 1 : 0);
+    if (q.suspended) {
+      w.U64(q.state_tokens);
+      w.Bytes(q.tail);
+      w.U64(q.tag);
+    }
+  }
+  return w.Take();
+}
+
+Result<LogRecoverReply> DecodeLogRecoverReply(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  LogRecoverReply m;
+  SPARSEKV_ASSIGN_OR_RETURN(uint32_t n, r.Count("LOG_RECOVER request count", UINT32_MAX, 13));
+  m.requests.resize(n);
+  for (LogRequestState& q : m.requests) {
+    SPARSEKV_ASSIGN_OR_RETURN(q.request, r.U64("LOG_RECOVER request"));
+    SPARSEKV_ASSIGN_OR_RETURN(q.tokens, ReadTokens(r, "LOG_RECOVER token count", UINT32_MAX / 4));
+    SPARSEKV_ASSIGN_OR_RETURN(uint8_t s, r.U8("LOG_RECOVER suspended"));
+    if (s > 1) return Bad("LOG_RECOVER suspended flag is neither 0 nor 1");
+    q.suspended = s == 1;
+    if (q.suspended) {
+      SPARSEKV_ASSIGN_OR_RETURN(q.state_tokens, r.U64("LOG_RECOVER state tokens"));
+      SPARSEKV_ASSIGN_OR_RETURN(auto b, r.Bytes(16, "LOG_RECOVER tail"));
+      std::memcpy(q.tail.data(), b.data(), 16);
+      SPARSEKV_ASSIGN_OR_RETURN(q.tag, r.U64("LOG_RECOVER tag"));
+      if (q.state_tokens > q.tokens.size()) return Bad("LOG_RECOVER state past the request's tokens");
+    }
+  }
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("LOG_RECOVER reply"));
+  return m;
 }
 
 std::vector<std::byte> Encode(const PutRequest& m) {

@@ -52,8 +52,12 @@ enum class Opcode : uint16_t {
   kShmVerdicts = 20,    // server -> client: the checks of a SHM_GET_OVERLAP, after its reply
   kHint = 21,           // blocks a scheduler will read soon: protected from eviction a while
   kHintDrop = 22,       // ends a HINT before its time to live
+  kLogAppend = 23,      // request log: a request's next tokens, acknowledged once durable
+  kLogSuspended = 24,   // request log: a request was suspended at a state (its tail record's key)
+  kLogFinish = 25,      // request log: a request is done; its records become garbage
+  kLogRecover = 26,     // request log: every unfinished request of the namespace
 };
-inline constexpr uint16_t kMaxOpcode = 22;
+inline constexpr uint16_t kMaxOpcode = 26;
 std::string_view OpcodeName(Opcode op);
 
 // Header flags.
@@ -200,6 +204,32 @@ struct PutRequest {
 };
 
 // Per-item outcome: a StatusCode and, when not OK, a message.
+// The request log (api/include/sparsekv/request_log.h) through the daemon, one per namespace.
+struct LogAppendRequest {
+  uint64_t request = 0;
+  uint64_t first_token = 0;
+  std::vector<int32_t> tokens;
+};
+struct LogSuspendedRequest {
+  uint64_t request = 0;
+  uint64_t tokens = 0;  // the state's tokens
+  WireHash tail{};      // the tail record's key
+  uint64_t tag = 0;
+};
+struct LogRequestState {
+  uint64_t request = 0;
+  std::vector<int32_t> tokens;  // every acknowledged token
+  bool suspended = false;
+  uint64_t state_tokens = 0;  // when suspended
+  WireHash tail{};
+  uint64_t tag = 0;
+};
+struct LogRecoverReply {
+  std::vector<LogRequestState> requests;
+};
+// Tokens in one LOG_APPEND at most (a 64 MiB payload holds more; this bounds a request).
+inline constexpr uint32_t kMaxLogAppendTokens = 1u << 20;
+
 struct ItemStatus {
   StatusCode code = StatusCode::kOk;
   std::string message;
@@ -297,6 +327,10 @@ std::vector<std::byte> Encode(const PinRequest& m);
 std::vector<std::byte> Encode(const HintRequest& m);
 std::vector<std::byte> Encode(const HintReply& m);
 std::vector<std::byte> EncodeHintDrop(uint64_t hint);
+std::vector<std::byte> Encode(const LogAppendRequest& m);
+std::vector<std::byte> Encode(const LogSuspendedRequest& m);
+std::vector<std::byte> Encode(const LogRecoverReply& m);
+std::vector<std::byte> EncodeLogFinish(uint64_t request);
 std::vector<std::byte> Encode(const PutRequest& m);
 // Encode(m) as pieces to send gathered: the list's framing goes into `framing` (which must
 // outlive the pieces), each bundle's bytes are named where they lie.
@@ -324,6 +358,10 @@ Result<PinRequest> DecodePinRequest(std::span<const std::byte> p);
 Result<HintRequest> DecodeHintRequest(std::span<const std::byte> p);
 Result<HintReply> DecodeHintReply(std::span<const std::byte> p);
 Result<uint64_t> DecodeHintDrop(std::span<const std::byte> p);
+Result<LogAppendRequest> DecodeLogAppend(std::span<const std::byte> p);
+Result<LogSuspendedRequest> DecodeLogSuspended(std::span<const std::byte> p);
+Result<uint64_t> DecodeLogFinish(std::span<const std::byte> p);
+Result<LogRecoverReply> DecodeLogRecoverReply(std::span<const std::byte> p);
 // Bundle views point into `p`, which must outlive the result.
 Result<PutRequest> DecodePutRequest(std::span<const std::byte> p, uint32_t max_bundle_bytes);
 Result<StatusListReply> DecodeStatusListReply(std::span<const std::byte> p);

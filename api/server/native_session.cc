@@ -239,6 +239,14 @@ struct OutFrame {
 };
 
 // A handler's answer: a payload to be framed, or a gathered frame to finish (GET replies).
+// A reply of one item status (HINT_DROP, LOG_APPEND, LOG_SUSPENDED, LOG_FINISH).
+std::vector<std::byte> OneStatus(const Status& st) {
+  wire::StatusListReply r;
+  r.items.resize(1);
+  if (!st.ok()) r.items[0] = {st.code(), std::string(st.message())};
+  return wire::Encode(r);
+}
+
 struct Reply {
   Reply(std::vector<std::byte> payload) : data(std::move(payload)) {}  // NOLINT: implicit
   Reply(OutFrame f) : gathered(std::move(f)), is_gathered(true) {}    // NOLINT: implicit
@@ -765,9 +773,13 @@ class Session : public std::enable_shared_from_this<Session> {
       case wire::Opcode::kPin: return wire::DecodePinRequest(p).status();
       case wire::Opcode::kHint: return wire::DecodeHintRequest(p).status();
       case wire::Opcode::kHintDrop: return wire::DecodeHintDrop(p).status();
+      case wire::Opcode::kLogAppend: return wire::DecodeLogAppend(p).status();
+      case wire::Opcode::kLogSuspended: return wire::DecodeLogSuspended(p).status();
+      case wire::Opcode::kLogFinish: return wire::DecodeLogFinish(p).status();
       case wire::Opcode::kShmViewEnd: return wire::DecodeLease(p).status();
       case wire::Opcode::kStats:
       case wire::Opcode::kSubscribe:
+      case wire::Opcode::kLogRecover:
         return p.empty() ? Status::OK()
                          : Status::InvalidArgument(fmt::format("{} takes no payload", wire::OpcodeName(op)));
       default: return Status::OK();
@@ -1041,6 +1053,20 @@ class Session : public std::enable_shared_from_this<Session> {
       });
       return;
     }
+    if (h.opcode == wire::Opcode::kLogAppend) {
+      // Acknowledged by the log's committer once durable, with every append waiting then: no
+      // worker waits for the sync.
+      Result<RequestLog*> log = srv_.RequestLogFor(ns_);
+      Result<wire::LogAppendRequest> req = wire::DecodeLogAppend(payload.span());
+      payload.Reset();
+      if (!log.ok() || !req.ok()) {
+        complete(!log.ok() ? log.status() : req.status());
+        return;
+      }
+      (*log)->AppendAsync(req->request, req->first_token, req->tokens,
+                          [complete](Status st) mutable { complete(OneStatus(st)); });
+      return;
+    }
     srv_.SubmitWork(id_, [self, h, payload = std::move(payload), complete = std::move(complete)]() mutable {
       Result<Reply> reply = self->Handle(h, payload.span());
       payload.Reset();
@@ -1088,6 +1114,45 @@ class Session : public std::enable_shared_from_this<Session> {
         wire::StatusListReply r;
         r.items.resize(1);
         if (!st.ok()) r.items[0] = {st.code(), std::string(st.message())};
+        return wire::Encode(r);
+      }
+      case wire::Opcode::kLogSuspended: {
+        SPARSEKV_ASSIGN_OR_RETURN(wire::LogSuspendedRequest req, wire::DecodeLogSuspended(p));
+        SPARSEKV_ASSIGN_OR_RETURN(RequestLog * log, srv_.RequestLogFor(ns_));
+        RequestLog::Suspension su;
+        su.tokens = req.tokens;
+        std::memcpy(&su.tail, req.tail.data(), sizeof su.tail);
+        su.tag = req.tag;
+        return OneStatus(log->Suspended(req.request, su));
+      }
+      case wire::Opcode::kLogFinish: {
+        SPARSEKV_ASSIGN_OR_RETURN(uint64_t request, wire::DecodeLogFinish(p));
+        SPARSEKV_ASSIGN_OR_RETURN(RequestLog * log, srv_.RequestLogFor(ns_));
+        return OneStatus(log->Finish(request));
+      }
+      case wire::Opcode::kLogRecover: {
+        if (!p.empty()) return Status::InvalidArgument("LOG_RECOVER takes no payload");
+        SPARSEKV_ASSIGN_OR_RETURN(RequestLog * log, srv_.RequestLogFor(ns_));
+        wire::LogRecoverReply r;
+        uint64_t bytes = 4;
+        for (RequestLog::Request& q : log->Unfinished()) {
+          bytes += 8 + 4 + 4 * q.tokens.size() + 1 + 32;
+          if (bytes > srv_.options_.max_frame_bytes) {
+            return Status::ResourceExhausted(fmt::format(
+                "LOG_RECOVER: the namespace's unfinished requests exceed a frame ({} bytes)",
+                srv_.options_.max_frame_bytes));
+          }
+          wire::LogRequestState st;
+          st.request = q.id;
+          st.tokens = std::move(q.tokens);
+          if (q.suspension) {
+            st.suspended = true;
+            st.state_tokens = q.suspension->tokens;
+            std::memcpy(st.tail.data(), &q.suspension->tail, 16);
+            st.tag = q.suspension->tag;
+          }
+          r.requests.push_back(std::move(st));
+        }
         return wire::Encode(r);
       }
       case wire::Opcode::kStats: {

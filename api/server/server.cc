@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <filesystem>
 #include <atomic>
 #include <boost/asio.hpp>
 #include <chrono>
@@ -358,5 +359,25 @@ Metrics& Server::metrics() { return impl_->metrics_; }
 std::string Server::tcp_address() const { return impl_->tcp_address_; }
 std::string Server::resp_address() const { return impl_->resp_ ? impl_->resp_->tcp_address() : std::string(); }
 uint16_t Server::metrics_port() const { return impl_->metrics_port_; }
+
+Result<RequestLog*> Server::Impl::RequestLogFor(uint32_t ns) {
+  if (options_.request_log_dir.empty()) {
+    return Status::NotSupported("this daemon keeps no request log (request_log_dir is not set)");
+  }
+  if (ns == 0 || ns > options_.namespaces.size()) return Status::Internal("request log of no namespace");
+  MutexLock l(logs_mu_);
+  if (logs_.size() < options_.namespaces.size()) logs_.resize(options_.namespaces.size());
+  std::unique_ptr<RequestLog>& log = logs_[ns - 1];
+  if (!log) {
+    // One directory per namespace, named by its name in hex: no name reaches another's log.
+    std::string dir;
+    for (unsigned char c : options_.namespaces[ns - 1].name) dir += fmt::format("{:02x}", c);
+    RequestLogOptions o;
+    o.path = (std::filesystem::path(options_.request_log_dir) / (dir.empty() ? "-" : dir)).string();
+    o.durability = options_.request_log_durability;
+    SPARSEKV_ASSIGN_OR_RETURN(log, RequestLog::Open(o));
+  }
+  return log.get();
+}
 
 }  // namespace sparsekv::server

@@ -28,6 +28,7 @@
 
 #include "server/daemon_store.h"
 #include "server/metrics.h"
+#include "sparsekv/tier.h"
 #include "sparsekv/status.h"
 
 namespace sparsekv::server {
@@ -106,6 +107,12 @@ struct ServerOptions {
   uint32_t block_tokens = 128;
   // Namespaces clients may open. Default: one, "default", with no token.
   std::vector<NamespaceConfig> namespaces = {{"default", ""}};
+  // Directory of the request logs (LOG_* operations; request_log.h): one log per namespace in
+  // a subdirectory named by the namespace's name in hex, opened at its first LOG_* request.
+  // "" answers them NotSupported. Default: "".
+  std::string request_log_dir;
+  // When a LOG_APPEND is acknowledged. Default: kFdatasync.
+  Durability request_log_durability = Durability::kFdatasync;
   // SIGINT/SIGTERM drain and stop; SIGHUP calls on_sighup. Default: false (tests).
   bool handle_signals = false;
   std::function<void()> on_sighup;

@@ -26,6 +26,8 @@
 #include "server/resp_session.h"
 #include "server/server.h"
 #include "server/transport.h"
+#include "sparsekv/request_log.h"
+#include "sparsekv/thread_annotations.h"
 
 namespace sparsekv::server {
 
@@ -95,8 +97,14 @@ class Server::Impl {
   void FinishIfDrained();
   Status Wait();
 
+  // The request log of namespace `ns` (1-based), opened at the first call. Errors:
+  // NotSupported without ServerOptions::request_log_dir, the log's own (Open).
+  Result<RequestLog*> RequestLogFor(uint32_t ns);
+
   ServerOptions options_;
   DaemonStore* store_;
+  Mutex logs_mu_;
+  std::vector<std::unique_ptr<RequestLog>> logs_ SPARSEKV_GUARDED_BY(logs_mu_);  // by ns - 1
   Metrics metrics_;
   asio::io_context io_;
   asio::executor_work_guard<asio::io_context::executor_type> work_;

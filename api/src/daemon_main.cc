@@ -140,6 +140,8 @@ int Run(DaemonConfig config) {
     so.unix_path = p.is_absolute() ? p.string() : (std::filesystem::path(config.data_dir) / p).string();
   }
   so.metrics_listen = config.metrics_listen;
+  // The engines' request logs (LOG_* operations), one per namespace, fdatasync'd.
+  so.request_log_dir = (std::filesystem::path(config.data_dir) / "requests").string();
   so.resp_listen = config.resp_listen;
   if (!config.resp_unix_socket.empty()) {
     std::filesystem::path p(config.resp_unix_socket);

@@ -184,6 +184,23 @@ class Client {
   Result<HintResult> Hint(std::span<const WireBlockHash> hashes, std::chrono::milliseconds ttl);
   // NotFound when this connection holds no such hint (dropped or expired).
   Status DropHint(uint64_t hint);
+
+  // The namespace's request log in the daemon (request_log.h; api/PROTOCOL.md, LOG_*).
+  // LogAppend returns once the tokens are durable; FailedPrecondition when they do not continue
+  // the request or it is finished; NotSupported when the daemon keeps no log.
+  Status LogAppend(uint64_t request, uint64_t first_token, std::span<const int32_t> tokens);
+  Status LogSuspended(uint64_t request, uint64_t state_tokens, const WireBlockHash& tail, uint64_t tag = 0);
+  Status LogFinish(uint64_t request);
+  struct LoggedRequest {
+    uint64_t id = 0;
+    std::vector<int32_t> tokens;  // every acknowledged token
+    bool suspended = false;
+    uint64_t state_tokens = 0;
+    WireBlockHash tail{};
+    uint64_t tag = 0;
+  };
+  // Every unfinished request of the namespace, by id.
+  Result<std::vector<LoggedRequest>> LogRecover();
   Result<std::string> Stats();  // JSON
   Status Ping();
   // Starts event delivery to `callback` (on the reader thread).
