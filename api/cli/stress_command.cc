@@ -4,6 +4,9 @@
 // `sparsekv stress daemon`: N clients against sparsekvd, every GET checked against the last
 // acknowledged PUT or DELETE, optionally killing and restarting the daemon
 // (bench/daemon_stress.h).
+// `sparsekv stress suspend`: SIGKILL an engine that logs, suspends and resumes requests; check
+// no acknowledged token is lost and every resumed request matches an uninterrupted run
+// (bench/suspend_stress.h). The hidden `stress suspend-child` is the process being killed.
 // `sparsekv stress hostile`: attacks on a running sparsekvd over raw sockets while a
 // well-behaved client measures what they cost it (bench/hostile_stress.h).
 // `sparsekv stress cluster`: two daemons sharing a Redis Cluster, a primary killed under load
@@ -18,6 +21,7 @@
 #include "daemon_stress.h"
 #include "hostile_stress.h"
 #include "offload_stress.h"
+#include "suspend_stress.h"
 
 namespace sparsekv::cli {
 
@@ -370,6 +374,80 @@ SPARSEKV_CLI_COMMAND(stress) {
           j["target_met"].get<bool>() ? "met" : "NOT met", j["ok"].get<bool>() ? "OK" : "FAILED");
     }
     if (!j["ok"].get<bool>()) exit_code = 1;
+  });
+
+  struct SuspendArgs {
+    bench::SuspendStressOptions options;
+    bool json = false;
+  };
+  auto sa = std::make_shared<SuspendArgs>();
+  CLI::App* sc = stress->add_subcommand(
+      "suspend", "Kill an engine that logs, suspends and resumes requests K times; verify every "
+                 "acknowledged token and every resumed request against an uninterrupted run");
+  sc->add_option("--dir", sa->options.dir, "Working directory (a subdirectory is created and removed)")->required();
+  sc->add_option("--seconds", sa->options.seconds, "Total run time of the engine")
+      ->check(CLI::Range(0.1, 86400.0))
+      ->capture_default_str();
+  sc->add_option("--kill-cycles", sa->options.kill_cycles, "SIGKILLs and restarts")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  sc->add_option("--requests", sa->options.requests, "Requests decoded at once")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  sc->add_option("--threads", sa->options.threads, "Threads decoding them")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  sc->add_option("--max-request-tokens", sa->options.max_request_tokens, "A request is finished at this length")
+      ->check(CLI::Range(2, 1 << 20))
+      ->capture_default_str();
+  sc->add_option("--seed", sa->options.seed, "Seed (0: random)")->capture_default_str();
+  sc->add_flag("--keep", sa->options.keep, "Keep the working directory");
+  sc->add_flag("--json", sa->json, "Print JSON");
+  sc->callback([sa, &exit_code] {
+    auto r = bench::RunSuspendStress(sa->options);
+    if (!r.ok()) {
+      exit_code = Fail(r.status());
+      return;
+    }
+    const auto& j = *r;
+    if (sa->json) {
+      std::printf("%s\n", j.dump(2).c_str());
+    } else {
+      std::printf(
+          "acknowledged tokens %llu  lost %llu  resurrected %llu  (%d kills, %.1f s)\n"
+          "suspends %llu  resumes %llu (%llu exact)  recomputed tokens %llu  mismatches %llu\n"
+          "requests checked against an uninterrupted run %llu (%llu tokens): %llu differ\n"
+          "torn log tails injected %llu, cut %llu (%llu bytes)\n%s\n",
+          static_cast<unsigned long long>(j["acknowledged_tokens"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["lost_tokens"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["resurrected"].get<uint64_t>()), sa->options.kill_cycles,
+          j["seconds"].get<double>(), static_cast<unsigned long long>(j["suspends"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["resumes"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["resumed_exact"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["recomputed_tokens"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["child_mismatches"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["checked_requests"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["checked_tokens"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["differing_requests"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["torn_tails_injected"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["torn_tails_cut"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["torn_bytes_cut"].get<uint64_t>()), j["ok"].get<bool>() ? "OK" : "FAILED");
+    }
+    if (!j["ok"].get<bool>()) exit_code = 1;
+  });
+  auto sc_child = std::make_shared<bench::SuspendStressChildOptions>();
+  CLI::App* scc = stress->add_subcommand("suspend-child", "The process `stress suspend` kills");
+  scc->group("");
+  scc->add_option("--dir", sc_child->dir)->required();
+  scc->add_option("--ack-fd", sc_child->ack_fd)->required();
+  scc->add_option("--incarnation", sc_child->incarnation)->required();
+  scc->add_option("--seed", sc_child->seed);
+  scc->add_option("--requests", sc_child->requests);
+  scc->add_option("--threads", sc_child->threads);
+  scc->add_option("--max-request-tokens", sc_child->max_request_tokens);
+  scc->callback([sc_child, &exit_code] {
+    const Status s = bench::RunSuspendStressChild(*sc_child);
+    if (!s.ok()) exit_code = Fail(s.WithContext("stress suspend-child"));
   });
 
   struct ChildArgs {

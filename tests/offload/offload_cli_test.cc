@@ -145,3 +145,49 @@ TEST(BenchSparseDecode, ShortRunsAreIdenticalAndLean) {
 }
 
 }  // namespace
+
+namespace {
+
+// `sparsekv stress suspend`, short: kills, torn log tails, resumes checked against a fresh run.
+TEST(StressSuspend, ShortRunLosesNoTokenAndEveryResumeMatches) {
+  sparsekv::testing::TempDir dir("stress_suspend");
+  Outcome r = Cli("stress suspend --seconds 4 --kill-cycles 3 --requests 4 --max-request-tokens 300 --dir " +
+                  dir.path() + " --json");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_GT(j["acknowledged_tokens"].get<uint64_t>(), 50u);
+  EXPECT_EQ(j["lost_tokens"].get<uint64_t>(), 0u);
+  EXPECT_EQ(j["resurrected"].get<uint64_t>(), 0u);
+  EXPECT_EQ(j["child_mismatches"].get<uint64_t>(), 0u);
+  EXPECT_EQ(j["differing_requests"].get<uint64_t>(), 0u);
+  EXPECT_GT(j["checked_tokens"].get<uint64_t>(), 0u);
+  EXPECT_GT(j["resumes"].get<uint64_t>(), 0u);
+  EXPECT_EQ(j["torn_tails_injected"].get<uint64_t>(), 2u);
+  EXPECT_GE(j["torn_tails_cut"].get<uint64_t>(), 2u);
+  EXPECT_TRUE(j["ok"].get<bool>());
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+}
+
+// `sparsekv bench suspend`, small: every part runs, every resume is exact (the bench fails
+// otherwise), and the figures it reports are there.
+TEST(BenchSuspend, SmallRunJsonShape) {
+  sparsekv::testing::TempDir dir("bench_suspend");
+  Outcome r = Cli("bench suspend --v32-tokens 384 --v4-tokens 256 --turns 3 --turn-tokens 128 --concurrency 1 "
+                  "--concurrency 16 --log-seconds 0.3 --no-fio --json --dir " + dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["sequences"].size(), 4u);
+  for (const auto& s : j["sequences"]) {
+    EXPECT_GT(s["suspend_bytes_per_s"].get<double>(), 0);
+    EXPECT_GT(s["resume_bytes_per_s"].get<double>(), 0);
+    EXPECT_EQ(s["state_tokens"].get<uint64_t>(), s["tokens"].get<uint64_t>() - 5);
+  }
+  EXPECT_GT(j["conversation"]["tier_bytes"].get<uint64_t>(), 0u);
+  EXPECT_GT(j["conversation"]["whole_snapshots_bytes"].get<uint64_t>(), 0u);
+  ASSERT_EQ(j["log"].size(), 2u);
+  EXPECT_GT(j["log"][1]["appends_per_sync"].get<double>(), 1.0);  // 16 appending: group commits
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+  EXPECT_NE(Cli("bench suspend --dir " + dir.path() + " --v32-tokens 5").exit_code, 0);
+}
+
+}  // namespace

@@ -1,0 +1,383 @@
+#include "suspend_bench.h"
+
+#include <fmt/format.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+
+#include "bench_util.h"
+#include "sparsekv/host_tier.h"
+#include "sparsekv/model_spec.h"
+#include "sparsekv/offloaded_cache.h"
+#include "sparsekv/request_log.h"
+#include "sparsekv/ssd_tier.h"
+
+namespace sparsekv::bench {
+namespace {
+
+constexpr uint32_t kBlockTokens = 128;
+constexpr uint64_t kMiB = 1ull << 20;
+
+uint64_t MemAvailable() {
+  std::ifstream f("/proc/meminfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("MemAvailable:", 0) == 0) return std::stoull(line.substr(13)) * 1024;
+  }
+  return 0;
+}
+
+std::vector<TokenId> Tokens(uint64_t n, uint64_t seed) {
+  std::vector<TokenId> t(n);
+  for (uint64_t i = 0; i < n; ++i) t[i] = static_cast<TokenId>(MixBits(seed * 1000003 + i) % 50000);
+  return t;
+}
+
+Result<std::unique_ptr<CacheManager>> Manager(const ModelSpec& spec, uint32_t blocks) {
+  CacheManagerOptions mo;
+  mo.block_tokens = kBlockTokens;
+  mo.capacity_blocks = blocks;
+  mo.huge_pages = true;
+  return CacheManager::Create(spec, mo);
+}
+
+// Computes tokens [from, to) of `seq` the cheap way: every new page filled with a pattern.
+Status Fill(CacheManager& m, SequenceId seq, uint64_t from, uint64_t to) {
+  SPARSEKV_ASSIGN_OR_RETURN(SlotAllocation a, m.AllocateSlots(seq, to));
+  (void)a;
+  for (size_t p = 0; p < m.num_pools(); ++p) {
+    std::vector<PageId> table;
+    SPARSEKV_RETURN_IF_ERROR(m.GetBlockTable(seq, p, &table));
+    for (uint64_t b = from / kBlockTokens; b < table.size(); ++b) {
+      if (table[b] == kInvalidPage) continue;
+      std::memset(m.pool(p).PageData(table[b]), static_cast<int>((b * 31 + p) & 0xff), m.geometry().pools[p].block_stride);
+    }
+  }
+  return Status::OK();
+}
+
+// memcpy of every page of the sequence's blocks into a reused 512 MiB destination: the bytes
+// a suspend or resume moves, at memory speed. Returns bytes per second.
+double MemcpyRate(const CacheManager& m, SequenceId seq, uint32_t blocks) {
+  static std::vector<std::byte> dst;
+  const uint64_t ring = 512 * kMiB;
+  if (dst.size() != ring) {
+    dst.assign(ring, std::byte{0});
+  }
+  std::vector<std::vector<PageId>> tables(m.num_pools());
+  for (size_t p = 0; p < tables.size(); ++p) (void)m.GetBlockTable(seq, p, &tables[p]);
+  uint64_t at = 0, bytes = 0;
+  const double t0 = NowSeconds();
+  for (uint32_t b = 0; b < blocks; ++b) {
+    for (size_t p = 0; p < tables.size(); ++p) {
+      if (b >= tables[p].size() || tables[p][b] == kInvalidPage) continue;
+      const uint64_t n = m.geometry().pools[p].block_stride;
+      if (at + n > ring) at = 0;
+      std::memcpy(dst.data() + at, m.pool(p).PageData(tables[p][b]), n);
+      at += n;
+      bytes += n;
+    }
+  }
+  DoNotOptimize(dst[at / 2]);
+  return static_cast<double>(bytes) / (NowSeconds() - t0);
+}
+
+uint64_t BlockRecordBytes(const CacheManager& m) {
+  std::vector<uint64_t> sizes;
+  for (const auto& p : m.geometry().pools) sizes.push_back(p.block_stride);
+  sizes.push_back(16);
+  return BundleRecordBytes(sizes);
+}
+
+Result<std::unique_ptr<TierChain>> Chain(bool ssd, const std::string& dir, uint64_t bytes) {
+  std::vector<std::unique_ptr<Tier>> tiers;
+  if (!ssd) {
+    HostTierOptions h;
+    h.capacity_bytes = (bytes + 64 * kMiB) / 4096 * 4096;
+    h.huge_pages = true;
+    SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> t, HostTier::Open(h));
+    tiers.push_back(std::move(t));
+  } else {
+    SsdTierOptions d;
+    d.path = dir;
+    d.capacity_bytes = bytes + 256 * kMiB;
+    d.durability = Durability::kFdatasync;
+    SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<SsdTier> t, SsdTier::Open(d));
+    tiers.push_back(std::move(t));
+  }
+  TierChainOptions co;
+  co.write_policy = WritePolicy::kWriteThrough;
+  return std::make_unique<TierChain>(std::move(tiers), co);
+}
+
+// Part 1 for one model and tier.
+Result<nlohmann::json> SuspendResume(const std::string& name, const ModelSpec& spec, uint64_t tokens, bool ssd,
+                                     const std::string& dir, bool with_fio) {
+  const uint64_t state = tokens - 5;  // five tokens short of the last block's end: a tail
+  const auto blocks = static_cast<uint32_t>((tokens + kBlockTokens - 1) / kBlockTokens);
+  const std::vector<TokenId> ids = Tokens(tokens, 1);
+  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<CacheManager> m, Manager(spec, blocks + 2));
+  const uint64_t record = BlockRecordBytes(*m);
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  std::filesystem::create_directories(dir, ec);
+  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<TierChain> chain, Chain(ssd, dir, uint64_t{blocks} * (record + 4096)));
+  OffloadedCacheOptions co;
+  co.write_policy = WritePolicy::kWriteBack;  // nothing reaches the tier before the suspend
+  co.evict_ahead_blocks = 0;
+  nlohmann::json j;
+  j["model"] = name;
+  j["tier"] = ssd ? "ssd" : "host";
+  j["tokens"] = tokens;
+  j["state_tokens"] = state;
+  SuspendInfo info;
+  double memcpy_before = 0;
+  {
+    OffloadedCache cache(*m, *chain, co);
+    SPARSEKV_ASSIGN_OR_RETURN(SequenceId seq, cache.CreateSequence());
+    SPARSEKV_RETURN_IF_ERROR(cache.AppendTokens(seq, std::span<const TokenId>(ids).first(state + 1)));
+    SPARSEKV_RETURN_IF_ERROR(Fill(*m, seq, 0, state));
+    SPARSEKV_RETURN_IF_ERROR(cache.CommitComputed(seq, state));
+    memcpy_before = MemcpyRate(*m, seq, blocks);
+    const double t0 = NowSeconds();
+    SPARSEKV_ASSIGN_OR_RETURN(info, cache.Suspend(seq));
+    const double secs = NowSeconds() - t0;
+    j["suspend_seconds"] = secs;
+    j["suspend_bytes"] = info.written_bytes;
+    j["suspend_bytes_per_s"] = static_cast<double>(info.written_bytes) / secs;
+    j["tail_bytes"] = info.tail_bytes;
+  }
+  m.reset();  // resume into a fresh L1
+  SPARSEKV_ASSIGN_OR_RETURN(m, Manager(spec, blocks + 2));
+  {
+    OffloadedCache cache(*m, *chain, co);
+    const double t0 = NowSeconds();
+    SPARSEKV_ASSIGN_OR_RETURN(ResumeInfo r, cache.Resume({}, std::span<const TokenId>(ids).first(state + 1), state));
+    const double secs = NowSeconds() - t0;
+    if (r.restored_tokens != state) {
+      return Status::Internal(fmt::format("bench suspend: {} resumed {} of {} tokens: {}", name, r.restored_tokens,
+                                          state, r.lost));
+    }
+    j["resume_seconds"] = secs;
+    j["resume_bytes_per_s"] = static_cast<double>(info.written_bytes) / secs;
+    const double memcpy_after = MemcpyRate(*m, r.seq, blocks);
+    const double mc = std::max(memcpy_before, memcpy_after);
+    j["memcpy_bytes_per_s"] = {memcpy_before, memcpy_after};
+    if (!ssd) {
+      j["suspend_vs_memcpy"] = j["suspend_bytes_per_s"].get<double>() / mc;
+      j["resume_vs_memcpy"] = j["resume_bytes_per_s"].get<double>() / mc;
+    }
+    SPARSEKV_RETURN_IF_ERROR(cache.Free(r.seq));
+  }
+  if (ssd && with_fio) {
+    const std::string file = dir + "/fio.dat";
+    const uint64_t n = std::max<uint64_t>(kMiB, info.written_bytes / kMiB * kMiB);
+    Result<double> w = RunFioJob(FioJobCommand(file, n, kMiB, 16, "write"), "write");
+    Result<double> rd = w.ok() ? RunFioJob(FioJobCommand(file, n, kMiB, 16, "read"), "read") : w.status();
+    std::filesystem::remove(file, ec);
+    if (w.ok() && rd.ok()) {
+      j["fio_write_bytes_per_s"] = *w;
+      j["fio_read_bytes_per_s"] = *rd;
+      j["suspend_vs_fio_write"] = j["suspend_bytes_per_s"].get<double>() / *w;
+      j["resume_vs_fio_read"] = j["resume_bytes_per_s"].get<double>() / *rd;
+      j["fio_command"] = FioJobCommand("DIR/fio.dat", n, kMiB, 16, "read");
+    } else {
+      j["fio_error"] = (w.ok() ? rd.status() : w.status()).ToString();
+    }
+  }
+  chain.reset();
+  std::filesystem::remove_all(dir, ec);
+  return j;
+}
+
+// Part 2: a conversation suspended after every turn.
+Result<nlohmann::json> Conversation(const ModelSpec& spec, uint32_t turns, uint32_t turn_tokens, const std::string& dir) {
+  const uint64_t total = uint64_t{turns} * turn_tokens + 1;
+  const auto blocks = static_cast<uint32_t>(total / kBlockTokens + 2);
+  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<CacheManager> m, Manager(spec, blocks + 2));
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  const uint64_t record = BlockRecordBytes(*m);
+  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<TierChain> chain, Chain(true, dir, uint64_t{blocks + turns} * (record + 8192) * 2));
+  OffloadedCache cache(*m, *chain, {});  // write-through: blocks are written as they fill
+  const std::vector<TokenId> ids = Tokens(total, 2);
+  // A whole snapshot's least: the full-history kinds of every token, one window, one state.
+  uint64_t history_per_block = 0, boundary_pages = 0;
+  for (const PoolGeometry& g : m->geometry().pools) {
+    if (g.spec.kind == CacheKind::kSwaWindow || g.spec.kind == CacheKind::kCompressorState) {
+      boundary_pages += g.block_stride;
+    } else {
+      history_per_block += g.block_stride;
+    }
+  }
+  uint64_t snapshots = 0, written = 0;
+  std::optional<BlockHash> previous;
+  uint64_t state = 0;
+  for (uint32_t turn = 0; turn < turns; ++turn) {
+    const uint64_t upto = uint64_t{turn + 1} * turn_tokens;
+    SPARSEKV_ASSIGN_OR_RETURN(ResumeInfo r, cache.Resume({}, std::span<const TokenId>(ids).first(upto + 1), state));
+    if (r.recompute_tokens != 0) return Status::Internal("bench suspend: a turn resumed short: " + r.lost);
+    SPARSEKV_RETURN_IF_ERROR(Fill(*m, r.seq, state, upto));
+    SPARSEKV_RETURN_IF_ERROR(cache.CommitComputed(r.seq, upto));
+    SPARSEKV_ASSIGN_OR_RETURN(SuspendInfo s, cache.Suspend(r.seq));
+    if (previous) SPARSEKV_RETURN_IF_ERROR(cache.DropSuspension(*previous));
+    previous = s.tail;
+    state = upto;
+    written += s.written_bytes;
+    snapshots += (upto + kBlockTokens - 1) / kBlockTokens * history_per_block + boundary_pages;
+  }
+  cache.WaitIdle();
+  const TierStats ts = chain->tier(0).Stats();
+  uint64_t on_disk = 0;
+  for (const auto& f : std::filesystem::recursive_directory_iterator(dir, ec)) {
+    struct stat st{};
+    if (f.is_regular_file() && ::stat(f.path().c_str(), &st) == 0) on_disk += uint64_t(st.st_blocks) * 512;
+  }
+  nlohmann::json j;
+  j["turns"] = turns;
+  j["turn_tokens"] = turn_tokens;
+  j["tier_bytes"] = ts.bytes;
+  j["tier_items"] = ts.items;
+  j["disk_bytes_allocated"] = on_disk;
+  j["whole_snapshots_bytes"] = snapshots;
+  j["ratio_vs_whole_snapshots"] = static_cast<double>(ts.bytes) / static_cast<double>(snapshots);
+  j["block_record_bytes"] = record;
+  j["boundary_bytes_per_block"] = boundary_pages;
+  j["history_bytes_per_block"] = history_per_block;
+  return j;
+}
+
+// Part 3: request log appends at a given concurrency.
+Result<nlohmann::json> LogRate(const std::string& dir, uint32_t concurrency, double seconds) {
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  RequestLogOptions lo;
+  lo.path = dir;
+  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<RequestLog> log, RequestLog::Open(lo));
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t outstanding = 0;
+  Status failure;
+  std::vector<double> latencies;
+  latencies.reserve(1 << 20);
+  const double end = NowSeconds() + seconds;
+  std::vector<uint64_t> next(concurrency, 0);
+  std::function<void(uint32_t)> issue = [&](uint32_t r) {
+    const int32_t tok = static_cast<int32_t>(next[r] % 50000);
+    const double t0 = NowSeconds();
+    log->AppendAsync(r, next[r], std::span<const int32_t>(&tok, 1), [&, r, t0](Status st) {
+      const double now = NowSeconds();
+      bool again = false;
+      {
+        std::lock_guard l(mu);
+        if (!st.ok() && failure.ok()) failure = st;
+        latencies.push_back(now - t0);
+        ++next[r];
+        again = st.ok() && now < end;
+        if (!again) --outstanding;
+      }
+      if (again) {
+        issue(r);
+      } else {
+        cv.notify_all();
+      }
+    });
+  };
+  const double t0 = NowSeconds();
+  {
+    std::lock_guard l(mu);
+    outstanding = concurrency;
+  }
+  for (uint32_t r = 0; r < concurrency; ++r) issue(r);
+  std::unique_lock l(mu);
+  cv.wait(l, [&] { return outstanding == 0; });
+  const double secs = NowSeconds() - t0;
+  if (!failure.ok()) return failure;
+  const RequestLogStats st = log->Stats();
+  nlohmann::json j;
+  j["concurrency"] = concurrency;
+  j["appends"] = latencies.size();
+  j["appends_per_s"] = static_cast<double>(latencies.size()) / secs;
+  j["syncs"] = st.syncs;
+  j["appends_per_sync"] = st.syncs ? static_cast<double>(st.appends) / static_cast<double>(st.syncs) : 0.0;
+  j["p50_ms"] = QuantileInPlace(latencies, 0.5) * 1e3;
+  j["p99_ms"] = QuantileInPlace(latencies, 0.99) * 1e3;
+  l.unlock();
+  log.reset();
+  std::filesystem::remove_all(dir, ec);
+  return j;
+}
+
+}  // namespace
+
+Result<nlohmann::json> RunSuspendBench(const SuspendBenchOptions& o) {
+  if (o.dir.empty()) return Status::InvalidArgument("bench suspend: --dir is required");
+  if (o.v32_tokens < kBlockTokens || o.v4_tokens < kBlockTokens)
+    return Status::InvalidArgument(fmt::format("bench suspend: sequences of at least {} tokens", kBlockTokens));
+  if (o.turns == 0 || o.turn_tokens == 0) return Status::InvalidArgument("bench suspend: --turns and --turn-tokens must be positive");
+  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<ScratchDir> scratch, ScratchDir::Make(o.dir, "suspend"));
+  const std::string root = scratch->path();
+  const uint64_t budget = o.max_bytes ? o.max_bytes : MemAvailable() / 10 * 6;
+  nlohmann::json out;
+  out["max_bytes"] = budget;
+  nlohmann::json runs = nlohmann::json::array();
+  struct Model {
+    std::string name;
+    uint64_t tokens;
+  };
+  for (const Model& mdl : {Model{"deepseek-v3.2-exp", o.v32_tokens}, Model{"deepseek-v4-flash", o.v4_tokens}}) {
+    SPARSEKV_ASSIGN_OR_RETURN(ModelSpec spec, ModelPreset(mdl.name, KvPrecision::kFp8));
+    SPARSEKV_ASSIGN_OR_RETURN(BlockGeometry geo, ComputeBlockGeometry(spec, kBlockTokens));
+    const uint64_t per_block = geo.BytesPerBlock();
+    // L1 and the host tier hold the sequence at once (the SSD run: L1 and the tier's staging).
+    const uint64_t fits = budget / 2 / per_block * kBlockTokens;
+    uint64_t tokens = mdl.tokens;
+    nlohmann::json cut;
+    if (tokens > fits) {
+      cut = {{"asked_tokens", tokens}, {"bytes_asked", (tokens + kBlockTokens - 1) / kBlockTokens * per_block}};
+      tokens = std::max<uint64_t>(kBlockTokens, fits);
+    }
+    for (bool ssd : {false, true}) {
+      if ((ssd && !o.ssd) || (!ssd && !o.host)) continue;
+      SPARSEKV_ASSIGN_OR_RETURN(nlohmann::json j, SuspendResume(mdl.name, spec, tokens, ssd, root + "/seq", o.with_fio));
+      j["bytes_per_block"] = per_block;
+      if (!cut.is_null()) j["cut_to_fit_memory"] = cut;
+      runs.push_back(j);
+    }
+  }
+  out["sequences"] = runs;
+  {
+    SPARSEKV_ASSIGN_OR_RETURN(ModelSpec spec, ModelPreset("deepseek-v4-flash", KvPrecision::kFp8));
+    SPARSEKV_ASSIGN_OR_RETURN(out["conversation"], Conversation(spec, o.turns, o.turn_tokens, root + "/conversation"));
+  }
+  nlohmann::json logs = nlohmann::json::array();
+  for (uint32_t c : o.concurrency) {
+    SPARSEKV_ASSIGN_OR_RETURN(nlohmann::json j, LogRate(root + "/log", c, o.log_seconds));
+    logs.push_back(j);
+  }
+  out["log"] = logs;
+  if (o.with_fio) {
+    const std::string cmd = fmt::format(
+        "fio --name=sync --filename={}/fio_sync.dat --rw=write --bs=4k --size=64m --ioengine=sync --fdatasync=1 "
+        "--runtime={} --time_based --output-format=json",
+        root, std::max(1.0, o.log_seconds));
+    Result<double> r = RunFioJob(cmd, "write");
+    if (r.ok()) {
+      out["fio_fdatasync_writes_per_s"] = *r / 4096;
+      for (auto& j : out["log"]) j["vs_fio_fdatasync_writes"] = j["appends_per_s"].get<double>() / (*r / 4096);
+      out["fio_fdatasync_command"] = "fio --name=sync --filename=DIR/fio_sync.dat --rw=write --bs=4k --size=64m "
+                                     "--ioengine=sync --fdatasync=1 --time_based --output-format=json";
+    } else {
+      out["fio_error"] = r.status().ToString();
+    }
+  }
+  return out;
+}
+
+}  // namespace sparsekv::bench
