@@ -91,15 +91,30 @@ class CacheManager::Impl {
   Status AppendTokens(SequenceId seq, std::span<const TokenId> tokens) SPARSEKV_EXCLUDES(mu_);
   Result<PrefixMatch> AcquireCachedPrefix(SequenceId seq, uint32_t max_blocks, bool resume)
       SPARSEKV_EXCLUDES(mu_);
-  bool ReadCachedBlock(const BlockDigest& digest, const std::function<void(std::span<const PageId>)>& read) const
-      SPARSEKV_EXCLUDES(mu_) {
+  Result<HeldBlock> HoldCachedBlock(const BlockDigest& digest) SPARSEKV_EXCLUDES(mu_) {
     MutexLock l(mu_);
     const RecordId r = index_.Find(digest.hash);
-    if (r == kNoRecord || !(record_digest_[r].check == digest.check)) return false;
-    std::vector<PageId> pages(P());
-    for (size_t q = 0; q < P(); ++q) pages[q] = RecPage(r, q);
-    read(pages);
-    return true;
+    if (r == kNoRecord || !(record_digest_[r].check == digest.check)) {
+      return Status::NotFound("the block is not cached");
+    }
+    // As EvictAhead holds a block's pages, but the block stays cached and findable.
+    HeldBlock held;
+    held.digest = record_digest_[r];
+    held.cached = true;
+    held.pages.assign(P(), kInvalidPage);
+    for (size_t p = 0; p < P(); ++p) {
+      const PageId page = RecPage(r, p);
+      if (page == kInvalidPage) continue;
+      Status st = pools_[p]->State(page) == PageState::kCached ? pools_[p]->Revive(page) : pools_[p]->Retain(page);
+      if (!st.ok()) {
+        Internal(st);
+        continue;
+      }
+      held.pages[p] = page;
+      held_pages_[p].fetch_add(1, std::memory_order_relaxed);
+      held_refs_[p][page].fetch_add(1, std::memory_order_relaxed);
+    }
+    return held;
   }
   Result<SlotAllocation> AllocateSlots(SequenceId seq, uint64_t num_tokens) SPARSEKV_EXCLUDES(mu_);
   Status CommitComputed(SequenceId seq, uint64_t num_tokens) SPARSEKV_EXCLUDES(mu_);
@@ -1069,7 +1084,8 @@ void CacheManager::Impl::ReleaseHeldBlock(const HeldBlock& block) {
     if (block.pages[p] == kInvalidPage) continue;
     // The pools' own locks only. A page given back twice is refused and counted by its pool
     // (PagePoolStats::misuse), where the tests look.
-    if (pools_[p]->Release(block.pages[p]).ok()) {
+    const Status st = block.cached ? pools_[p]->ReleaseToCache(block.pages[p]) : pools_[p]->Release(block.pages[p]);
+    if (st.ok()) {
       held_refs_[p][block.pages[p]].fetch_sub(1, std::memory_order_release);
       held_pages_[p].fetch_sub(1, std::memory_order_release);
     }
@@ -1851,9 +1867,8 @@ Result<PrefixMatch> CacheManager::AcquireCachedPrefix(SequenceId seq) {
   return impl_->AcquireCachedPrefix(seq, UINT32_MAX, /*resume=*/false);
 }
 
-bool CacheManager::ReadCachedBlock(const BlockDigest& digest,
-                                   const std::function<void(std::span<const PageId>)>& read) const {
-  return impl_->ReadCachedBlock(digest, read);
+Result<HeldBlock> CacheManager::HoldCachedBlock(const BlockDigest& digest) {
+  return impl_->HoldCachedBlock(digest);
 }
 
 Result<PrefixMatch> CacheManager::AcquireResumePrefix(SequenceId seq, uint32_t max_blocks) {

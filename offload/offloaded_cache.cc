@@ -10,6 +10,7 @@
 #include <cstring>
 #include <future>
 #include <limits>
+#include <optional>
 
 #include <xxhash.h>
 
@@ -959,18 +960,27 @@ Result<SuspendInfo> OffloadedCache::Suspend(SequenceId seq) {
   for (size_t c = 0; c < missing.size(); c += kChunk) {
     const auto count = static_cast<uint32_t>(std::min(kChunk, missing.size() - c));
     std::vector<BundlePtr> made(count);
+    // A window or snapshot page the sequence gave up early may still be the cached block's:
+    // those blocks' pages are held (the lock taken briefly), then read off it like the rest.
+    std::vector<std::optional<HeldBlock>> held(count);
+    for (uint32_t i = 0; i < count; ++i) {
+      const uint32_t b = missing[c + i];
+      bool whole = true;
+      for (const std::vector<PageId>& t : tables) whole &= b < t.size() && t[b] != kInvalidPage;
+      if (whole) continue;
+      Result<HeldBlock> h = manager_.HoldCachedBlock(st->digests[b]);
+      if (h.ok()) held[i] = std::move(*h);
+    }
     RunSplit(count, [&](uint32_t from, uint32_t to) {
       for (uint32_t i = from; i < to; ++i) {
         const uint32_t b = missing[c + i];
-        made[i] = GatherBlock(seq, b, st->digests[b], tables, /*into_host=*/true);
-        // A window or snapshot page the sequence gave up early may still be the cached block's.
-        if (made[i] == nullptr) {
-          manager_.ReadCachedBlock(st->digests[b], [&](std::span<const PageId> pages) {
-            made[i] = GatherPages(st->digests[b], pages, /*into_host=*/true);
-          });
-        }
+        made[i] = held[i] ? GatherPages(st->digests[b], held[i]->pages, /*into_host=*/true)
+                          : GatherBlock(seq, b, st->digests[b], tables, /*into_host=*/true);
       }
     });
+    for (const std::optional<HeldBlock>& h : held) {
+      if (h) manager_.ReleaseHeldBlock(*h);
+    }
     std::vector<BundlePtr> chunk;
     for (BundlePtr& b : made) {
       if (b == nullptr) {

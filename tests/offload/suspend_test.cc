@@ -43,7 +43,7 @@ struct Stack {
   std::unique_ptr<ToyDecoder> toy;
 };
 
-Stack Build(bool v4, const std::string& dir) {
+Stack Build(bool v4, const std::string& dir, WritePolicy policy = WritePolicy::kWriteThrough) {
   Stack s;
   s.fs = std::make_unique<FaultInjectionFileSystem>(FileSystem::Default());
   CacheManagerOptions mo;
@@ -71,7 +71,9 @@ Stack Build(bool v4, const std::string& dir) {
   TierChainOptions co;
   co.write_policy = WritePolicy::kWriteThrough;
   s.chain = std::make_unique<TierChain>(std::move(tiers), co);
-  s.cache = std::make_unique<OffloadedCache>(*s.manager, *s.chain);
+  OffloadedCacheOptions oo;
+  oo.write_policy = policy;
+  s.cache = std::make_unique<OffloadedCache>(*s.manager, *s.chain, oo);
   EXPECT_LE(s.cache->max_tail_record_bytes(), h.max_record_bytes);
   EXPECT_GT(s.cache->max_tail_record_bytes(), block_bytes);
   s.toy = ToyDecoder::Create(*s.manager, 7).value();
@@ -302,6 +304,34 @@ TEST_P(SuspendResume, PrefixBlockGoneFromEveryTierRecomputesFromIt) {
   ASSERT_TRUE(Decode(s, res->seq, kContinue, &r.tokens, &after).ok());
   EXPECT_EQ(after, std::vector<uint64_t>(ref.begin() + static_cast<long>(p),
                                          ref.begin() + static_cast<long>(p + kContinue)));
+}
+
+// Write-back: nothing reached the tiers before the suspend, and V4's window and snapshot pages
+// of older blocks left the sequence early (they are the cached blocks' only): Suspend writes
+// every block whole, and a resume with L1 emptied restores them all.
+TEST_P(SuspendResume, WriteBackSuspendWritesEveryBlockWhole) {
+  const bool v4 = GetParam();
+  const uint64_t p = 3 * kBlockTokens + 5;
+  const std::vector<uint64_t> ref = Reference(v4, p + kContinue);
+  testing::TempDir dir("suspend_wb");
+  Stack s = Build(v4, dir.path(), WritePolicy::kWriteBack);
+  Suspended r = DecodeAndSuspend(s, p);
+  EXPECT_EQ(r.info.written_blocks, 3u);
+  EXPECT_EQ(r.info.unsaved_blocks, 0u);
+  ASSERT_TRUE(s.manager->CheckInvariants().ok()) << s.manager->CheckInvariants().ToString();
+  s.cache->Evict(kL1Blocks);
+  s.cache->WaitIdle();
+  ASSERT_EQ(s.manager->Stats().cached_blocks, 0u);
+  auto res = s.cache->Resume({}, r.tokens, p);
+  ASSERT_TRUE(res.ok()) << res.status().ToString();
+  EXPECT_EQ(res->recompute_tokens, 0u) << res->lost;
+  EXPECT_EQ(res->lower_blocks, 3u);
+  std::vector<uint64_t> after;
+  ASSERT_TRUE(Decode(s, res->seq, kContinue, &r.tokens, &after).ok());
+  EXPECT_EQ(after, std::vector<uint64_t>(ref.begin() + static_cast<long>(p),
+                                         ref.begin() + static_cast<long>(p + kContinue)));
+  ASSERT_TRUE(s.cache->Free(res->seq).ok());
+  ASSERT_TRUE(s.manager->CheckInvariants().ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, SuspendResume, ::testing::Values(false, true),

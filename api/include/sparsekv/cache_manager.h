@@ -280,6 +280,7 @@ using BlockEvictHook = std::function<void(const EvictingBlock&)>;
 struct HeldBlock {
   BlockDigest digest;
   std::vector<PageId> pages;  // indexed like pool(i); kInvalidPage where the block held none
+  bool cached = false;        // HoldCachedBlock's: the pages go back to the cache, not free
 };
 // Called under the manager's lock, with BlockEvictHook's contract (no manager calls; its own
 // short locks allowed). It owns the references from then on.
@@ -381,13 +382,12 @@ class CacheManager {
   // schedule an EvictAhead elsewhere. Replaces any previous one; an empty function removes it.
   // As SetBlockEvictHook, once this returns the previous one is not running.
   void SetLowFreePagesNotify(uint32_t low_free_pages, std::function<void()> notify);
-  // Calls `read` with the pages of the cached block `digest` names (indexed like pool(i);
-  // kInvalidPage where it holds none), under the manager's lock, so that none is evicted or
-  // written meanwhile; false when the block is not cached. `read` has BlockEvictHook's contract
-  // (no manager calls) and holds every other manager call up while it runs: copy and go.
-  bool ReadCachedBlock(const BlockDigest& digest,
-                       const std::function<void(std::span<const PageId>)>& read) const;
-  // Gives back the pages of a block EvictAhead handed over (each becomes free once nobody else
+  // Holds the pages of the cached block `digest` names (every pool's it has; kInvalidPage
+  // where it holds none) with one reference each, as EvictAhead does, but the block stays
+  // cached and findable: the caller reads them off the manager's lock, then gives them back
+  // with ReleaseHeldBlock. NotFound when the block is not cached.
+  Result<HeldBlock> HoldCachedBlock(const BlockDigest& digest);
+  // Gives back the pages of a block EvictAhead or HoldCachedBlock handed over (each becomes free once nobody else
   // holds it). Takes no manager lock: callable from anywhere, a HeldBlockTaker included.
   void ReleaseHeldBlock(const HeldBlock& block);
 
