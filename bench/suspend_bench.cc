@@ -95,12 +95,13 @@ uint64_t BlockRecordBytes(const CacheManager& m) {
   return BundleRecordBytes(sizes);
 }
 
-Result<std::unique_ptr<TierChain>> Chain(bool ssd, const std::string& dir, uint64_t bytes) {
+Result<std::unique_ptr<TierChain>> Chain(bool ssd, const std::string& dir, uint64_t bytes, bool populate = true) {
   std::vector<std::unique_ptr<Tier>> tiers;
   if (!ssd) {
     HostTierOptions h;
     h.capacity_bytes = (bytes + 64 * kMiB) / 4096 * 4096;
     h.huge_pages = true;
+    h.populate = populate;  // a serving tier is warm: its pages were zeroed long ago
     SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> t, HostTier::Open(h));
     tiers.push_back(std::move(t));
   } else {
@@ -118,7 +119,7 @@ Result<std::unique_ptr<TierChain>> Chain(bool ssd, const std::string& dir, uint6
 
 // Part 1 for one model and tier.
 Result<nlohmann::json> SuspendResume(const std::string& name, const ModelSpec& spec, uint64_t tokens, bool ssd,
-                                     const std::string& dir, bool with_fio) {
+                                     const std::string& dir, bool with_fio, bool cold_host) {
   const uint64_t state = tokens - 5;  // five tokens short of the last block's end: a tail
   const auto blocks = static_cast<uint32_t>((tokens + kBlockTokens - 1) / kBlockTokens);
   const std::vector<TokenId> ids = Tokens(tokens, 1);
@@ -127,13 +128,14 @@ Result<nlohmann::json> SuspendResume(const std::string& name, const ModelSpec& s
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
   std::filesystem::create_directories(dir, ec);
-  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<TierChain> chain, Chain(ssd, dir, uint64_t{blocks} * (record + 4096)));
+  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<TierChain> chain, Chain(ssd, dir, uint64_t{blocks} * (record + 4096), !cold_host));
   OffloadedCacheOptions co;
   co.write_policy = WritePolicy::kWriteBack;  // nothing reaches the tier before the suspend
   co.evict_ahead_blocks = 0;
   nlohmann::json j;
   j["model"] = name;
   j["tier"] = ssd ? "ssd" : "host";
+  if (!ssd) j["host_tier_populated"] = !cold_host;
   j["tokens"] = tokens;
   j["state_tokens"] = state;
   SuspendInfo info;
@@ -153,8 +155,11 @@ Result<nlohmann::json> SuspendResume(const std::string& name, const ModelSpec& s
     j["suspend_bytes_per_s"] = static_cast<double>(info.written_bytes) / secs;
     j["tail_bytes"] = info.tail_bytes;
   }
-  m.reset();  // resume into a fresh L1
+  m.reset();  // resume into another L1, warm as a serving engine's is (its pages touched)
   SPARSEKV_ASSIGN_OR_RETURN(m, Manager(spec, blocks + 2));
+  for (size_t p = 0; p < m->num_pools(); ++p) {
+    std::memset(m->pool(p).arena_base(), 0, uint64_t{m->pool(p).capacity()} * m->geometry().pools[p].block_stride);
+  }
   {
     OffloadedCache cache(*m, *chain, co);
     const double t0 = NowSeconds();
@@ -345,7 +350,7 @@ Result<nlohmann::json> RunSuspendBench(const SuspendBenchOptions& o) {
     }
     for (bool ssd : {false, true}) {
       if ((ssd && !o.ssd) || (!ssd && !o.host)) continue;
-      SPARSEKV_ASSIGN_OR_RETURN(nlohmann::json j, SuspendResume(mdl.name, spec, tokens, ssd, root + "/seq", o.with_fio));
+      SPARSEKV_ASSIGN_OR_RETURN(nlohmann::json j, SuspendResume(mdl.name, spec, tokens, ssd, root + "/seq", o.with_fio, o.cold_host_tier));
       j["bytes_per_block"] = per_block;
       if (!cut.is_null()) j["cut_to_fit_memory"] = cut;
       runs.push_back(j);

@@ -4,7 +4,8 @@
 //
 //   1. Suspend and resume a DeepSeek-V3.2 and a V4 sequence (fp8, the full presets) through the
 //      host tier and through the SSD tier alone: Suspend writes every block and the tail
-//      (write-back, so nothing was written before), Resume restores them into a fresh L1. Rates
+//      (write-back, so nothing was written before), Resume restores them into another L1 (its
+//      pages touched first, as a serving engine's are; the host tier's arena too). Rates
 //      are bytes of records per second, set against memcpy of the same bytes (host) and fio's
 //      O_DIRECT sequential write and read of as many bytes in 1 MiB I/Os, depth 16 (SSD). A
 //      sequence larger than `max_bytes` allows (L1 plus the tier hold it twice) is cut to what
@@ -39,6 +40,9 @@ struct SuspendBenchOptions {
   uint64_t max_bytes = 0;
   bool host = true;
   bool ssd = true;
+  // Leave the host tier's arena unpopulated, so a suspend pays the kernel's zeroing of every
+  // fresh page it fills (a tier's first pass). Default: false (populated at open, as warm).
+  bool cold_host_tier = false;
   bool with_fio = true;
   uint32_t turns = 20;
   uint32_t turn_tokens = 256;

@@ -58,7 +58,7 @@ class HostTierImpl final : public HostTier {
                       options_.max_record_bytes, BundleHeaderBytes(0), units_ * kUnit));
     }
     SPARSEKV_ASSIGN_OR_RETURN(arena_, MapArena(units_ * kUnit, options_.backing, "", options_.name,
-                                               options_.huge_pages, /*populate=*/false));
+                                               options_.huge_pages, options_.populate));
     MutexLock lock(mu_);
     free_.AddFree(0, units_);
     return Status::OK();

@@ -31,6 +31,8 @@ SPARSEKV_BENCH_COMMAND(suspend) {
   cmd->add_flag("!--no-host", o.host, "Skip the host tier runs");
   cmd->add_flag("!--no-ssd", o.ssd, "Skip the SSD tier runs");
   cmd->add_flag("--no-fio", args->no_fio, "Do not run fio");
+  cmd->add_flag("--cold-host-tier", o.cold_host_tier,
+                "Do not populate the host tier's arena first: suspends pay the zeroing of fresh pages");
   cmd->add_option("--turns", o.turns, "Turns of the conversation")->capture_default_str();
   cmd->add_option("--turn-tokens", o.turn_tokens, "Tokens per turn")->capture_default_str();
   cmd->add_option("--concurrency", o.concurrency, "Requests appending at once, per log run")->capture_default_str();

@@ -36,6 +36,10 @@ struct HostTierOptions {
   ArenaBacking backing = ArenaBacking::kAnonymous;
   // Ask for transparent huge pages. Default: true.
   bool huge_pages = true;
+  // Fault the whole arena in at Open (MAP_POPULATE): the kernel zeroes every page then, not on
+  // the first put that lands there (on a VM, zeroing a fresh page costs more than the put's own
+  // copy). Default: false.
+  bool populate = false;
   // Which bundle a put that does not fit evicts first (eviction_policy.h). Default: the
   // library's default policy (kDefaultEvictionPolicy).
   EvictionPolicyKind eviction = kDefaultEvictionPolicy;
