@@ -669,15 +669,24 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
   // order while the blocks of the chunks already read are copied into L1 (an SSD restore used
   // to copy only after its last read).
   const size_t chunk = rest.empty() ? keys.size() : kRestoreChunkBlocks;
+  // At most kReadAheadChunks chunks are asked for ahead of the copy: enough to keep the tier
+  // busy, few enough that a long prefix's reads land in the tier's read arena rather than in
+  // fresh memory the kernel must zero first (asking for a 128K-token prefix at once did that).
   std::vector<std::future<std::vector<Result<BundlePtr>>>> reads;
-  for (size_t c = 0; c < rest.size(); c += chunk) {
-    reads.push_back(chain_.Promote(std::vector<BundleKey>(
-        rest.begin() + static_cast<std::ptrdiff_t>(c),
-        rest.begin() + static_cast<std::ptrdiff_t>(std::min(c + chunk, rest.size())))));
-  }
+  const size_t chunks = rest.empty() ? 0 : (rest.size() + chunk - 1) / chunk;
+  auto ask_upto = [&](size_t n) {
+    while (reads.size() < std::min(n, chunks)) {
+      const size_t c = reads.size() * chunk;
+      reads.push_back(chain_.Promote(std::vector<BundleKey>(
+          rest.begin() + static_cast<std::ptrdiff_t>(c),
+          rest.begin() + static_cast<std::ptrdiff_t>(std::min(c + chunk, rest.size())))));
+    }
+  };
+  ask_upto(kReadAheadChunks);
   size_t collected = 0;  // reads whose bundles are in `got`
   auto collect_before = [&](size_t key_end) {
-    while (collected < reads.size() && rest_at[collected * chunk] < key_end) {
+    while (collected < chunks && rest_at[collected * chunk] < key_end) {
+      ask_upto(collected + 1 + kReadAheadChunks);
       std::vector<Result<BundlePtr>> r = reads[collected].get();
       for (size_t j = 0; j < r.size(); ++j) got[rest_at[collected * chunk + j]] = std::move(r[j]);
       ++collected;

@@ -276,8 +276,10 @@ class OffloadedCache {
   uint64_t block_payload_bytes_ = 0;  // its segments' bytes: every pool's page and the check
   uint32_t evict_ahead_target_ = 0;   // write-back: free pages EvictAhead keeps; 0: off
   static constexpr uint32_t kEvictAheadBatch = 4;  // blocks held at a time
-  // Blocks a restore asks the chain for at a time (all chunks at once, copied in order).
+  // Blocks a restore asks the chain for at a time (chunks copied in order as they land).
   static constexpr size_t kRestoreChunkBlocks = 8;
+  // Chunks a restore has asked for beyond the one it copies.
+  static constexpr size_t kReadAheadChunks = 8;
   bool gather_into_host_ = false;     // EvictAhead gathers straight into a large host tier
   std::shared_ptr<SparePool> spare_;  // write-back: staging buffers kept for reuse
   std::unique_ptr<offload::WorkerPool> demoter_;  // write-back only
