@@ -20,6 +20,17 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _unix_open(path):
+    # The socket's file appears at bind(), before listen(): only a connection says it is ready.
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(0.2)
+            s.connect(path)
+            return True
+    except OSError:
+        return False
+
+
 def _port_open(port):
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2):
@@ -99,10 +110,12 @@ class Daemon:
             time.sleep(0.05)
 
     def _ready(self):
-        if not os.path.exists(self.unix_path) or not _port_open(self.port):
+        if self.proc.poll() is not None:
+            return False  # _launch reports the exit
+        if not _unix_open(self.unix_path) or not _port_open(self.port):
             return False
         if self.resp:
-            return os.path.exists(self.resp_unix_path) and _port_open(self.resp_port)
+            return _unix_open(self.resp_unix_path) and _port_open(self.resp_port)
         return True
 
     def stderr_text(self, limit=20000):
