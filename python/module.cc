@@ -1547,6 +1547,14 @@ PYBIND11_MODULE(_sparsekv, m) {
         return "sparsekv.ModelSpec(" + s.name + ", " + std::to_string(s.layers.size()) + " layers)";
       });
   m.def("model_preset", &Preset, py::arg("name"), py::arg("precision") = "bf16");
+  m.def(
+      "_offload_options_json",
+      [](const std::string& text) -> std::string {
+        return sparsekv::OffloadOptionsToJson(Take(sparsekv::ParseOffloadOptionsJson(text)));
+      },
+      py::arg("offload_json"),
+      "The daemon's \"offload\" section parsed and written back with every key (offload_options.h): what "
+      "the configuration reference is checked against.");
   m.def("model_presets", &sparsekv::ModelPresetNames);
   m.def(
       "_plan_for_sequences",
