@@ -1,5 +1,7 @@
 #include "offload_stress.h"
 
+#include "progress.h"
+
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <poll.h>
@@ -395,6 +397,7 @@ Result<nlohmann::json> RunOffloadStress(const OffloadStressOptions& o) {
 
   const double t_start = NowSeconds();
   for (int cycle = 0; cycle < o.kill_cycles; ++cycle) {
+    ProgressNote(fmt::format("kill cycle {} of {}, {} puts acknowledged", cycle + 1, o.kill_cycles, acknowledged));
     SPARSEKV_RETURN_IF_ERROR(WriteState(root, state));
     int fds[2];
     if (pipe2(fds, O_CLOEXEC) != 0)

@@ -12,6 +12,7 @@
 #include <mutex>
 
 #include "bench_util.h"
+#include "progress.h"
 #include "sparsekv/host_tier.h"
 #include "sparsekv/model_spec.h"
 #include "sparsekv/offloaded_cache.h"
@@ -350,6 +351,7 @@ Result<nlohmann::json> RunSuspendBench(const SuspendBenchOptions& o) {
     }
     for (bool ssd : {false, true}) {
       if ((ssd && !o.ssd) || (!ssd && !o.host)) continue;
+      ProgressNote(fmt::format("{} tokens of {}, {} tier", tokens, mdl.name, ssd ? "SSD" : "host"));
       SPARSEKV_ASSIGN_OR_RETURN(nlohmann::json j, SuspendResume(mdl.name, spec, tokens, ssd, root + "/seq", o.with_fio, o.cold_host_tier));
       j["bytes_per_block"] = per_block;
       if (!cut.is_null()) j["cut_to_fit_memory"] = cut;
@@ -358,11 +360,13 @@ Result<nlohmann::json> RunSuspendBench(const SuspendBenchOptions& o) {
   }
   out["sequences"] = runs;
   {
+    ProgressNote(fmt::format("a conversation of {} turns", o.turns));
     SPARSEKV_ASSIGN_OR_RETURN(ModelSpec spec, ModelPreset("deepseek-v4-flash", KvPrecision::kFp8));
     SPARSEKV_ASSIGN_OR_RETURN(out["conversation"], Conversation(spec, o.turns, o.turn_tokens, root + "/conversation"));
   }
   nlohmann::json logs = nlohmann::json::array();
   for (uint32_t c : o.concurrency) {
+    ProgressNote(fmt::format("request log, {} requests appending", c));
     SPARSEKV_ASSIGN_OR_RETURN(nlohmann::json j, LogRate(root + "/log", c, o.log_seconds));
     logs.push_back(j);
   }

@@ -22,6 +22,7 @@
 #include "sparsekv/offloaded_cache.h"
 #include "sparsekv/request_log.h"
 #include "sparsekv/ssd_tier.h"
+#include "progress.h"
 #include "toy_decoder.h"
 
 namespace sparsekv::bench {
@@ -269,6 +270,7 @@ Result<nlohmann::json> RunSuspendStress(const SuspendStressOptions& o) {
   };
   const double t0 = Now();
   for (int cycle = 0; cycle < o.kill_cycles; ++cycle) {
+    ProgressNote(fmt::format("kill cycle {} of {}, {} tokens acknowledged", cycle + 1, o.kill_cycles, acked_tokens));
     int fds[2];
     if (pipe2(fds, O_CLOEXEC) != 0) return Status::IOError(fmt::format("stress suspend: pipe: {}", std::strerror(errno)));
     std::vector<std::string> args = o.child_command;
@@ -370,6 +372,7 @@ Result<nlohmann::json> RunSuspendStress(const SuspendStressOptions& o) {
     }
   }
   // Every logged token against an uninterrupted run of the same prompt.
+  ProgressNote(fmt::format("checking {} requests against uninterrupted runs", logged.size()));
   SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<CacheManager> m, MakeManager(8));
   SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<ToyDecoder> toy, ToyDecoder::Create(*m, kToySeed));
   uint64_t differing = 0, checked = 0;

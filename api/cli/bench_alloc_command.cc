@@ -3,6 +3,7 @@
 
 #include "alloc_bench.h"
 #include "cli/model_options.h"
+#include "cli/bench_report.h"
 #include "cli/registry.h"
 
 namespace sparsekv::cli {
@@ -18,7 +19,7 @@ SPARSEKV_BENCH_COMMAND(alloc) {
   cmd->add_flag("--json", args->json, "Print JSON");
   cmd->callback([args, &exit_code] {
     const auto r = bench::RunAllocBench(args->options);
-    const auto* report = ReportBench(r, args->json, exit_code);
+    const auto* report = ReportBenchAfterProgress(r, args->json, exit_code);
     if (report == nullptr) return;
     const auto& j = *report;
     std::printf("page of %llu bytes (one V3.2 bf16 MLA block)\n",

@@ -4,6 +4,7 @@
 
 #include "attention_bench.h"
 #include "cli/model_options.h"
+#include "cli/bench_report.h"
 #include "cli/registry.h"
 
 namespace sparsekv::cli {
@@ -55,7 +56,7 @@ SPARSEKV_BENCH_COMMAND(attention) {
     o.indexer_format = *fi;
     if (!ParseSimdPathOption(args->path, o.path, exit_code)) return;
     const auto r = bench::RunAttentionBench(o);
-    const auto* report = ReportBench(r, args->json, exit_code);
+    const auto* report = ReportBenchAfterProgress(r, args->json, exit_code);
     if (report == nullptr) return;
     const auto& j = *report;
     std::printf("path %s, %u thread(s); %u token(s) x %u heads, top-k %u of %u cached (%s)\n",

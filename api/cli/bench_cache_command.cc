@@ -3,6 +3,7 @@
 
 #include "cache_bench.h"
 #include "cli/model_options.h"
+#include "cli/bench_report.h"
 #include "cli/registry.h"
 
 namespace sparsekv::cli {
@@ -25,7 +26,7 @@ SPARSEKV_BENCH_COMMAND(cache) {
   cmd->add_flag("--json", args->json, "Print JSON");
   cmd->callback([args, &exit_code] {
     const auto r = bench::RunCacheBench(args->options);
-    const auto* report = ReportBench(r, args->json, exit_code);
+    const auto* report = ReportBenchAfterProgress(r, args->json, exit_code);
     if (report == nullptr) return;
     const auto& j = *report;
     std::printf("requests of %u blocks + 1 token, 128 tokens per block (medians, single thread)\n",

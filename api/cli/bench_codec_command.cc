@@ -3,6 +3,7 @@
 #include <string>
 
 #include "cli/model_options.h"
+#include "cli/bench_report.h"
 #include "cli/registry.h"
 #include "codec_bench.h"
 
@@ -28,7 +29,7 @@ SPARSEKV_BENCH_COMMAND(codec) {
   cmd->callback([args, &exit_code] {
     if (!ParseSimdPathOption(args->path, args->options.path, exit_code)) return;
     const auto r = bench::RunCodecBench(args->options);
-    const auto* report = ReportBench(r, args->json, exit_code);
+    const auto* report = ReportBenchAfterProgress(r, args->json, exit_code);
     if (report == nullptr) return;
     const auto& j = *report;
     const double mc = j["memcpy_bytes_per_s"].get<double>();

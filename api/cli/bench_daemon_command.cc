@@ -2,6 +2,7 @@
 #include <memory>
 
 #include "cli/model_options.h"
+#include "cli/bench_report.h"
 #include "cli/registry.h"
 #include "daemon_bench.h"
 
@@ -68,7 +69,7 @@ SPARSEKV_BENCH_COMMAND(daemon) {
   cmd->callback([a, &exit_code] {
     if (a->options.batch) {
       const auto r = bench::RunDaemonBatchBench(a->options);
-      const auto* report = ReportBench(r, a->json, exit_code);
+      const auto* report = ReportBenchAfterProgress(r, a->json, exit_code);
       if (report == nullptr) return;
       const auto& j = *report;
       std::printf("%s; one client (spin %u us), GetInto warm buffers, medians of %d rounds (GB/s)\n",
@@ -96,7 +97,7 @@ SPARSEKV_BENCH_COMMAND(daemon) {
       return;
     }
     const auto r = bench::RunDaemonBench(a->options);
-    const auto* report = ReportBench(r, a->json, exit_code);
+    const auto* report = ReportBenchAfterProgress(r, a->json, exit_code);
     if (report == nullptr) return;
     const auto& j = *report;
     std::printf("%s, %d clients on %d threads, %llu-byte values\n", j["transport"].get<std::string>().c_str(),

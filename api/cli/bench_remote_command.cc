@@ -2,6 +2,7 @@
 #include <memory>
 
 #include "cli/model_options.h"
+#include "cli/bench_report.h"
 #include "cli/registry.h"
 #include "remote_bench.h"
 
@@ -39,7 +40,7 @@ SPARSEKV_BENCH_COMMAND(remote) {
   cmd->add_flag("--json", args->json, "Print JSON");
   cmd->callback([args, &exit_code] {
     const auto r = bench::RunRemoteBench(args->options);
-    const auto* report = ReportBench(r, args->json, exit_code);
+    const auto* report = ReportBenchAfterProgress(r, args->json, exit_code);
     if (report == nullptr) return;
     std::printf("remote tier GET vs redis-benchmark, %d clients, pipeline %u (3+3 loopback cluster)\n",
                 args->options.concurrency, args->options.pipeline);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cli/registry.h"
+#include "progress.h"
 
 namespace sparsekv::cli {
 
@@ -25,6 +26,7 @@ SPARSEKV_BENCH_COMMAND(resp) {
   cmd->allow_extras();
   cmd->prefix_command();
   cmd->callback([cmd, &exit_code] {
+    bench::ProgressStop();  // the script it runs prints its own progress and results
     const char* env = std::getenv("SPARSEKV_RESP_BENCH");
     std::string script = env != nullptr ? env : SPARSEKV_SOURCE_DIR "/bench/python/resp_bench.py";
     if (!std::filesystem::exists(script)) {

@@ -2,6 +2,7 @@
 #include <memory>
 
 #include "cli/model_options.h"
+#include "cli/bench_report.h"
 #include "cli/registry.h"
 #include "restore_bench.h"
 
@@ -57,7 +58,7 @@ SPARSEKV_BENCH_COMMAND(restore) {
     o.block_tokens = args->model.block_tokens;
     o.spec = *std::move(spec);
     const auto r = bench::RunRestoreBench(o);
-    const auto* report = ReportBench(r, args->json, exit_code);
+    const auto* report = ReportBenchAfterProgress(r, args->json, exit_code);
     if (report == nullptr) return;
     const auto& j = *report;
     const double gb = 1e9;

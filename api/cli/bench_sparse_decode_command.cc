@@ -3,6 +3,7 @@
 #include <string>
 
 #include "cli/model_options.h"
+#include "cli/bench_report.h"
 #include "cli/registry.h"
 #include "sparse_decode_bench.h"
 
@@ -45,7 +46,7 @@ SPARSEKV_BENCH_COMMAND(sparse_decode) {
   cmd->callback([args, &exit_code] {
     const auto& o = args->options;
     const auto r = bench::RunSparseDecodeBench(o);
-    const auto* report = ReportBench(r, args->json, exit_code);
+    const auto* report = ReportBenchAfterProgress(r, args->json, exit_code);
     if (report == nullptr) return;
     const auto& j = *report;
     std::printf("%s (%s), %llu tokens of context, %u layer(s), top-k %u; working set %u entries (%.0f%%), tier %s\n",

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <memory>
 
+#include "cli/bench_report.h"
 #include "cli/registry.h"
 #include "cli/model_options.h"
 #include "suspend_bench.h"
@@ -41,7 +42,7 @@ SPARSEKV_BENCH_COMMAND(suspend) {
   cmd->callback([args, &exit_code] {
     args->options.with_fio = !args->no_fio;
     const auto r = bench::RunSuspendBench(args->options);
-    const auto* report = ReportBench(r, args->json, exit_code);
+    const auto* report = ReportBenchAfterProgress(r, args->json, exit_code);
     if (report == nullptr) return;
     const auto& j = *report;
     const double gb = 1e9;

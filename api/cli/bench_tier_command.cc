@@ -2,6 +2,7 @@
 #include <memory>
 
 #include "cli/model_options.h"
+#include "cli/bench_report.h"
 #include "cli/registry.h"
 #include "tier_bench.h"
 
@@ -42,7 +43,7 @@ SPARSEKV_BENCH_COMMAND(tier) {
   cmd->callback([args, &exit_code] {
     if (!ParseDurabilityOption(args->durability, args->options.durability, exit_code)) return;
     const auto r = bench::RunTierBench(args->options);
-    const auto* report = ReportBench(r, args->json, exit_code);
+    const auto* report = ReportBenchAfterProgress(r, args->json, exit_code);
     if (report == nullptr) return;
     const auto& j = *report;
     const double mib = 1024.0 * 1024.0;

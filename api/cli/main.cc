@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "cli/registry.h"
+#include "progress.h"
 
 namespace sparsekv::cli {
 
@@ -32,10 +33,23 @@ int main(int argc, char** argv) {
   auto by_name = [](const CommandEntry& a, const CommandEntry& b) { return a.name < b.name; };
   std::sort(TopLevelCommands().begin(), TopLevelCommands().end(), by_name);
   for (const CommandEntry& c : TopLevelCommands()) c.add(app, exit_code);
+  // Long commands show their progress on a terminal (bench/progress.h); the children the stress
+  // commands start (hidden "-child" subcommands) share the terminal and stay quiet.
+  const std::string first = argc > 1 ? argv[1] : "";
+  bool progress = first == "bench" || first == "stress" || first == "replay";
+  std::string command = "sparsekv " + first;
+  for (int i = 2; i < argc && progress; ++i) {
+    const std::string a = argv[i];
+    if (a.find("-child") != std::string::npos || a == "--help" || a == "-h") progress = false;
+    if (i == 2 && first != "replay" && !a.empty() && a[0] != '-') command += " " + a;
+  }
+  if (progress) sparsekv::bench::ProgressStart(command);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
+    sparsekv::bench::ProgressStop();
     return app.exit(e);
   }
+  sparsekv::bench::ProgressStop();
   return exit_code;
 }

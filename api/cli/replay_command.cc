@@ -6,6 +6,7 @@
 #include "bench_util.h"
 #include "cli/model_options.h"
 #include "cli/registry.h"
+#include "progress.h"
 #include "prefix_sim.h"
 #include "replay.h"
 
@@ -90,7 +91,8 @@ SPARSEKV_CLI_COMMAND(replay) {
                   "The model's hints: blocks the next N requests read are protected (at most half the capacity)")
       ->capture_default_str();
   cmd->add_flag("--json", args->json, "Print JSON");
-  cmd->add_flag("--progress", args->progress, "Draw a progress bar on stderr");
+  cmd->add_flag("--progress", args->progress,
+                "Draw a progress bar on stderr even when it is not a terminal (on one, progress is always shown)");
   cmd->callback([args, &exit_code] {
     auto hash = ParseHashMode(args->hash);
     if (!hash.ok()) {
@@ -128,7 +130,13 @@ SPARSEKV_CLI_COMMAND(replay) {
       return;
     }
     const double load_seconds = bench::NowSeconds() - t0;
-    if (args->progress) args->options.progress = DrawProgress;
+    if (bench::ProgressActive()) {  // a terminal: the command's progress line shows the count
+      args->options.progress = [](size_t done, size_t total) {
+        if (done % 256 == 0 || done == total) bench::ProgressNote(fmt::format("{}/{} requests", done, total));
+      };
+    } else if (args->progress) {
+      args->options.progress = DrawProgress;
+    }
     auto r = bench::RunReplay(*trace, args->options);
     if (!r.ok()) {
       exit_code = Fail(r.status());
@@ -186,6 +194,7 @@ SPARSEKV_CLI_COMMAND(replay) {
       exit_code = Fail(Status::InvalidArgument("--sim-policy and --sim-lookahead need --block-tokens equal to --trace-block-tokens"));
       return;
     }
+    bench::ProgressStop();  // the results follow on the same terminal
     if (args->json) {
       std::printf("%s\n", j.dump(2).c_str());
       return;

@@ -21,6 +21,7 @@
 #include "daemon_stress.h"
 #include "hostile_stress.h"
 #include "offload_stress.h"
+#include "progress.h"
 #include "suspend_stress.h"
 
 namespace sparsekv::cli {
@@ -57,6 +58,7 @@ SPARSEKV_CLI_COMMAND(stress) {
   cmd->callback([args, &exit_code] {
     if (!ParseDurabilityOption(args->durability, args->options.durability, exit_code)) return;
     auto r = bench::RunOffloadStress(args->options);
+    bench::ProgressStop();  // results follow on the same terminal
     if (!r.ok()) {
       exit_code = Fail(r.status());
       return;
@@ -163,6 +165,7 @@ SPARSEKV_CLI_COMMAND(stress) {
     d->options.write_policy = *policy;
     d->options.shared_memory = !d->no_shared_memory;
     auto r = bench::RunDaemonStress(d->options);
+    bench::ProgressStop();  // results follow on the same terminal
     if (!r.ok()) {
       exit_code = Fail(r.status());
       return;
@@ -230,6 +233,7 @@ SPARSEKV_CLI_COMMAND(stress) {
   cc->add_flag("--json", cl->json, "Print JSON");
   cc->callback([cl, &exit_code] {
     auto r = bench::RunClusterStress(cl->options);
+    bench::ProgressStop();  // results follow on the same terminal
     if (!r.ok()) {
       exit_code = Fail(r.status());
       return;
@@ -322,6 +326,7 @@ SPARSEKV_CLI_COMMAND(stress) {
   hc->add_flag("--json", h->json, "Print JSON");
   hc->callback([h, &exit_code] {
     auto r = bench::RunHostileStress(h->options);
+    bench::ProgressStop();  // results follow on the same terminal
     if (!r.ok()) {
       exit_code = Fail(r.status());
       return;
@@ -405,6 +410,7 @@ SPARSEKV_CLI_COMMAND(stress) {
   sc->add_flag("--json", sa->json, "Print JSON");
   sc->callback([sa, &exit_code] {
     auto r = bench::RunSuspendStress(sa->options);
+    bench::ProgressStop();  // results follow on the same terminal
     if (!r.ok()) {
       exit_code = Fail(r.status());
       return;
