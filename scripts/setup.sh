@@ -10,7 +10,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev
   fio redis-server redis-tools libhiredis-dev
-  mkdocs mkdocs-material prometheus
+  mkdocs mkdocs-material prometheus python3-matplotlib
   python3 python3-dev pybind11-dev libdlpack-dev python3-pytest python3-numpy python3-torch python3-redis
 )
 missing=()

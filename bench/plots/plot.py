@@ -1,0 +1,155 @@
+#!/usr/bin/python3
+"""Plots for the manual, rendered with matplotlib from the benchmarks' own --json output.
+
+    python3 bench/plots/plot.py --cli build/release/api/sparsekv --out docs/images \
+        [--trace ../shared/data/mooncake_conversation_trace.jsonl] [--suspend-json FILE] [--no-run]
+
+- hit_ratio.png: block hit ratio against cache capacity on the Mooncake conversation trace for
+  LRU, ARC and ARC with scheduler hints (lookahead 64), with Belady's offline optimum as the
+  bound. Runs `sparsekv replay --json` at each capacity (a second each).
+- suspend.png: suspend and resume rates against memcpy (host) and fio (SSD), and request-log
+  appends per second against fio's fdatasync rate, from `sparsekv bench suspend --json`
+  (--suspend-json; without it, a small run is made).
+Every JSON the plots come from is written beside the images (<name>.json), with the machine's
+CPU model and the command, so a plot can be traced to its run."""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+CAPACITIES = [250, 500, 1000, 2000, 4000, 8000, 16000]
+RUNS = [("LRU", ["--policy", "lru"]), ("ARC", ["--policy", "arc"]),
+        ("ARC + hints (lookahead 64)", ["--policy", "arc", "--lookahead", "64"])]
+
+
+def cpu_model():
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def run_json(cmd):
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        sys.exit(f"plot: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout)
+
+
+def hit_ratio(cli, trace, out, capacities):
+    runs = {name: [] for name, _ in RUNS}
+    belady = []
+    commands = []
+    for cap in capacities:
+        for name, extra in RUNS:
+            cmd = [cli, "replay", "--trace", trace, "--capacity-blocks", str(cap), "--json"] + extra
+            commands.append(" ".join(cmd[1:]))
+            j = run_json(cmd)
+            runs[name].append(j["hit_blocks"] / j["blocks"])
+            if name == "LRU":
+                belady.append(j["belady_hit_blocks"] / j["blocks"])
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, ys in runs.items():
+        ax.plot(capacities, ys, marker="o", label=name)
+    ax.plot(capacities, belady, linestyle="--", color="black", label="Belady (offline optimum)")
+    ax.set_xscale("log")
+    ax.set_xlabel("cache capacity (blocks of 512 tokens)")
+    ax.set_ylabel("block hit ratio")
+    ax.set_title("Mooncake conversation trace: hits kept by each policy")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.text(0.01, 0.01, f"sparsekv replay, {cpu_model()}", fontsize=7, alpha=0.7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "hit_ratio.png"), dpi=110)
+    plt.close(fig)
+    data = {"capacities": capacities, "hit_ratio": runs, "belady": belady, "cpu": cpu_model(), "commands": commands}
+    json.dump(data, open(os.path.join(out, "hit_ratio.json"), "w"), indent=1)
+
+
+def suspend(cli, out, suspend_json):
+    if suspend_json:
+        j = json.load(open(suspend_json))
+        command = f"sparsekv bench suspend --json (from {os.path.basename(suspend_json)})"
+    else:
+        d = os.path.join(out, ".suspend-run")
+        os.makedirs(d, exist_ok=True)
+        cmd = [cli, "bench", "suspend", "--dir", d, "--v32-tokens", "8192", "--v4-tokens", "2048", "--turns", "4",
+               "--turn-tokens", "256", "--log-seconds", "0.5", "--json"]
+        j = run_json(cmd)
+        os.rmdir(d)
+        command = " ".join(cmd[1:])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    labels, ours, base = [], [], []
+    for s in j["sequences"]:
+        tag = f"{'V3.2' if 'v3.2' in s['model'] else 'V4'} {s['tier']}"
+        if s["tier"] == "host":
+            b = max(s["memcpy_bytes_per_s"])
+            pairs = [("suspend", s["suspend_bytes_per_s"], b), ("resume", s["resume_bytes_per_s"], b)]
+        elif "fio_write_bytes_per_s" in s:
+            pairs = [("suspend", s["suspend_bytes_per_s"], s["fio_write_bytes_per_s"]),
+                     ("resume", s["resume_bytes_per_s"], s["fio_read_bytes_per_s"])]
+        else:
+            continue
+        for what, o, b in pairs:
+            labels.append(f"{tag}\n{what}")
+            ours.append(o / 1e9)
+            base.append(b / 1e9)
+    x = range(len(labels))
+    a1.bar([i - 0.2 for i in x], ours, width=0.4, label="sparsekv")
+    a1.bar([i + 0.2 for i in x], base, width=0.4, label="memcpy (host) / fio (SSD)")
+    a1.set_xticks(list(x))
+    a1.set_xticklabels(labels, fontsize=7)
+    a1.set_ylabel("GB/s")
+    sizes = ", ".join(sorted({f"{'V3.2' if 'v3.2' in s['model'] else 'V4'} {s['tokens']:,} tokens" for s in j["sequences"]}))
+    a1.set_title(f"Suspend and resume against the same bytes\n({sizes})", fontsize=10)
+    a1.legend(fontsize=8)
+    logs = j["log"]
+    a2.plot([l["concurrency"] for l in logs], [l["appends_per_s"] for l in logs], marker="o",
+            label="request log appends/s")
+    if "fio_fdatasync_writes_per_s" in j:
+        a2.axhline(j["fio_fdatasync_writes_per_s"], color="black", linestyle="--", label="fio --fdatasync=1 writes/s")
+    a2.set_xscale("log")
+    a2.set_yscale("log")
+    a2.set_xlabel("requests appending at once")
+    a2.set_title("Token log under fdatasync (group commit)")
+    a2.grid(True, which="both", alpha=0.3)
+    a2.legend(fontsize=8)
+    fig.text(0.01, 0.01, f"{command}, {cpu_model()}", fontsize=7, alpha=0.7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "suspend.png"), dpi=110)
+    plt.close(fig)
+    json.dump({"cpu": cpu_model(), "command": command, "result": j}, open(os.path.join(out, "suspend.json"), "w"),
+              indent=1)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cli", default="build/release/api/sparsekv")
+    p.add_argument("--out", default="docs/images")
+    p.add_argument("--trace", default=os.path.join("..", "shared", "data", "mooncake_conversation_trace.jsonl"))
+    p.add_argument("--capacities", default=",".join(map(str, CAPACITIES)))
+    p.add_argument("--suspend-json", default="")
+    p.add_argument("--only", default="hit_ratio,suspend")
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    only = a.only.split(",")
+    if "hit_ratio" in only:
+        hit_ratio(a.cli, a.trace, a.out, [int(c) for c in a.capacities.split(",")])
+    if "suspend" in only:
+        suspend(a.cli, a.out, a.suspend_json)
+    print(a.out)
+
+
+if __name__ == "__main__":
+    main()
