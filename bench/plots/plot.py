@@ -7,6 +7,9 @@
 - hit_ratio.png: block hit ratio against cache capacity on the Mooncake conversation trace for
   LRU, ARC and ARC with scheduler hints (lookahead 64), with Belady's offline optimum as the
   bound. Runs `sparsekv replay --json` at each capacity (a second each).
+- restore.png: restoring a V3.2 prefix into L1 from the host tier against memcpy, and from the
+  SSD tier against O_DIRECT pread and fio (depth 1 and 16) over the same bytes, from
+  `sparsekv bench restore --json` (a small run each: --restore-blocks blocks, 2 rounds).
 - suspend.png: suspend and resume rates against memcpy (host) and fio (SSD), and request-log
   appends per second against fio's fdatasync rate, from `sparsekv bench suspend --json`
   (--suspend-json; without it, a small run is made).
@@ -77,6 +80,48 @@ def hit_ratio(cli, trace, out, capacities):
     json.dump(data, open(os.path.join(out, "hit_ratio.json"), "w"), indent=1)
 
 
+def restore(cli, out, blocks):
+    runs = {}
+    commands = []
+    for tier in ("host", "ssd"):
+        cmd = [cli, "bench", "restore", "--tier", tier, "--blocks", str(blocks), "--rounds", "2", "--json"]
+        if tier == "ssd":
+            d = os.path.join(out, ".restore-run")
+            os.makedirs(d, exist_ok=True)
+            cmd += ["--dir", d, "--with-fio"]
+        commands.append(" ".join(cmd[1:]).replace(os.path.join(out, ".restore-run"), "DIR"))
+        runs[tier] = run_json(cmd)
+        if tier == "ssd":
+            os.rmdir(d)
+    h, s = runs["host"], runs["ssd"]
+    bars = [("host: restore", h["restore_bytes_per_s"], "sparsekv"), ("host: store", h["store_bytes_per_s"], "sparsekv"),
+            ("host: memcpy", h["memcpy_bytes_per_s"], "baseline"),
+            ("SSD: restore", s["restore_bytes_per_s"], "sparsekv"), ("SSD: store", s["store_bytes_per_s"], "sparsekv")]
+    if s.get("pread_bytes_per_s"):
+        bars.append(("SSD: pread", s["pread_bytes_per_s"], "baseline"))
+    for k, name in (("fio_qd1_read_bytes_per_s", "SSD: fio depth 1"), ("fio_qd16_read_bytes_per_s", "SSD: fio depth 16")):
+        if s.get(k):
+            bars.append((name, s[k], "baseline"))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    colors = {"sparsekv": "tab:blue", "baseline": "tab:orange"}
+    ax.bar(range(len(bars)), [b[1] / 1e9 for b in bars], color=[colors[b[2]] for b in bars])
+    ax.set_xticks(range(len(bars)))
+    ax.set_xticklabels([b[0] for b in bars], fontsize=7, rotation=20)
+    from matplotlib.patches import Patch
+    ax.legend(handles=[Patch(color=colors["sparsekv"], label="sparsekv"),
+                       Patch(color=colors["baseline"], label="baseline, same bytes")], fontsize=8)
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"Restore a V3.2 prefix ({blocks} blocks of {h['block_bytes'] / 1e6:.1f} MB) into L1; "
+                 "baselines over the same bytes", fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.text(0.01, 0.01, f"sparsekv bench restore, {cpu_model()}", fontsize=7, alpha=0.7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "restore.png"), dpi=110)
+    plt.close(fig)
+    json.dump({"cpu": cpu_model(), "commands": commands, "results": runs}, open(os.path.join(out, "restore.json"), "w"),
+              indent=1)
+
+
 def suspend(cli, out, suspend_json):
     if suspend_json:
         j = json.load(open(suspend_json))
@@ -140,12 +185,15 @@ def main():
     p.add_argument("--trace", default=os.path.join("..", "shared", "data", "mooncake_conversation_trace.jsonl"))
     p.add_argument("--capacities", default=",".join(map(str, CAPACITIES)))
     p.add_argument("--suspend-json", default="")
-    p.add_argument("--only", default="hit_ratio,suspend")
+    p.add_argument("--restore-blocks", type=int, default=64)
+    p.add_argument("--only", default="hit_ratio,restore,suspend")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     only = a.only.split(",")
     if "hit_ratio" in only:
         hit_ratio(a.cli, a.trace, a.out, [int(c) for c in a.capacities.split(",")])
+    if "restore" in only:
+        restore(a.cli, a.out, a.restore_blocks)
     if "suspend" in only:
         suspend(a.cli, a.out, a.suspend_json)
     print(a.out)
