@@ -10,6 +10,9 @@
 - restore.png: restoring a V3.2 prefix into L1 from the host tier against memcpy, and from the
   SSD tier against O_DIRECT pread and fio (depth 1 and 16) over the same bytes, from
   `sparsekv bench restore --json` (a small run each: --restore-blocks blocks, 2 rounds).
+- resp.png: redis-benchmark's SET and GET rates against redis-server and sparsekvd's Redis
+  listener by value size, with the native protocol's GET rate at 64 KiB, from
+  `bench/python/resp_bench.py --json` (the script behind `sparsekv bench resp`).
 - suspend.png: suspend and resume rates against memcpy (host) and fio (SSD), and request-log
   appends per second against fio's fdatasync rate, from `sparsekv bench suspend --json`
   (--suspend-json; without it, a small run is made).
@@ -122,6 +125,37 @@ def restore(cli, out, blocks):
               indent=1)
 
 
+def resp(cli, out, sizes):
+    here = os.path.dirname(os.path.abspath(__file__))
+    daemon = os.path.join(os.path.dirname(os.path.abspath(cli)), "sparsekvd")
+    cmd = ["/usr/bin/python3", os.path.join(here, "..", "python", "resp_bench.py"), "--sparsekvd", daemon,
+           "--sizes", sizes, "--pipelines", "1", "--repeats", "3", "--seconds", "1", "--json"]
+    j = run_json(cmd)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for op, marker in (("SET", "o"), ("GET", "s")):
+        cells = [c for c in j["cells"] if c["op"] == op and c["pipeline"] == 1]
+        xs = [c["size"] for c in cells]
+        ax.plot(xs, [c["redis_rps"] for c in cells], marker=marker, linestyle="--", label=f"redis-server {op}")
+        ax.plot(xs, [c["sparsekvd_rps"] for c in cells], marker=marker, label=f"sparsekvd (RESP) {op}")
+    ng = j.get("native_get")
+    if ng:
+        ax.scatter([ng["value_bytes"]], [ng["get_ops_per_s"]], marker="*", s=160, color="black", zorder=5,
+                   label="sparsekvd native GET (sparsekv bench daemon)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("value bytes")
+    ax.set_ylabel("requests/s (8 clients, no pipelining)")
+    ax.set_title("redis-benchmark against redis-server and sparsekvd, same run", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.text(0.01, 0.01, f"resp_bench.py --sizes {sizes} --repeats 3, {cpu_model()}", fontsize=7, alpha=0.7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "resp.png"), dpi=110)
+    plt.close(fig)
+    json.dump({"cpu": cpu_model(), "command": " ".join(cmd[1:]), "result": j}, open(os.path.join(out, "resp.json"), "w"),
+              indent=1)
+
+
 def suspend(cli, out, suspend_json):
     if suspend_json:
         j = json.load(open(suspend_json))
@@ -186,7 +220,8 @@ def main():
     p.add_argument("--capacities", default=",".join(map(str, CAPACITIES)))
     p.add_argument("--suspend-json", default="")
     p.add_argument("--restore-blocks", type=int, default=64)
-    p.add_argument("--only", default="hit_ratio,restore,suspend")
+    p.add_argument("--resp-sizes", default="1024,4096,16384,65536,262144,1048576")
+    p.add_argument("--only", default="hit_ratio,restore,resp,suspend")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     only = a.only.split(",")
@@ -194,6 +229,8 @@ def main():
         hit_ratio(a.cli, a.trace, a.out, [int(c) for c in a.capacities.split(",")])
     if "restore" in only:
         restore(a.cli, a.out, a.restore_blocks)
+    if "resp" in only:
+        resp(a.cli, a.out, a.resp_sizes)
     if "suspend" in only:
         suspend(a.cli, a.out, a.suspend_json)
     print(a.out)
