@@ -13,6 +13,10 @@
 - resp.png: redis-benchmark's SET and GET rates against redis-server and sparsekvd's Redis
   listener by value size, with the native protocol's GET rate at 64 KiB, from
   `bench/python/resp_bench.py --json` (the script behind `sparsekv bench resp`).
+- sparse_decode.png: a decode step with the sparse cache in the host tier and a working set in
+  L1, over the step with the whole cache resident, against the overlap of consecutive
+  selections, for several L1 fractions (V3.2 fp8, 64K context), from
+  `sparsekv bench sparse-decode --json` (outputs checked bit-identical by the bench).
 - suspend.png: suspend and resume rates against memcpy (host) and fio (SSD), and request-log
   appends per second against fio's fdatasync rate, from `sparsekv bench suspend --json`
   (--suspend-json; without it, a small run is made).
@@ -156,6 +160,37 @@ def resp(cli, out, sizes):
               indent=1)
 
 
+def sparse_decode(cli, out, overlaps, fractions):
+    results = {}
+    commands = []
+    for f in fractions:
+        for ov in overlaps:
+            cmd = [cli, "bench", "sparse-decode", "--l1-fraction", str(f), "--overlap", str(ov), "--json"]
+            commands.append(" ".join(cmd[1:]))
+            j = run_json(cmd)
+            if not j["outputs_identical"]:
+                sys.exit(f"plot: {' '.join(cmd)}: outputs differ from the resident cache")
+            results.setdefault(str(f), []).append(
+                {"overlap": j["measured_overlap"], "step_vs_resident": j["step_vs_resident"],
+                 "l1_vs_resident": j["l1_vs_resident"]})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for f, pts in results.items():
+        ax.plot([p["overlap"] for p in pts], [p["step_vs_resident"] for p in pts], marker="o",
+                label=f"L1 holds {float(f):.0%} of the entries ({pts[0]['l1_vs_resident']:.2f}x the resident bytes)")
+    ax.axhline(1.0, color="black", linestyle="--", label="the whole cache resident")
+    ax.set_xlabel("measured overlap of consecutive top-k selections")
+    ax.set_ylabel("decode step / resident step")
+    ax.set_title("Sparse decode from the host tier (V3.2 fp8, 64K context, 2 layers)", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.text(0.01, 0.01, f"sparsekv bench sparse-decode, {cpu_model()}", fontsize=7, alpha=0.7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "sparse_decode.png"), dpi=110)
+    plt.close(fig)
+    json.dump({"cpu": cpu_model(), "commands": commands, "results": results},
+              open(os.path.join(out, "sparse_decode.json"), "w"), indent=1)
+
+
 def suspend(cli, out, suspend_json):
     if suspend_json:
         j = json.load(open(suspend_json))
@@ -221,7 +256,9 @@ def main():
     p.add_argument("--suspend-json", default="")
     p.add_argument("--restore-blocks", type=int, default=64)
     p.add_argument("--resp-sizes", default="1024,4096,16384,65536,262144,1048576")
-    p.add_argument("--only", default="hit_ratio,restore,resp,suspend")
+    p.add_argument("--overlaps", default="0.5,0.8,0.9,0.95")
+    p.add_argument("--l1-fractions", default="0.05,0.1")
+    p.add_argument("--only", default="hit_ratio,restore,resp,sparse_decode,suspend")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     only = a.only.split(",")
@@ -231,6 +268,9 @@ def main():
         restore(a.cli, a.out, a.restore_blocks)
     if "resp" in only:
         resp(a.cli, a.out, a.resp_sizes)
+    if "sparse_decode" in only:
+        sparse_decode(a.cli, a.out, [float(x) for x in a.overlaps.split(",")],
+                      [float(x) for x in a.l1_fractions.split(",")])
     if "suspend" in only:
         suspend(a.cli, a.out, a.suspend_json)
     print(a.out)
