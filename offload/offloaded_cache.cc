@@ -174,6 +174,13 @@ OffloadedCacheStats OffloadedCache::Stats() const {
   return shared_->stats;
 }
 
+Result<std::shared_ptr<OffloadedCache::SequenceState>> OffloadedCache::FindSequence(SequenceId seq) const {
+  MutexLock lock(mu_);
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end()) return Status::NotFound(fmt::format("offloaded cache: no sequence {}", seq));
+  return it->second;
+}
+
 Result<SequenceId> OffloadedCache::CreateSequence(const SequenceOptions& options) {
   SPARSEKV_ASSIGN_OR_RETURN(SequenceId id, manager_.CreateSequence(options));
   auto st = std::make_shared<SequenceState>();
@@ -187,14 +194,7 @@ Result<SequenceId> OffloadedCache::CreateSequence(const SequenceOptions& options
 }
 
 Status OffloadedCache::AppendTokens(SequenceId seq, std::span<const TokenId> tokens) {
-  std::shared_ptr<SequenceState> st;
-  {
-    MutexLock lock(mu_);
-    auto it = sequences_.find(seq);
-    if (it == sequences_.end())
-      return Status::NotFound(fmt::format("offloaded cache: no sequence {}", seq));
-    st = it->second;
-  }
+  SPARSEKV_ASSIGN_OR_RETURN(std::shared_ptr<SequenceState> st, FindSequence(seq));
   SPARSEKV_RETURN_IF_ERROR(manager_.AppendTokens(seq, tokens));
   // The same chain the manager hashes (block_hash.h), kept here to name bundles.
   st->tail.insert(st->tail.end(), tokens.begin(), tokens.end());
@@ -567,14 +567,7 @@ Status OffloadedCache::CheckLayout(const Bundle& b, const BlockDigest& digest) c
 }
 
 Status OffloadedCache::CommitComputed(SequenceId seq, uint64_t num_tokens) {
-  std::shared_ptr<SequenceState> st;
-  {
-    MutexLock lock(mu_);
-    auto it = sequences_.find(seq);
-    if (it == sequences_.end())
-      return Status::NotFound(fmt::format("offloaded cache: no sequence {}", seq));
-    st = it->second;
-  }
+  SPARSEKV_ASSIGN_OR_RETURN(std::shared_ptr<SequenceState> st, FindSequence(seq));
   std::vector<BundlePtr> bundles;
   if (options_.write_policy == WritePolicy::kWriteThrough && st->cache_blocks) {
     // Gather before committing: the commit releases window and snapshot pages that left the
@@ -791,14 +784,7 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
 }
 
 Result<OffloadedPrefix> OffloadedCache::AcquirePrefix(SequenceId seq) {
-  std::shared_ptr<SequenceState> st;
-  {
-    MutexLock lock(mu_);
-    auto it = sequences_.find(seq);
-    if (it == sequences_.end())
-      return Status::NotFound(fmt::format("offloaded cache: no sequence {}", seq));
-    st = it->second;
-  }
+  SPARSEKV_ASSIGN_OR_RETURN(std::shared_ptr<SequenceState> st, FindSequence(seq));
   SPARSEKV_ASSIGN_OR_RETURN(PrefixMatch l1, manager_.AcquireCachedPrefix(seq));
   OffloadedPrefix out;
   out.l1_blocks = l1.blocks;
@@ -829,13 +815,7 @@ Result<OffloadedPrefix> OffloadedCache::AcquirePrefix(SequenceId seq) {
 }
 
 Result<std::vector<BlockDigest>> OffloadedCache::BlockDigests(SequenceId seq) const {
-  std::shared_ptr<SequenceState> st;
-  {
-    MutexLock lock(mu_);
-    auto it = sequences_.find(seq);
-    if (it == sequences_.end()) return Status::NotFound(fmt::format("offloaded cache: no sequence {}", seq));
-    st = it->second;
-  }
+  SPARSEKV_ASSIGN_OR_RETURN(std::shared_ptr<SequenceState> st, FindSequence(seq));
   return st->digests;  // changed only by AppendTokens, which the caller orders with this
 }
 
@@ -918,14 +898,7 @@ Result<BlockHash> OffloadedCache::SuspensionKey(const SequenceOptions& options,
 }
 
 Result<SuspendInfo> OffloadedCache::Suspend(SequenceId seq) {
-  std::shared_ptr<SequenceState> st;
-  {
-    MutexLock lock(mu_);
-    auto it = sequences_.find(seq);
-    if (it == sequences_.end())
-      return Status::NotFound(fmt::format("offloaded cache: no sequence {}", seq));
-    st = it->second;
-  }
+  SPARSEKV_ASSIGN_OR_RETURN(std::shared_ptr<SequenceState> st, FindSequence(seq));
   if (!st->cache_blocks) {
     return Status::FailedPrecondition(fmt::format(
         "offloaded cache: sequence {} does not cache its blocks; it cannot be suspended", seq));
@@ -1095,11 +1068,9 @@ Result<ResumeInfo> OffloadedCache::Resume(const SequenceOptions& options,
     return s;
   };
   if (Status s = AppendTokens(seq, tokens); !s.ok()) return fail(s);
-  std::shared_ptr<SequenceState> st;
-  {
-    MutexLock lock(mu_);
-    st = sequences_.at(seq);
-  }
+  Result<std::shared_ptr<SequenceState>> found = FindSequence(seq);
+  if (!found.ok()) return fail(found.status());
+  const std::shared_ptr<SequenceState> st = *std::move(found);
   const uint32_t bt = manager_.geometry().block_tokens;
   const auto nb = static_cast<uint32_t>(state_tokens / bt);
   ResumeInfo out;

@@ -218,6 +218,8 @@ class OffloadedCache {
   struct SparePool;
   struct Shared;
   struct Held;
+  // The sequence's state; NotFound when this cache does not know it.
+  Result<std::shared_ptr<SequenceState>> FindSequence(SequenceId seq) const SPARSEKV_EXCLUDES(mu_);
   BundleKey KeyOf(const BlockDigest& d) const { return BundleKey{options_.namespace_id, d.hash}; }
   // Copies block `block` of `seq` (every pool, then the digest check) into a bundle; nullptr if
   // one of its pages is gone.
