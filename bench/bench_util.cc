@@ -5,6 +5,9 @@
 #include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
 #include <sys/wait.h>
 
 #include <unistd.h>
@@ -140,6 +143,64 @@ Result<uint16_t> FreeLoopbackPort() {
   ::close(fd);
   if (!ok) return Status::IOError(fmt::format("cannot find a free loopback port: {}", std::strerror(err)));
   return ntohs(a.sin_port);
+}
+
+Result<bool> RunChildUntilKilled(std::vector<std::string> command, size_t record_bytes, double seconds,
+                                 const std::function<void(const std::byte*)>& on_record) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return Status::IOError(fmt::format("stress: pipe: {}", std::strerror(errno)));
+  command.push_back("--ack-fd");
+  command.push_back(std::to_string(fds[1]));
+  std::vector<char*> argv;
+  for (auto& a : command) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid < 0) {
+    close(fds[0]);
+    close(fds[1]);
+    return Status::IOError(fmt::format("stress: fork: {}", std::strerror(errno)));
+  }
+  if (pid == 0) {
+    // Only async-signal-safe calls until exec: the write end must survive it.
+    close(fds[0]);
+    const int flags = fcntl(fds[1], F_GETFD);
+    fcntl(fds[1], F_SETFD, flags & ~FD_CLOEXEC);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  std::vector<std::byte> pending;
+  auto drain = [&](int timeout_ms) {
+    pollfd p{fds[0], POLLIN, 0};
+    if (poll(&p, 1, timeout_ms) <= 0) return false;
+    std::byte buf[24 * 512];
+    const ssize_t n = read(fds[0], buf, sizeof buf);
+    if (n <= 0) return false;
+    pending.insert(pending.end(), buf, buf + n);
+    size_t at = 0;
+    for (; at + record_bytes <= pending.size(); at += record_bytes) on_record(pending.data() + at);
+    pending.erase(pending.begin(), pending.begin() + static_cast<std::ptrdiff_t>(at));
+    return true;
+  };
+  const double until = NowSeconds() + seconds;
+  bool exited = false;
+  while (NowSeconds() < until) {
+    drain(5);
+    int status;
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      exited = true;
+      break;
+    }
+  }
+  if (!exited) {
+    kill(pid, SIGKILL);
+    int status;
+    waitpid(pid, &status, 0);
+  }
+  while (drain(0)) {
+  }
+  close(fds[0]);
+  return !exited;
 }
 
 }  // namespace sparsekv::bench

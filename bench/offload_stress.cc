@@ -399,70 +399,23 @@ Result<nlohmann::json> RunOffloadStress(const OffloadStressOptions& o) {
   for (int cycle = 0; cycle < o.kill_cycles; ++cycle) {
     ProgressNote(fmt::format("kill cycle {} of {}, {} puts acknowledged", cycle + 1, o.kill_cycles, acknowledged));
     SPARSEKV_RETURN_IF_ERROR(WriteState(root, state));
-    int fds[2];
-    if (pipe2(fds, O_CLOEXEC) != 0)
-      return Status::IOError(fmt::format("stress: pipe: {}", std::strerror(errno)));
     std::vector<std::string> args = o.child_command;
     const std::vector<std::string> more = {
         "--dir",         root,
-        "--ack-fd",      std::to_string(fds[1]),
         "--incarnation", std::to_string(cycle + 1),
         "--seed",        std::to_string(seed + cycle),
         "--durability",  std::string(DurabilityName(o.durability))};
     args.insert(args.end(), more.begin(), more.end());
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    const pid_t pid = fork();
-    if (pid < 0) return Status::IOError(fmt::format("stress: fork: {}", std::strerror(errno)));
-    if (pid == 0) {
-      // Only async-signal-safe calls until exec: the write end must survive it.
-      close(fds[0]);
-      const int flags = fcntl(fds[1], F_GETFD);
-      fcntl(fds[1], F_SETFD, flags & ~FD_CLOEXEC);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    close(fds[1]);
     const double share = o.seconds / o.kill_cycles;
     const double run_for =
         std::max(0.2, share * (0.5 + std::uniform_real_distribution<double>(0, 1)(rng)));
-    const double until = NowSeconds() + run_for;
-    bool child_gone = false;
-    std::vector<char> pending;
-    auto drain = [&](int timeout_ms) {
-      pollfd p{fds[0], POLLIN, 0};
-      if (poll(&p, 1, timeout_ms) <= 0) return false;
-      char buf[24 * 512];
-      const ssize_t n = read(fds[0], buf, sizeof buf);
-      if (n <= 0) return false;
-      pending.insert(pending.end(), buf, buf + n);
-      size_t at = 0;
-      for (; at + sizeof(Msg) <= pending.size(); at += sizeof(Msg)) {
-        Msg m;
-        std::memcpy(&m, pending.data() + at, sizeof m);
-        apply(m);
-      }
-      pending.erase(pending.begin(), pending.begin() + static_cast<std::ptrdiff_t>(at));
-      return true;
-    };
-    while (NowSeconds() < until) {
-      drain(5);
-      int status;
-      if (waitpid(pid, &status, WNOHANG) == pid) {
-        child_gone = true;
-        ++early_exits;
-        break;
-      }
-    }
-    if (!child_gone) {
-      kill(pid, SIGKILL);
-      int status;
-      waitpid(pid, &status, 0);
-    }
-    while (drain(0)) {
-    }
-    close(fds[0]);
+    SPARSEKV_ASSIGN_OR_RETURN(const bool killed, RunChildUntilKilled(args, sizeof(Msg), run_for, [&](const std::byte* r) {
+      Msg m;
+      std::memcpy(&m, r, sizeof m);
+      apply(m);
+    }));
+    const bool child_gone = !killed;
+    early_exits += child_gone;
     if (child_gone) {
       return Status::Internal(fmt::format(
           "stress offload: the child exited by itself in cycle {} (see its error above): {}",

@@ -22,6 +22,7 @@
 #include "sparsekv/offloaded_cache.h"
 #include "sparsekv/request_log.h"
 #include "sparsekv/ssd_tier.h"
+#include "bench_util.h"
 #include "progress.h"
 #include "toy_decoder.h"
 
@@ -271,64 +272,20 @@ Result<nlohmann::json> RunSuspendStress(const SuspendStressOptions& o) {
   const double t0 = Now();
   for (int cycle = 0; cycle < o.kill_cycles; ++cycle) {
     ProgressNote(fmt::format("kill cycle {} of {}, {} tokens acknowledged", cycle + 1, o.kill_cycles, acked_tokens));
-    int fds[2];
-    if (pipe2(fds, O_CLOEXEC) != 0) return Status::IOError(fmt::format("stress suspend: pipe: {}", std::strerror(errno)));
     std::vector<std::string> args = o.child_command;
-    const std::vector<std::string> more = {"--dir", root, "--ack-fd", std::to_string(fds[1]), "--incarnation",
-                                           std::to_string(cycle + 1), "--seed", std::to_string(seed + cycle),
-                                           "--requests", std::to_string(o.requests), "--threads",
-                                           std::to_string(o.threads), "--max-request-tokens",
+    const std::vector<std::string> more = {"--dir", root, "--incarnation", std::to_string(cycle + 1), "--seed",
+                                           std::to_string(seed + cycle), "--requests", std::to_string(o.requests),
+                                           "--threads", std::to_string(o.threads), "--max-request-tokens",
                                            std::to_string(o.max_request_tokens)};
     args.insert(args.end(), more.begin(), more.end());
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    const pid_t pid = fork();
-    if (pid < 0) return Status::IOError(fmt::format("stress suspend: fork: {}", std::strerror(errno)));
-    if (pid == 0) {
-      close(fds[0]);
-      const int flags = fcntl(fds[1], F_GETFD);
-      fcntl(fds[1], F_SETFD, flags & ~FD_CLOEXEC);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    close(fds[1]);
     const double share = o.seconds / o.kill_cycles;
-    const double until = Now() + std::max(0.3, share * (0.5 + std::uniform_real_distribution<double>(0, 1)(rng)));
-    std::vector<char> pending;
-    auto drain = [&](int timeout_ms) {
-      pollfd p{fds[0], POLLIN, 0};
-      if (poll(&p, 1, timeout_ms) <= 0) return false;
-      char buf[24 * 512];
-      const ssize_t n = read(fds[0], buf, sizeof buf);
-      if (n <= 0) return false;
-      pending.insert(pending.end(), buf, buf + n);
-      size_t at = 0;
-      for (; at + sizeof(Msg) <= pending.size(); at += sizeof(Msg)) {
-        Msg m;
-        std::memcpy(&m, pending.data() + at, sizeof m);
-        apply(m);
-      }
-      pending.erase(pending.begin(), pending.begin() + static_cast<std::ptrdiff_t>(at));
-      return true;
-    };
-    bool gone = false;
-    while (Now() < until) {
-      drain(5);
-      int status;
-      if (waitpid(pid, &status, WNOHANG) == pid) {
-        gone = true;
-        break;
-      }
-    }
-    if (!gone) {
-      kill(pid, SIGKILL);
-      int status;
-      waitpid(pid, &status, 0);
-    }
-    while (drain(0)) {
-    }
-    close(fds[0]);
+    const double run_for = std::max(0.3, share * (0.5 + std::uniform_real_distribution<double>(0, 1)(rng)));
+    SPARSEKV_ASSIGN_OR_RETURN(const bool killed, RunChildUntilKilled(args, sizeof(Msg), run_for, [&](const std::byte* r) {
+      Msg m;
+      std::memcpy(&m, r, sizeof m);
+      apply(m);
+    }));
+    const bool gone = !killed;
     // Every other kill, a torn write on top: random bytes at the end of the newest segment, as
     // a write cut short would leave them. The next open must cut them and lose nothing.
     if (!gone && cycle % 2 == 0) {
