@@ -226,17 +226,21 @@ Result<uint64_t> ToyDecoder::Step(SequenceId seq, uint64_t t, TokenId token) {
   return XXH3_64bits_digest(h);
 }
 
+Status ToyDecoder::Prepare(CacheManager& manager, SequenceId seq, uint64_t t) {
+  SPARSEKV_ASSIGN_OR_RETURN(SlotAllocation alloc, manager.AllocateSlots(seq, t + 1));
+  for (const PageCopy& c : alloc.copies) {
+    std::memcpy(manager.pool(c.pool).PageData(c.dst), manager.pool(c.pool).PageData(c.src),
+                manager.geometry().pools[c.pool].block_stride);
+  }
+  return Status::OK();
+}
+
 Status ToyDecoder::Run(CacheManager& manager, SequenceId seq, uint64_t count,
                        std::vector<TokenId>* tokens, std::vector<uint64_t>* digests,
                        const AppendFn& append, const CommitFn& commit) {
-  const BlockGeometry& geo = manager.geometry();
   for (uint64_t i = 0; i < count; ++i) {
     const uint64_t t = tokens->size() - 1;
-    SPARSEKV_ASSIGN_OR_RETURN(SlotAllocation alloc, manager.AllocateSlots(seq, t + 1));
-    for (const PageCopy& c : alloc.copies) {
-      std::memcpy(manager.pool(c.pool).PageData(c.dst), manager.pool(c.pool).PageData(c.src),
-                  geo.pools[c.pool].block_stride);
-    }
+    SPARSEKV_RETURN_IF_ERROR(Prepare(manager, seq, t));
     SPARSEKV_ASSIGN_OR_RETURN(const uint64_t digest, Step(seq, t, tokens->back()));
     if (digests != nullptr) digests->push_back(digest);
     SPARSEKV_RETURN_IF_ERROR(commit(seq, t + 1));
@@ -249,15 +253,11 @@ Status ToyDecoder::Run(CacheManager& manager, SequenceId seq, uint64_t count,
 
 Status ToyDecoder::Replay(CacheManager& manager, SequenceId seq, std::span<const TokenId> tokens,
                           uint64_t from, uint64_t to, const std::function<Status(SequenceId, uint64_t)>& commit,
-                          uint64_t* mismatches) {
-  const BlockGeometry& geo = manager.geometry();
+                          uint64_t* mismatches, std::vector<uint64_t>* digests) {
   for (uint64_t t = from; t < to; ++t) {
-    SPARSEKV_ASSIGN_OR_RETURN(SlotAllocation alloc, manager.AllocateSlots(seq, t + 1));
-    for (const PageCopy& c : alloc.copies) {
-      std::memcpy(manager.pool(c.pool).PageData(c.dst), manager.pool(c.pool).PageData(c.src),
-                  geo.pools[c.pool].block_stride);
-    }
+    SPARSEKV_RETURN_IF_ERROR(Prepare(manager, seq, t));
     SPARSEKV_ASSIGN_OR_RETURN(const uint64_t digest, Step(seq, t, tokens[t]));
+    if (digests != nullptr) digests->push_back(digest);
     if (t + 1 < tokens.size() && NextToken(digest) != tokens[t + 1]) ++*mismatches;
     SPARSEKV_RETURN_IF_ERROR(commit(seq, t + 1));
   }

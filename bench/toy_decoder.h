@@ -47,9 +47,10 @@ class ToyDecoder {
 
   // Computes tokens [from, to) of `seq` again, with their ids from `tokens` (appended already),
   // as Run does per step; a step whose next token differs from tokens[t + 1] (where given) is
-  // counted in `*mismatches`.
+  // counted in `*mismatches`, and each step's digest goes to `digests` when given.
   Status Replay(CacheManager& manager, SequenceId seq, std::span<const TokenId> tokens, uint64_t from,
-                uint64_t to, const std::function<Status(SequenceId, uint64_t)>& commit, uint64_t* mismatches);
+                uint64_t to, const std::function<Status(SequenceId, uint64_t)>& commit, uint64_t* mismatches,
+                std::vector<uint64_t>* digests = nullptr);
 
   static TokenId NextToken(uint64_t digest) { return static_cast<TokenId>(digest % 50000); }
 
@@ -69,6 +70,8 @@ class ToyDecoder {
     std::optional<PageCodec> codec;  // per-entry kinds
     int state_pool = -1;             // compressed kinds: the same layer's compressor state pool
   };
+  // AllocateSlots for token t and the page copies it lists, as an engine does before a step.
+  static Status Prepare(CacheManager& manager, SequenceId seq, uint64_t t);
   ToyDecoder(const CacheManager& manager, uint64_t seed) : manager_(manager), seed_(seed) {}
   const CacheManager& manager_;
   uint64_t seed_;

@@ -92,17 +92,10 @@ Status Decode(Stack& s, SequenceId seq, uint64_t count, std::vector<TokenId>* to
 // Computes tokens [from, to) of a resumed sequence again (they are appended already).
 Status Recompute(Stack& s, SequenceId seq, const std::vector<TokenId>& tokens, uint64_t from,
                  uint64_t to, std::vector<uint64_t>* digests) {
-  for (uint64_t t = from; t < to; ++t) {
-    SPARSEKV_ASSIGN_OR_RETURN(SlotAllocation alloc, s.manager->AllocateSlots(seq, t + 1));
-    for (const PageCopy& c : alloc.copies) {
-      std::memcpy(s.manager->pool(c.pool).PageData(c.dst), s.manager->pool(c.pool).PageData(c.src),
-                  s.manager->geometry().pools[c.pool].block_stride);
-    }
-    SPARSEKV_ASSIGN_OR_RETURN(uint64_t d, s.toy->Step(seq, t, tokens[t]));
-    digests->push_back(d);
-    SPARSEKV_RETURN_IF_ERROR(s.cache->CommitComputed(seq, t + 1));
-  }
-  return Status::OK();
+  uint64_t mismatches = 0;
+  return s.toy->Replay(
+      *s.manager, seq, tokens, from, to,
+      [&](SequenceId q, uint64_t n) { return s.cache->CommitComputed(q, n); }, &mismatches, digests);
 }
 
 // (block, pool) -> bytes of every page the sequence holds: each layer's entries (a format's
