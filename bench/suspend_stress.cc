@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -33,7 +34,18 @@ constexpr uint32_t kBlockTokens = 128;
 constexpr uint64_t kToySeed = 7;
 
 struct Msg {
-  enum Type : uint32_t { kStart = 1, kAck, kFinished, kSuspended, kResumeExact, kResumePartial, kMismatch, kTorn };
+  enum Type : uint32_t {
+    kStart = 1,
+    kAck,
+    kFinished,
+    kSuspended,
+    kResumeExact,
+    kResumePartial,
+    kMismatch,
+    kTorn,
+    kFinishing,  // Finish is about to be logged: a kill from here on may leave it finished or not
+    kStalled,    // stopped on purpose after a durable finish, before kFinished
+  };
   uint32_t type = 0;
   uint32_t pad = 0;
   uint64_t request = 0;
@@ -143,6 +155,7 @@ Status RunSuspendStressChild(const SuspendStressChildOptions& o) {
   while (slots.size() < o.requests) slots.push_back(Slot{});
   const uint32_t threads = std::max<uint32_t>(1, std::min<uint32_t>(o.threads, static_cast<uint32_t>(slots.size())));
   std::atomic<uint64_t> ids{next_id};
+  std::atomic<bool> stalled{false};
   std::mutex failure_mu;
   Status failure;
   auto worker = [&](uint32_t w) {
@@ -199,7 +212,12 @@ Status RunSuspendStressChild(const SuspendStressChildOptions& o) {
         }
         if (s.tokens.size() >= o.max_request_tokens) {
           if (Status st = e.cache->Free(s.seq); !st.ok()) return fail(st);
+          send(Msg::kFinishing, s.id, 0);
           if (Status st = e.log->Finish(s.id); !st.ok()) return fail(st);
+          if (o.stall_after_finish && !stalled.exchange(true)) {
+            send(Msg::kStalled, s.id, 0);
+            for (;;) std::this_thread::sleep_for(std::chrono::hours(1));  // until the kill
+          }
           send(Msg::kFinished, s.id, 0);
           if (s.tail) e.cache->DropSuspension(*s.tail).IgnoreError();
           s = Slot{};
@@ -246,8 +264,9 @@ Result<nlohmann::json> RunSuspendStress(const SuspendStressOptions& o) {
 
   std::map<uint64_t, uint64_t> acked;  // request -> tokens acknowledged
   std::set<uint64_t> finished;
+  std::set<uint64_t> finishing;  // Finish under way when the child was killed: gone or whole, both right
   uint64_t started = 0, acked_tokens = 0, resumes = 0, exact = 0, recomputed = 0, mismatches = 0, suspends = 0,
-           torn_cycles = 0, torn_bytes = 0, torn_injected = 0;
+           torn_cycles = 0, torn_bytes = 0, torn_injected = 0, stalls = 0;
   auto apply = [&](const Msg& m) {
     switch (m.type) {
       case Msg::kStart: ++started; break;
@@ -257,6 +276,8 @@ Result<nlohmann::json> RunSuspendStress(const SuspendStressOptions& o) {
           acked[m.request] = m.value;
         }
         break;
+      case Msg::kFinishing: finishing.insert(m.request); break;
+      case Msg::kStalled: ++stalls; break;
       case Msg::kFinished: finished.insert(m.request); break;
       case Msg::kSuspended: ++suspends; break;
       case Msg::kResumeExact: ++resumes, ++exact, recomputed += m.value; break;
@@ -278,6 +299,7 @@ Result<nlohmann::json> RunSuspendStress(const SuspendStressOptions& o) {
                                            "--threads", std::to_string(o.threads), "--max-request-tokens",
                                            std::to_string(o.max_request_tokens)};
     args.insert(args.end(), more.begin(), more.end());
+    if (cycle % 2 == 1) args.push_back("--stall-after-finish");
     const double share = o.seconds / o.kill_cycles;
     const double run_for = std::max(0.3, share * (0.5 + std::uniform_real_distribution<double>(0, 1)(rng)));
     SPARSEKV_ASSIGN_OR_RETURN(const bool killed, RunChildUntilKilled(args, sizeof(Msg), run_for, [&](const std::byte* r) {
@@ -318,11 +340,13 @@ Result<nlohmann::json> RunSuspendStress(const SuspendStressOptions& o) {
   torn_bytes += final_torn;
   std::map<uint64_t, std::vector<TokenId>> logged;
   for (RequestLog::Request& r : log->Recover()) logged[r.id].assign(r.tokens.begin(), r.tokens.end());
-  uint64_t lost = 0, resurrected = 0;
+  uint64_t lost = 0, resurrected = 0, finished_unacknowledged = 0;
   for (const auto& [id, n] : acked) {
     auto it = logged.find(id);
     if (finished.count(id)) {
       resurrected += it != logged.end();
+    } else if (finishing.count(id) && it == logged.end()) {
+      ++finished_unacknowledged;  // its finish record is durable; the kill came before the child said so
     } else {
       const uint64_t have = it == logged.end() ? 0 : it->second.size();
       lost += n > have ? n - have : 0;
@@ -353,6 +377,8 @@ Result<nlohmann::json> RunSuspendStress(const SuspendStressOptions& o) {
   out["acknowledged_tokens"] = acked_tokens;
   out["lost_tokens"] = lost;
   out["resurrected"] = resurrected;
+  out["finished_unacknowledged"] = finished_unacknowledged;
+  out["finish_stalls"] = stalls;
   out["suspends"] = suspends;
   out["resumes"] = resumes;
   out["resumed_exact"] = exact;
@@ -367,8 +393,9 @@ Result<nlohmann::json> RunSuspendStress(const SuspendStressOptions& o) {
   out["seconds"] = seconds;
   out["seed"] = seed;
   // Every injected tail was cut at the next open (a torn write of the child's own may add more).
+  // Every stall after a durable finish left a request the log rightly holds no more.
   out["ok"] = lost == 0 && resurrected == 0 && mismatches == 0 && differing == 0 && acked_tokens > 0 && resumes > 0 &&
-              torn_cycles >= torn_injected;
+              torn_cycles >= torn_injected && finished_unacknowledged >= stalls;
   return out;
 }
 

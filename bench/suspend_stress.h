@@ -11,10 +11,10 @@
 // ones. It reports each acknowledgement to the parent through a pipe. At start it recovers the
 // log and resumes every unfinished request from its last suspension, computing again only the
 // tokens after the restored state, and checks each of those steps produces the logged token.
-// The parent kills it at random moments `kill_cycles` times, after every other kill appends
-// random bytes to the newest log segment (a torn write the next open must cut), then opens the
-// log itself and
-// checks every acknowledged token is there and, decoding each request's prompt afresh without
+// The parent kills it at random moments `kill_cycles` times; after every other kill it appends
+// random bytes to the newest log segment (a torn write the next open must cut), and in the
+// other cycles the child stalls right after its first durable finish record, so the kill
+// lands before the parent hears of it. Then the parent opens the log itself and checks every acknowledged token is there and, decoding each request's prompt afresh without
 // interruption, that every logged token is the one an uninterrupted run produces.
 #pragma once
 
@@ -47,7 +47,9 @@ struct SuspendStressOptions {
 };
 
 // Keys: kill_cycles, requests_started, requests_finished, acknowledged_tokens, lost_tokens,
-// resurrected (finished requests found unfinished), resumes, resumed_exact, recomputed_tokens,
+// resurrected (finished requests found unfinished), finished_unacknowledged (finished in the log
+// by a child killed before it said so; right, not lost), finish_stalls (cycles whose child
+// stalled there on purpose), resumes, resumed_exact, recomputed_tokens,
 // child_mismatches (recomputed steps whose token differed from the log), differing_requests
 // (the final check against uninterrupted runs), checked_requests, checked_tokens, suspends,
 // torn_tails_injected, torn_tails_cut (opens that cut a tail), torn_bytes_cut, seconds, seed,
@@ -62,6 +64,9 @@ struct SuspendStressChildOptions {
   uint32_t requests = 8;
   uint32_t threads = 2;
   uint32_t max_request_tokens = 400;
+  // The first thread to finish a request stops right after the finish record is durable,
+  // before telling the parent, so the kill lands between the two.
+  bool stall_after_finish = false;
 };
 
 // Runs until killed; returns only on an error.

@@ -423,7 +423,8 @@ SPARSEKV_CLI_COMMAND(stress) {
           "acknowledged tokens %llu  lost %llu  resurrected %llu  (%d kills, %.1f s)\n"
           "suspends %llu  resumes %llu (%llu exact)  recomputed tokens %llu  mismatches %llu\n"
           "requests checked against an uninterrupted run %llu (%llu tokens): %llu differ\n"
-          "torn log tails injected %llu, cut %llu (%llu bytes)\n%s\n",
+          "torn log tails injected %llu, cut %llu (%llu bytes)\n"
+          "children stalled after a durable finish %llu; finished requests the parent never heard of %llu\n%s\n",
           static_cast<unsigned long long>(j["acknowledged_tokens"].get<uint64_t>()),
           static_cast<unsigned long long>(j["lost_tokens"].get<uint64_t>()),
           static_cast<unsigned long long>(j["resurrected"].get<uint64_t>()), sa->options.kill_cycles,
@@ -437,7 +438,10 @@ SPARSEKV_CLI_COMMAND(stress) {
           static_cast<unsigned long long>(j["differing_requests"].get<uint64_t>()),
           static_cast<unsigned long long>(j["torn_tails_injected"].get<uint64_t>()),
           static_cast<unsigned long long>(j["torn_tails_cut"].get<uint64_t>()),
-          static_cast<unsigned long long>(j["torn_bytes_cut"].get<uint64_t>()), j["ok"].get<bool>() ? "OK" : "FAILED");
+          static_cast<unsigned long long>(j["torn_bytes_cut"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["finish_stalls"].get<uint64_t>()),
+          static_cast<unsigned long long>(j["finished_unacknowledged"].get<uint64_t>()),
+          j["ok"].get<bool>() ? "OK" : "FAILED");
     }
     if (!j["ok"].get<bool>()) exit_code = 1;
   });
@@ -451,6 +455,7 @@ SPARSEKV_CLI_COMMAND(stress) {
   scc->add_option("--requests", sc_child->requests);
   scc->add_option("--threads", sc_child->threads);
   scc->add_option("--max-request-tokens", sc_child->max_request_tokens);
+  scc->add_flag("--stall-after-finish", sc_child->stall_after_finish);
   scc->callback([sc_child, &exit_code] {
     const Status s = bench::RunSuspendStressChild(*sc_child);
     if (!s.ok()) exit_code = Fail(s.WithContext("stress suspend-child"));
