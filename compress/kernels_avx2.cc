@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "compress/e4m3_bits.h"
 #include "compress/format_drivers.h"
 #include "compress/kernels.h"
 #include "compress/scalar_math.h"
@@ -206,6 +207,35 @@ SPARSEKV_INLINE bool StoreInt8(const uint8_t* src, uint32_t n, float inv, float 
       return _mm256_cvttps_epi32(r);  // r is whole: no rounding left
     }
   };
+  if constexpr (kBf16In && !kDivide) {
+    // bf16 widened by interleaving with zero words (one shuffle each) rather than by a zero
+    // extension and a shift, which would take a slot on the two ports the multiply-adds need.
+    // The interleave takes values 0-3 and 8-11 (low) and 4-7 and 12-15 (high) of 16; the
+    // signed 32-to-16 pack, working per 128-bit lane, puts them back in order.
+    const __m256i zero = _mm256_setzero_si256();
+    auto ratio = [&](__m256 x) {
+      const __m256 q = _mm256_mul_ps(x, vinv);
+      const __m256 r = _mm256_fnmadd_ps(q, vscale, x);  // x - q * scale, exact
+      return _mm256_cvtps_epi32(_mm256_fmadd_ps(r, vinv, q));
+    };
+    auto words = [&](uint32_t i) {  // 16 values as 16 int16 in order
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * i));
+      return _mm256_packs_epi32(ratio(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h))),
+                                ratio(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h))));
+    };
+    uint32_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      const __m256i p = _mm256_packs_epi16(words(i), words(i + 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_permute4x64_epi64(p, 0xD8));
+    }
+    if (i < n) {
+      const __m256i w = words(i);
+      const __m256i p = _mm256_packs_epi16(w, w);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                       _mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0xD8)));
+    }
+    return true;
+  }
   for (uint32_t i = 0; i < n; i += 16) {
     const __m256i c0 = lanes(i), c1 = lanes(i + 8);
     if (i + 32 <= n) {
@@ -251,15 +281,19 @@ inline bool AnyNaNCode(const uint8_t* codes, uint32_t n) {
 
 struct Avx2Prims {
   template <bool kBf16In>
-  SPARSEKV_INLINE static TilePlan PlanInt8(const uint8_t* src, uint32_t n) {
-    __m128i mx, unused;
-    TileRange<kBf16In, false>(src, n, mx, unused);
-    const __m128i r = kBf16In ? MaxWords4(mx, mx, mx, mx) : MaxDwords4(mx, mx, mx, mx);
-    const uint32_t amax = static_cast<uint32_t>(_mm_cvtsi128_si32(r));
-    if (amax >= kInfBits) return PlanInt8Ref<kBf16In>(src, n);
-    TilePlan plan;
-    plan.Set(ComputeTileQuant(ScaleRule::kLinear127, amax), TileMode::kVector);
-    return plan;
+  SPARSEKV_INLINE static void PlanInt8(const uint8_t* src, size_t stride, uint32_t n, uint32_t count,
+                                       TilePlan* plans) {
+    for (uint32_t g = 0; g < count; g += 4) {
+      const uint32_t m = count - g < 4 ? count - g : 4;
+      const uint8_t* base = src + g * stride;
+      __m128i mx[4], unused;
+      for (uint32_t i = 0; i < 4; ++i) {
+        mx[i] = _mm_setzero_si128();
+        if (i < m) TileRange<kBf16In, false>(base + i * stride, n, mx[i], unused);
+      }
+      const __m128i amax = kBf16In ? MaxWords4(mx[0], mx[1], mx[2], mx[3]) : MaxDwords4(mx[0], mx[1], mx[2], mx[3]);
+      PlanInt8Four(amax, m, plans + g, [&](uint32_t i) { return PlanInt8Ref<kBf16In>(base + i * stride, n); });
+    }
   }
 
   template <bool kBf16In>
@@ -302,7 +336,11 @@ struct Avx2Prims {
                                         uint8_t* dst) {
     const __m256 inv = _mm256_set1_ps(plan.inv);
     if (plan.mode == TileMode::kVector) [[likely]] {
-      StoreCodes<kBf16In>(src, n, inv, dst, E4m3NormalFn{});
+      if constexpr (kBf16In) {
+        StoreE4m3FromBf16(src, n, plan.inv, dst);
+      } else {
+        StoreCodes<kBf16In>(src, n, inv, dst, E4m3NormalFn{});
+      }
     } else if (plan.mode == TileMode::kVectorAny) {
       StoreCodes<kBf16In>(src, n, inv, dst, E4m3AnyFn{});
     } else {
@@ -360,6 +398,9 @@ struct Avx2Prims {
   SPARSEKV_INLINE static void DecodeE4m3(const uint8_t* codes, float scale, uint32_t n,
                                          uint8_t* dst) {
     constexpr uint32_t out = kBf16Out ? 2 : 4;
+    if constexpr (kBf16Out) {
+      if (DecodeE4m3ToBf16ByBits(codes, scale, n, dst)) [[likely]] return;  // e4m3_bits.h
+    }
     const float scale256 = scale * 256.0f;
     if (__builtin_isinf(scale256) && !__builtin_isinf(scale)) {  // scale >= 2^120: no fold
       DecodeE4m3Ref<kBf16Out>(codes, scale, n, dst);

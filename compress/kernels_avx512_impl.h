@@ -34,6 +34,7 @@
 
 #include <cstdint>
 
+#include "compress/e4m3_bits.h"
 #include "compress/format_drivers.h"
 #include "compress/kernels.h"
 #include "compress/scalar_math.h"
@@ -312,15 +313,19 @@ struct E4m3AnyFn {
 
 struct Avx512Prims {
   template <bool kBf16In>
-  SPARSEKV_INLINE static TilePlan PlanInt8(const uint8_t* src, uint32_t n) {
-    __m128i mx, unused;
-    TileRange<kBf16In, false>(src, n, mx, unused);
-    const __m128i r = kBf16In ? MaxWords4(mx, mx, mx, mx) : MaxDwords4(mx, mx, mx, mx);
-    const uint32_t amax = static_cast<uint32_t>(_mm_cvtsi128_si32(r));
-    if (amax >= kInfBits) return PlanInt8Ref<kBf16In>(src, n);
-    TilePlan plan;
-    plan.Set(ComputeTileQuant(ScaleRule::kLinear127, amax), TileMode::kVector);
-    return plan;
+  SPARSEKV_INLINE static void PlanInt8(const uint8_t* src, size_t stride, uint32_t n, uint32_t count,
+                                       TilePlan* plans) {
+    for (uint32_t g = 0; g < count; g += 4) {
+      const uint32_t m = count - g < 4 ? count - g : 4;
+      const uint8_t* base = src + g * stride;
+      __m128i mx[4], unused;
+      for (uint32_t i = 0; i < 4; ++i) {
+        mx[i] = _mm_setzero_si128();
+        if (i < m) TileRange<kBf16In, false>(base + i * stride, n, mx[i], unused);
+      }
+      const __m128i amax = kBf16In ? MaxWords4(mx[0], mx[1], mx[2], mx[3]) : MaxDwords4(mx[0], mx[1], mx[2], mx[3]);
+      PlanInt8Four(amax, m, plans + g, [&](uint32_t i) { return PlanInt8Ref<kBf16In>(base + i * stride, n); });
+    }
   }
 
   template <bool kBf16In>
@@ -363,7 +368,11 @@ struct Avx512Prims {
                                         uint8_t* dst) {
     const __m512 inv = _mm512_set1_ps(plan.inv);
     if (plan.mode == TileMode::kVector) [[likely]] {
-      StoreCodes<kBf16In>(src, n, inv, dst, E4m3NormalFn{});
+      if constexpr (kBf16In) {
+        StoreE4m3FromBf16(src, n, plan.inv, dst);  // e4m3_bits.h
+      } else {
+        StoreCodes<kBf16In>(src, n, inv, dst, E4m3NormalFn{});
+      }
     } else if (plan.mode == TileMode::kVectorAny) {
       StoreCodes<kBf16In>(src, n, inv, dst, E4m3AnyFn{});
     } else {
@@ -420,6 +429,9 @@ struct Avx512Prims {
   SPARSEKV_INLINE static void DecodeE4m3(const uint8_t* codes, float scale, uint32_t n,
                                          uint8_t* dst) {
     constexpr uint32_t out = kBf16Out ? 2 : 4;
+    if constexpr (kBf16Out) {
+      if (DecodeE4m3ToBf16ByBits(codes, scale, n, dst)) [[likely]] return;  // e4m3_bits.h
+    }
     const float scale256 = scale * 256.0f;
     if (__builtin_isinf(scale256) && !__builtin_isinf(scale)) {  // scale >= 2^120: no fold
       DecodeE4m3Ref<kBf16Out>(codes, scale, n, dst);

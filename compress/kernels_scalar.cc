@@ -9,8 +9,8 @@ namespace {
 
 struct ScalarPrims {
   template <bool kBf16In>
-  static TilePlan PlanInt8(const uint8_t* src, uint32_t n) {
-    return PlanInt8Ref<kBf16In>(src, n);
+  static void PlanInt8(const uint8_t* src, size_t stride, uint32_t n, uint32_t count, TilePlan* plans) {
+    for (uint32_t i = 0; i < count; ++i) plans[i] = PlanInt8Ref<kBf16In>(src + i * stride, n);
   }
   template <bool kBf16In>
   static void PlanE4m3(const uint8_t* src, size_t stride, uint32_t n, uint32_t count,

@@ -138,6 +138,26 @@ TEST(PageCodec, EveryPathMatchesScalarBitForBit) {
   }
 }
 
+// Rows whose every tile is one binade, 2^e for e from -60 to 127, with every bf16 mantissa
+// and both signs: the fp8 tiles' scales then run from their floor to 2^120, and the AVX2
+// path's 16-bit encoder (which folds the scale into an exponent offset) meets each of them.
+TEST(PageCodec, Fp8TilesAtEveryScaleExponentMatchScalar) {
+  for (const Shape& shape : AllShapes()) {
+    if (!codec_testing::IsFp8(shape.format)) continue;
+    const uint32_t count = 188;
+    codec_testing::Rows rows(count, shape.dims);
+    for (uint32_t r = 0; r < count; ++r) {
+      const int e = -60 + static_cast<int>(r);
+      for (uint32_t i = 0; i < shape.dims; ++i) {
+        const float m = 1.0f + static_cast<float>((i * 37 + r) % 128) / 128.0f;  // exact in bf16
+        rows.at(r, i) = std::ldexp((i & 1) ? -m : m, e);
+      }
+    }
+    rows.Finish();
+    ExpectAllPathsAgree(shape, rows, "one binade per row");
+  }
+}
+
 // Pages of random bytes: NaN, infinite, denormal, negative and huge scales, NaN codes, ...
 // Decoding them must still agree bit for bit.
 TEST(PageCodec, EveryPathDecodesArbitraryBytesLikeScalar) {

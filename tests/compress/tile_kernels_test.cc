@@ -76,5 +76,42 @@ TEST(TileKernels, EveryPathEqualsTheDefinition) {
   EXPECT_EQ(ActiveTileKernels().path, ActiveSimdPath());
 }
 
+
+// Tiles of normal codes only (no zero, subnormal or NaN code), which the AVX2 path decodes by
+// moving bits, at every power-of-two scale from 2^-140 to 2^140: inside 2^-120 .. 2^119 by bits,
+// outside by multiplying, every one equal to the definition.
+TEST(TileKernels, NormalE4m3CodesAtEveryPowerOfTwoScale) {
+  std::mt19937_64 rng(43);
+  for (SimdPath path : SupportedSimdPaths()) {
+    auto k = TileKernelsFor(path);
+    ASSERT_TRUE(k.ok());
+    const TileKernels& tk = **k;
+    for (uint32_t n : {16u, 32u, 48u, 64u, 128u, 131u}) {
+      std::vector<uint8_t> codes(n);
+      for (uint32_t i = 0; i < n; ++i) {
+        uint8_t c;
+        do {
+          c = static_cast<uint8_t>(rng());
+        } while ((c & 0x7f) < 8 || (c & 0x7f) == 0x7f);
+        codes[i] = c;
+      }
+      for (int e = -140; e <= 140; ++e) {
+        const float s = std::ldexp(1.0f, e);
+        SCOPED_TRACE(std::string(SimdPathName(path)) + " n=" + std::to_string(n) + " scale=2^" + std::to_string(e));
+        std::vector<float> out(n), want(n);
+        std::vector<uint16_t> out16(n), want16(n);
+        for (uint32_t i = 0; i < n; ++i) {
+          want[i] = E4m3ToFloat(codes[i]) * s;
+          want16[i] = Bf16FromFloat(want[i]);
+        }
+        tk.e4m3_to_fp32(codes.data(), s, n, out.data());
+        ASSERT_TRUE(SameBits(out, want));
+        tk.e4m3_to_bf16(codes.data(), s, n, out16.data());
+        ASSERT_TRUE(SameBits(out16, want16));
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace sparsekv
