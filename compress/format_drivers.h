@@ -11,8 +11,9 @@
 //   ToBf16<kBf16In>(src, n, dst)                     ToFp32<kBf16In>(src, n, dst)
 //   DecodeInt8<kBf16Out>(q, scale, n, dst)           DecodeE4m3<kBf16Out>(codes, scale, n, dst)
 //   FromBf16<kBf16Out>(src, n, dst)                  FromFp32<kBf16Out>(src, n, dst)
-// Plan/Apply take n a multiple of 16; the others take any n. The fp8 encode loops plan the
-// tiles of token r + 1 (the next four keys for the indexer) before applying those of token r,
+// Plan/Apply take n a multiple of 16; the others take any n. The Plan calls' `plans` have room
+// for `count` rounded up to a multiple of 4 (the SIMD planners write four at a time). The fp8
+// encode loops plan the tiles of token r + 1 (the next four keys for the indexer) before applying those of token r,
 // so the scale arithmetic overlaps value work (see scalar_math.h, "Tile codecs in two steps").
 // int8 tiles plan a token's four tiles (four indexer keys) together, their divisions in one
 // vector, before applying them.
@@ -55,7 +56,7 @@ static_assert(IdxScaleOffset(128, 64, 37) == layout::IdxScaleOffset(128, 64, 37)
 // (r & 1) holds token r's plans while token r + 1's are made.
 template <class P, bool kBf16In, uint32_t kTiles, uint32_t kTile>
 struct Fp8TokenTiles {
-  TilePlan plans[2][kTiles];
+  TilePlan plans[2][(kTiles + 3) / 4 * 4];  // the SIMD planners write four at a time
 
   void Plan(const uint8_t* x, uint32_t which, ScaleRule rule) {
     P::template PlanE4m3<kBf16In>(x, kTile * kElemBytes<kBf16In>, kTile, kTiles, rule,

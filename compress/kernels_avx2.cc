@@ -45,14 +45,31 @@ template <bool kBf16In, bool kWantMin>
 inline void TileRange(const uint8_t* src, uint32_t n, __m128i& max_acc, __m128i& nmin_acc) {
   if constexpr (kBf16In) {
     const __m256i abs16 = _mm256_set1_epi16(0x7fff);
-    __m256i mx = _mm256_setzero_si256();
-    __m256i mn = _mm256_set1_epi16(-1);
-    for (uint32_t i = 0; i < n; i += 16) {
+    // Two accumulators of each, 32 values an iteration: half the loop overhead, which for a
+    // 64-value tile was as much as the max and min themselves.
+    __m256i mx = _mm256_setzero_si256(), mx1 = mx;
+    __m256i mn = _mm256_set1_epi16(-1), mn1 = mn;
+    uint32_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      const __m256i a = _mm256_and_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * i)), abs16);
+      const __m256i b = _mm256_and_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * i + 32)), abs16);
+      mx = _mm256_max_epu16(mx, a);
+      mx1 = _mm256_max_epu16(mx1, b);
+      if constexpr (kWantMin) {
+        mn = _mm256_min_epu16(mn, a);
+        mn1 = _mm256_min_epu16(mn1, b);
+      }
+    }
+    if (i < n) {
       const __m256i a = _mm256_and_si256(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * i)), abs16);
       mx = _mm256_max_epu16(mx, a);
       if constexpr (kWantMin) mn = _mm256_min_epu16(mn, a);
     }
+    mx = _mm256_max_epu16(mx, mx1);
+    if constexpr (kWantMin) mn = _mm256_min_epu16(mn, mn1);
     max_acc = _mm_max_epu16(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
     if constexpr (kWantMin) {
       nmin_acc =

@@ -241,8 +241,9 @@ enum class TileMode : uint8_t {
   kNonFinite,  // int8 tile holding NaN or inf: NaN scale, zero values
 };
 
-// 16 bytes, written and read a field at a time: the planners write plans that the value loops
-// read back at once, and same-size accesses keep store-to-load forwarding fast.
+// 16 bytes, aligned: the SIMD planners write four at once, a 16-byte store each (simd_plan.h,
+// StorePlans4), and the value loops read them back at once, field by field; a load that lies
+// inside one earlier store forwards from it.
 struct alignas(16) TilePlan {
   float scale = 0;  // what the page stores (NaN for an int8 kNonFinite tile)
   float prescale = 1;

@@ -10,6 +10,7 @@
 
 #include <immintrin.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "compress/scalar_math.h"
@@ -36,6 +37,24 @@ inline __m128i MaxDwords4(__m128i a, __m128i b, __m128i c, __m128i d) {
   return _mm_max_epu32(_mm_unpacklo_epi64(ab, cd), _mm_unpackhi_epi64(ab, cd));
 }
 
+// Writes four plans at once: each lane's scale, prescale 1, inv and (ue8m0 | mode << 8) in the
+// TilePlan layout (a 4 x 4 transpose, four 16-byte stores), where a field-by-field loop cost
+// about a dozen scalar instructions a tile. `plans` has room for four even when fewer are asked.
+[[gnu::always_inline]] inline void StorePlans4(TilePlan* plans, __m128 scale, __m128 inv, __m128i misc) {
+  static_assert(sizeof(TilePlan) == 16 && offsetof(TilePlan, prescale) == 4 && offsetof(TilePlan, inv) == 8 &&
+                    offsetof(TilePlan, ue8m0) == 12 && offsetof(TilePlan, mode) == 13 && offsetof(TilePlan, pad) == 14,
+                "StorePlans4 writes the TilePlan layout");
+  const __m128 t0 = _mm_unpacklo_ps(scale, _mm_set1_ps(1.0f));  // s0 1 s1 1
+  const __m128 t1 = _mm_unpackhi_ps(scale, _mm_set1_ps(1.0f));  // s2 1 s3 1
+  const __m128 t2 = _mm_unpacklo_ps(inv, _mm_castsi128_ps(misc));  // i0 m0 i1 m1
+  const __m128 t3 = _mm_unpackhi_ps(inv, _mm_castsi128_ps(misc));  // i2 m2 i3 m3
+  float* out = reinterpret_cast<float*>(plans);
+  _mm_store_ps(out, _mm_movelh_ps(t0, t2));
+  _mm_store_ps(out + 4, _mm_movehl_ps(t2, t0));
+  _mm_store_ps(out + 8, _mm_movelh_ps(t1, t3));
+  _mm_store_ps(out + 12, _mm_movehl_ps(t3, t1));
+}
+
 // Plans up to four e4m3 tiles from their max and min |x| bits (finite or not). Tiles with NaN
 // or inf go through `plan_ref(i)`, the reference planner of tile i; the others are planned four
 // at once, as ComputeTileQuant (scalar_math.h) does it one at a time:
@@ -48,6 +67,7 @@ inline __m128i MaxDwords4(__m128i a, __m128i b, __m128i c, __m128i d) {
 //  - kVector where the smallest |x| times inv is at least 2^-6 (rounding is monotonic, so the
 //    smallest decides for the whole tile), else kVectorAny.
 // Scalar code per tile was most of an fp8 tile's encode time on AVX2 (perf, 64-value tiles).
+// The four plans are written at once (StorePlans4), then any non-finite tile's replaced.
 template <class PlanRefFn>
 [[gnu::always_inline]] inline void PlanFour(__m128i amax_bits, __m128i amin_bits, uint32_t count,
                                             ScaleRule rule, TilePlan* plans, PlanRefFn plan_ref) {
@@ -60,23 +80,16 @@ template <class PlanRefFn>
   k = _mm_max_epi32(k, _mm_set1_epi32(Pow2RuleMinExponent(rule)));
   const __m128i scale = _mm_slli_epi32(_mm_add_epi32(k, _mm_set1_epi32(127)), 23);
   const __m128i inv = _mm_slli_epi32(_mm_sub_epi32(_mm_set1_epi32(127), k), 23);
-  const int vector = _mm_movemask_ps(_mm_cmpge_ps(_mm_mul_ps(_mm_castsi128_ps(amin_bits), _mm_castsi128_ps(inv)),
-                                                  _mm_set1_ps(0x1p-6f)));
-  alignas(16) uint32_t scales[4], invs[4], ks[4];
-  _mm_store_si128(reinterpret_cast<__m128i*>(scales), scale);
-  _mm_store_si128(reinterpret_cast<__m128i*>(invs), inv);
-  _mm_store_si128(reinterpret_cast<__m128i*>(ks), k);
-  for (uint32_t i = 0; i < count; ++i) {
-    if (nonfinite >> i & 1) {
-      plans[i] = plan_ref(i);
-      continue;
+  const __m128 vector = _mm_cmpge_ps(_mm_mul_ps(_mm_castsi128_ps(amin_bits), _mm_castsi128_ps(inv)),
+                                     _mm_set1_ps(0x1p-6f));  // all ones: kVector
+  static_assert(static_cast<int>(TileMode::kVector) == 0 && static_cast<int>(TileMode::kVectorAny) == 1);
+  const __m128i mode = _mm_andnot_si128(_mm_castps_si128(vector), _mm_set1_epi32(1 << 8));
+  StorePlans4(plans, _mm_castsi128_ps(scale), _mm_castsi128_ps(inv),
+              _mm_or_si128(_mm_add_epi32(k, _mm_set1_epi32(127)), mode));
+  if (nonfinite & ((1 << count) - 1)) [[unlikely]] {
+    for (uint32_t i = 0; i < count; ++i) {
+      if (nonfinite >> i & 1) plans[i] = plan_ref(i);
     }
-    TilePlan& p = plans[i];
-    p.scale = BitsToFloat(scales[i]);
-    p.prescale = 1.0f;
-    p.inv = BitsToFloat(invs[i]);
-    p.ue8m0 = static_cast<uint8_t>(static_cast<int32_t>(ks[i]) + 127);
-    p.mode = vector >> i & 1 ? TileMode::kVector : TileMode::kVectorAny;
   }
 }
 
@@ -95,20 +108,12 @@ template <class PlanRefFn>
   const __m128 kept = _mm_blendv_ps(floor, amax, _mm_cmpgt_ps(amax, floor));
   const __m128 scale = _mm_div_ps(kept, _mm_set1_ps(127.0f));
   const __m128 inv = _mm_div_ps(_mm_set1_ps(1.0f), scale);
-  alignas(16) float scales[4], invs[4];
-  _mm_store_ps(scales, scale);
-  _mm_store_ps(invs, inv);
-  for (uint32_t i = 0; i < count; ++i) {
-    if (nonfinite >> i & 1) {
-      plans[i] = plan_ref(i);
-      continue;
+  static_assert(static_cast<int>(TileMode::kVector) == 0);
+  StorePlans4(plans, scale, inv, _mm_set1_epi32(127));  // ue8m0 127 (unused), kVector
+  if (nonfinite & ((1 << count) - 1)) [[unlikely]] {
+    for (uint32_t i = 0; i < count; ++i) {
+      if (nonfinite >> i & 1) plans[i] = plan_ref(i);
     }
-    TilePlan& p = plans[i];
-    p.scale = scales[i];
-    p.prescale = 1.0f;
-    p.inv = invs[i];
-    p.ue8m0 = 127;
-    p.mode = TileMode::kVector;
   }
 }
 
