@@ -1,7 +1,12 @@
 #include "src/daemon_config.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -201,6 +206,65 @@ std::string DaemonConfigToJson(const DaemonConfig& c) {
          {"namespaces", namespaces}};
   if (!c.offload_json.empty()) j["offload"] = json::parse(c.offload_json, nullptr, false);
   return j.dump();
+}
+
+Status CheckNamespaceOrder(const std::string& data_dir, const std::vector<DaemonNamespace>& namespaces) {
+  const std::string path = (std::filesystem::path(data_dir) / kNamespaceRegistryFile).string();
+  std::vector<std::string> recorded;
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec)) {
+    std::ifstream in(path);
+    std::stringstream text;
+    text << in.rdbuf();
+    const json j = json::parse(text.str(), nullptr, false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("namespaces") || !j["namespaces"].is_array()) {
+      return Status::Corruption(fmt::format(
+          "{} is not a namespace list ({{\"namespaces\": [names in id order]}}); restore it, or delete it only "
+          "if no tier under this data dir holds blocks you want to keep",
+          path));
+    }
+    for (const json& n : j["namespaces"]) {
+      if (!n.is_string()) return Status::Corruption(fmt::format("{}: a namespace name that is not a string", path));
+      recorded.push_back(n.get<std::string>());
+    }
+  }
+  for (size_t i = 0; i < recorded.size(); ++i) {
+    if (i >= namespaces.size() || namespaces[i].name != recorded[i]) {
+      std::string want;
+      for (const std::string& n : recorded) want += (want.empty() ? "" : ", ") + n;
+      return Status::FailedPrecondition(fmt::format(
+          "namespace {} of this data dir is '{}', but the config {}: ids are positions in `namespaces` and "
+          "the tiers file blocks under them, so a reordered or removed namespace would be served another's "
+          "blocks. List [{}] first, in that order, and add new namespaces after them (recorded in {})",
+          i + 1, recorded[i],
+          i >= namespaces.size() ? fmt::format("has only {}", namespaces.size())
+                                 : fmt::format("puts '{}' there", namespaces[i].name),
+          want, path));
+    }
+  }
+  if (recorded.size() == namespaces.size() && std::filesystem::exists(path, ec)) return Status::OK();
+  // First start, or namespaces added after the recorded ones: write the list, atomically.
+  json names = json::array();
+  for (const DaemonNamespace& n : namespaces) names.push_back(n.name);
+  // Synced before the rename and the directory after it, so a crash leaves the old list or the
+  // new one, never a torn or lost file.
+  const std::string tmp = path + ".tmp";
+  const std::string text = json{{"namespaces", names}}.dump(2) + "\n";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::IOError(fmt::format("creating {}: {}", tmp, std::strerror(errno)));
+  const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
+  const int saved = errno;
+  ::close(fd);
+  if (!written) return Status::IOError(fmt::format("writing {}: {}", tmp, std::strerror(saved)));
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    return Status::IOError(fmt::format("renaming {} to {}: {}", tmp, path, std::strerror(errno)));
+  }
+  const int dir = ::open(data_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir >= 0) {
+    ::fsync(dir);
+    ::close(dir);
+  }
+  return Status::OK();
 }
 
 }  // namespace sparsekv

@@ -88,4 +88,13 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text);
 Result<DaemonConfig> LoadDaemonConfigFile(const std::string& path);
 std::string DaemonConfigToJson(const DaemonConfig& config);
 
+// A namespace's id is its position in `namespaces` (from 1), and the host, SSD and RocksDB tiers
+// file its blocks under that id. The names in id order are kept in <data_dir>/namespaces.json
+// (written on first start, extended when namespaces are added); a config must list them first,
+// in that order, and may add new ones after them. Otherwise this is an error naming the first
+// difference, and the daemon does not start: a reordered or removed namespace would have been
+// served another's blocks. A damaged file is an error too.
+inline constexpr const char* kNamespaceRegistryFile = "namespaces.json";
+Status CheckNamespaceOrder(const std::string& data_dir, const std::vector<DaemonNamespace>& namespaces);
+
 }  // namespace sparsekv

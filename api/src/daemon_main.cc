@@ -102,6 +102,11 @@ int Run(DaemonConfig config) {
     spdlog::error("{}", data_dir_lock.status().ToString());
     return 2;
   }
+  // Before the tiers are opened: their blocks carry namespace ids, which are positions.
+  if (Status st = CheckNamespaceOrder(config.data_dir, config.namespaces); !st.ok()) {
+    spdlog::error("config: {}", st.ToString());
+    return 2;
+  }
   auto spec = LoadModel(config);
   if (!spec.ok()) {
     spdlog::error("model: {}", spec.status().ToString());
@@ -129,7 +134,8 @@ int Run(DaemonConfig config) {
   // is lent in place rather than copied (server.h, lend_from_arena).
   if (config.namespaces.size() == 1) store_options.offload.host.backing = ArenaBacking::kMemfd;
   // The remote tier files a namespace's blocks under its name, so that daemons sharing a
-  // cluster share them whatever their namespace ids (ids are positions in `namespaces`).
+  // cluster share them whatever their namespace ids (ids are positions in `namespaces`, kept
+  // stable by CheckNamespaceOrder above).
   store_options.offload.remote.namespace_labels.clear();
   for (const DaemonNamespace& n : config.namespaces) store_options.offload.remote.namespace_labels.push_back(n.name);
 
