@@ -7,7 +7,7 @@
 // a damaged or misplaced record from a good one without trusting its own metadata.
 //
 // Record layout (little-endian; the header is padded to a multiple of 8 bytes):
-//   0  u32 magic "SKVB"        4  u16 format version (2)     6  u16 segment count
+//   0  u32 magic "SKVB"        4  u16 format version (3)     6  u16 segment count
 //   8  u64 XXH3-64 (seed 0) of every byte from offset 16 to the end of the payload
 //  16  u32 namespace id       20  u32 flags (0)
 //  24  u64 hash.lo            32  u64 hash.hi                40  u64 payload bytes

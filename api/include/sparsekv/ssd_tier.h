@@ -50,7 +50,8 @@ namespace sparsekv {
 struct SsdTierOptions {
   // Name used in messages and statistics. Default: "ssd".
   std::string name = "ssd";
-  // Directory of the slab files and the index; created if missing. Default: "" (must be set).
+  // Directory of the data file ("data.dat") and the index; created if missing. Default: ""
+  // (must be set).
   std::string path;
   // Bytes of the data file (rounded down to 4 KiB). Default: 16 GiB.
   uint64_t capacity_bytes = 16ull << 30;

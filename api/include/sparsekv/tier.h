@@ -6,15 +6,15 @@
 // one of the tier's threads; it must not block for long. Items of one batch succeed or fail
 // independently. The future-returning forms wrap the callback forms.
 //
-// A tier has a capacity in bytes and evicts its least recently used bundles to make room for
-// new ones. It checks the checksum of every bundle it reads (bundle.h): a bundle that fails is
+// A tier has a capacity in bytes and evicts bundles to make room for new ones, in its eviction
+// policy's order (eviction_policy.h; ARC unless set otherwise). It checks the checksum of every bundle it reads (bundle.h): a bundle that fails is
 // reported as Corruption (data_loss), counted in TierStats::corrupt, erased, and never
 // returned. Putting a key that is present replaces its bundle, unless the bundle held has a
 // larger sequence (bundle.h): a copy never overwrites a newer one, so a late write-back or
 // onload of an old version cannot undo a newer put. Such a put is skipped, reported OK, and
 // counted in TierStats::superseded.
 //
-// Space holds bytes, not slots: a tier that is full evicts least recently used bundles until
+// Space holds bytes, not slots: a tier that is full evicts its policy's victims until
 // the new one fits, and refuses a put only for a record larger than the tier can ever hold
 // (InvalidArgument) or when everything it could evict is being read (ResourceExhausted).
 //
