@@ -17,4 +17,4 @@ shot() {  # page (a path under build/site), image name
   echo "$out/$2"
 }
 shot index.html front-page.png
-shot guides/prefix-cache/index.html plot-page.png
+shot benchmarks/index.html plot-page.png
