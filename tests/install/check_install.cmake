@@ -16,7 +16,7 @@ execute_process(COMMAND ${CMAKE_COMMAND} --build ${WORK_DIR}/build -j2 RESULT_VA
 if(rc)
   message(FATAL_ERROR "building the consumer failed")
 endif()
-foreach(exe consumer_shared consumer_static)
+foreach(exe consumer_shared consumer_static library_quickstart)
   execute_process(COMMAND ${WORK_DIR}/build/${exe} RESULT_VARIABLE rc OUTPUT_VARIABLE out)
   if(rc)
     message(FATAL_ERROR "${exe} exited ${rc}")
