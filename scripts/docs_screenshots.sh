@@ -5,7 +5,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-build/site-screenshots}
-command -v chromium >/dev/null || { echo "docs_screenshots: chromium is missing (apt-get install chromium)" >&2; exit 1; }
+if ! command -v chromium >/dev/null; then
+  # Like ./run.sh and ./test.sh, set up what is missing on a Debian machine when run as root.
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null
+  else
+    echo "docs_screenshots: chromium is missing (apt-get install chromium)" >&2
+    exit 1
+  fi
+fi
 command -v mkdocs >/dev/null || { echo "docs_screenshots: mkdocs is missing (scripts/setup.sh installs it)" >&2; exit 1; }
 mkdocs build --strict --config-file mkdocs.yml --site-dir build/site >/dev/null 2>&1
 mkdir -p "$out"
