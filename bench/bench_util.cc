@@ -146,7 +146,8 @@ Result<uint16_t> FreeLoopbackPort() {
 }
 
 Result<bool> RunChildUntilKilled(std::vector<std::string> command, size_t record_bytes, double seconds,
-                                 const std::function<void(const std::byte*)>& on_record) {
+                                 const std::function<void(const std::byte*)>& on_record,
+                                 const std::function<bool()>& kill_now) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return Status::IOError(fmt::format("stress: pipe: {}", std::strerror(errno)));
   command.push_back("--ack-fd");
@@ -186,6 +187,7 @@ Result<bool> RunChildUntilKilled(std::vector<std::string> command, size_t record
   bool exited = false;
   while (NowSeconds() < until) {
     drain(5);
+    if (kill_now && kill_now()) break;
     int status;
     if (waitpid(pid, &status, WNOHANG) == pid) {
       exited = true;

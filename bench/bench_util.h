@@ -105,10 +105,12 @@ class ScratchDir {
 // The crash stresses' child: runs `command` (argv[0] first) with "--ack-fd N" appended, N the
 // write end of a pipe the child reports on in fixed-size records of `record_bytes`. Each
 // complete record is handed to `on_record` as it arrives. After `seconds` the child is
-// SIGKILLed; what it wrote before is still read. Returns true when the child was killed, false
-// when it exited by itself first (the stresses' children must run until killed).
+// SIGKILLed, or earlier once `kill_now` (checked after each batch of records, when set) says so;
+// what it wrote before is still read. Returns true when the child was killed, false when it
+// exited by itself first (the stresses' children must run until killed).
 Result<bool> RunChildUntilKilled(std::vector<std::string> command, size_t record_bytes, double seconds,
-                                 const std::function<void(const std::byte*)>& on_record);
+                                 const std::function<void(const std::byte*)>& on_record,
+                                 const std::function<bool()>& kill_now = nullptr);
 
 // Page faults of this process so far, minor and major, every thread (getrusage).
 uint64_t ProcessPageFaults();

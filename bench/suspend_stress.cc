@@ -265,6 +265,7 @@ Result<nlohmann::json> RunSuspendStress(const SuspendStressOptions& o) {
   std::map<uint64_t, uint64_t> acked;  // request -> tokens acknowledged
   std::set<uint64_t> finished;
   std::set<uint64_t> finishing;  // Finish under way when the child was killed: gone or whole, both right
+  bool stalled_now = false;      // this cycle's child has stalled after a durable finish
   uint64_t started = 0, acked_tokens = 0, resumes = 0, exact = 0, recomputed = 0, mismatches = 0, suspends = 0,
            torn_cycles = 0, torn_bytes = 0, torn_injected = 0, stalls = 0;
   auto apply = [&](const Msg& m) {
@@ -277,7 +278,10 @@ Result<nlohmann::json> RunSuspendStress(const SuspendStressOptions& o) {
         }
         break;
       case Msg::kFinishing: finishing.insert(m.request); break;
-      case Msg::kStalled: ++stalls; break;
+      case Msg::kStalled:
+        ++stalls;
+        stalled_now = true;
+        break;
       case Msg::kFinished: finished.insert(m.request); break;
       case Msg::kSuspended: ++suspends; break;
       case Msg::kResumeExact: ++resumes, ++exact, recomputed += m.value; break;
@@ -299,14 +303,23 @@ Result<nlohmann::json> RunSuspendStress(const SuspendStressOptions& o) {
                                            "--threads", std::to_string(o.threads), "--max-request-tokens",
                                            std::to_string(o.max_request_tokens)};
     args.insert(args.end(), more.begin(), more.end());
-    if (cycle % 2 == 1) args.push_back("--stall-after-finish");
+    // Every other cycle the child stalls after its first durable finish, and the kill comes as
+    // soon as the parent hears of it, so that window is hit every such cycle however fast the
+    // build (a sanitizer's child may take most of a cycle to start); such a cycle waits up to
+    // ten seconds longer for its first finish.
+    const bool stall = cycle % 2 == 1;
+    if (stall) args.push_back("--stall-after-finish");
+    stalled_now = false;
     const double share = o.seconds / o.kill_cycles;
     const double run_for = std::max(0.3, share * (0.5 + std::uniform_real_distribution<double>(0, 1)(rng)));
-    SPARSEKV_ASSIGN_OR_RETURN(const bool killed, RunChildUntilKilled(args, sizeof(Msg), run_for, [&](const std::byte* r) {
-      Msg m;
-      std::memcpy(&m, r, sizeof m);
-      apply(m);
-    }));
+    SPARSEKV_ASSIGN_OR_RETURN(const bool killed, RunChildUntilKilled(
+                                                   args, sizeof(Msg), stall ? run_for + 10 : run_for,
+                                                   [&](const std::byte* r) {
+                                                     Msg m;
+                                                     std::memcpy(&m, r, sizeof m);
+                                                     apply(m);
+                                                   },
+                                                   [&] { return stall && stalled_now; }));
     const bool gone = !killed;
     // Every other kill, a torn write on top: random bytes at the end of the newest segment, as
     // a write cut short would leave them. The next open must cut them and lose nothing.

@@ -13,8 +13,8 @@
 // tokens after the restored state, and checks each of those steps produces the logged token.
 // The parent kills it at random moments `kill_cycles` times; after every other kill it appends
 // random bytes to the newest log segment (a torn write the next open must cut), and in the
-// other cycles the child stalls right after its first durable finish record, so the kill
-// lands before the parent hears of it. Then the parent opens the log itself and checks every acknowledged token is there and, decoding each request's prompt afresh without
+// other cycles the child stalls right after its first durable finish record and is killed as
+// soon as the parent hears of the stall (not of the finish). Then the parent opens the log itself and checks every acknowledged token is there and, decoding each request's prompt afresh without
 // interruption, that every logged token is the one an uninterrupted run produces.
 #pragma once
 
