@@ -1870,6 +1870,11 @@ class Runner {
     const double t0 = NowSeconds(), deadline = t0 + seconds;
     std::thread good([&] { good_.RunUntil(deadline, s); });
     std::thread probe([&] { ProbeNewConnections(co_, deadline, o_.call_timeout_seconds, s); });
+    // The attack starts once the good client has made a call in this phase. Its connection has
+    // been idle since the last phase, so a flood that makes the daemon close the connection idle
+    // the longest (idle-flood) could otherwise close it, rightly, before it had begun (seen once
+    // under a loaded ctest run: one broken pipe).
+    for (const double until = NowSeconds() + 2; s.ops.load() == 0 && NowSeconds() < until;) SleepSeconds(0.001);
     if (attack != nullptr) {
       json d = attack->run(env, deadline);
       details.update(d);
