@@ -144,6 +144,35 @@ void SetSocketTimeouts(int fd, std::chrono::milliseconds timeout) {
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
 }
 
+// connect(2) on a blocking socket, as if no signal came: one that interrupts it (EINTR) leaves
+// the attempt going on in the kernel, so this waits for it (poll, then SO_ERROR) within
+// `timeout`, as the blocking call would have, instead of failing a connection that may yet be
+// made (a test process's signals did that once: "Interrupted system call").
+int ConnectBlocking(int fd, const sockaddr* addr, socklen_t len, std::chrono::milliseconds timeout) {
+  if (::connect(fd, addr, len) == 0) return 0;
+  if (errno != EINTR) return -1;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    pollfd p{fd, POLLOUT, 0};
+    const int r = ::poll(&p, 1, static_cast<int>(std::max<int64_t>(0, left.count())));
+    if (r > 0) break;
+    if (r == 0) {
+      errno = EINPROGRESS;  // what a blocking connect reports when SO_SNDTIMEO runs out
+      return -1;
+    }
+    if (errno != EINTR) return -1;
+  }
+  int err = 0;
+  socklen_t err_len = sizeof err;
+  if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &err_len) != 0) return -1;
+  if (err != 0) {
+    errno = err;
+    return -1;
+  }
+  return 0;
+}
+
 // Connects within `timeout` (a daemon whose backlog is full, or a host that drops SYNs, fails
 // with Unavailable instead of blocking for good). The socket keeps the timeouts; Open clears
 // them after HELLO.
@@ -160,7 +189,7 @@ Result<int> ConnectTo(const std::string& address, bool* is_unix, std::chrono::mi
     const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return Errno("socket");
     SetSocketTimeouts(fd, timeout);
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+    if (ConnectBlocking(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa), timeout) != 0) {
       Status st = errno == EAGAIN || errno == EINPROGRESS
                       ? Status::Unavailable(fmt::format("connecting to unix:{}: no room in its backlog within {} ms",
                                                         path, timeout.count()))
@@ -190,13 +219,15 @@ Result<int> ConnectTo(const std::string& address, bool* is_unix, std::chrono::mi
     const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
     if (fd < 0) continue;
     SetSocketTimeouts(fd, timeout);
-    if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
+    if (ConnectBlocking(fd, ai->ai_addr, ai->ai_addrlen, timeout) == 0) {
       const int one = 1;
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
       ::freeaddrinfo(res);
       return fd;
     }
-    last = Errno(fmt::format("connecting to {}", address));
+    last = errno == EINPROGRESS
+               ? Status::Unavailable(fmt::format("connecting to {}: no answer within {} ms", address, timeout.count()))
+               : Errno(fmt::format("connecting to {}", address));
     ::close(fd);
   }
   ::freeaddrinfo(res);

@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -12,6 +13,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <csignal>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -36,6 +38,7 @@ namespace sparsekv::server {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 WireBlockHash H(uint64_t i) { return testing::TaggedHash(i, std::byte{0x5a}); }
 std::vector<std::byte> Value(uint64_t seed, size_t n) { return testing::RandomValue(seed, n); }
@@ -1333,6 +1336,66 @@ TEST_F(DaemonTest, MetricsEndpointServesPrometheusText) {
   EXPECT_THAT(body, HasSubstr("sparsekv_misses_total 1"));
   EXPECT_THAT(body, HasSubstr("sparsekv_request_seconds_bucket{op=\"get\",le=\"+Inf\"} 1"));
   EXPECT_THAT(body, HasSubstr("sparsekv_tier_bytes{tier=\"host\"}"));
+}
+
+
+// A signal that interrupts the client's connect(2) must not fail the connection: the attempt
+// goes on in the kernel, and the client waits for it as the blocking call would have. Here the
+// listener's queue is full, so the connect waits for a SYN retransmission (about a second); a
+// signal without SA_RESTART lands meanwhile, then the queue is drained so the retry gets in.
+// The listener closes what it accepts, so the client then fails on HELLO, not on connecting.
+// (A loaded ctest run once failed DaemonSsdTest with "connecting to ...: Interrupted system call".)
+void NoteSignal(int) {}
+
+TEST(ClientConnect, ASignalDuringConnectIsWaitedOut) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+  ASSERT_EQ(::listen(listener, 0), 0);
+  socklen_t len = sizeof sa;
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&sa), &len), 0);
+  // Backlog 0 queues one connection; this one fills it.
+  const int filler = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_EQ(::connect(filler, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+
+  struct sigaction act{}, old{};
+  act.sa_handler = NoteSignal;  // no SA_RESTART: the interrupted call returns EINTR
+  sigemptyset(&act.sa_mask);
+  ASSERT_EQ(::sigaction(SIGUSR1, &act, &old), 0);
+  const pthread_t self = pthread_self();
+  std::atomic<bool> done{false};
+  std::thread helper([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    pthread_kill(self, SIGUSR1);  // the client is inside connect(2) by now
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    while (!done.load()) {  // drain the queue: the retried SYN gets in
+      pollfd p{listener, POLLIN, 0};
+      if (::poll(&p, 1, 20) > 0) {
+        const int c = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+        if (c >= 0) ::close(c);
+      }
+    }
+  });
+  ClientOptions o;
+  o.address = "127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
+  o.namespace_name = "alpha";
+  o.timeout = std::chrono::milliseconds(8000);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto c = Client::Connect(o);
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  done = true;
+  helper.join();
+  ::sigaction(SIGUSR1, &old, nullptr);
+  ::close(filler);
+  ::close(listener);
+  ASSERT_FALSE(c.ok());  // nobody answers HELLO
+  const std::string msg = c.status().ToString();
+  EXPECT_THAT(msg, Not(HasSubstr("Interrupted"))) << msg;
+  EXPECT_THAT(msg, Not(HasSubstr("connecting to"))) << msg;
+  EXPECT_GT(waited, 0.3) << msg;  // it did wait past the signal
 }
 
 }  // namespace
