@@ -71,6 +71,10 @@ inline __m128i MaxDwords4(__m128i a, __m128i b, __m128i c, __m128i d) {
 template <class PlanRefFn>
 [[gnu::always_inline]] inline void PlanFour(__m128i amax_bits, __m128i amin_bits, uint32_t count,
                                             ScaleRule rule, TilePlan* plans, PlanRefFn plan_ref) {
+  if (Pow2RuleMinExponent(rule) < -126) [[unlikely]] {  // no such rule today; this needs one above
+    for (uint32_t i = 0; i < count; ++i) plans[i] = plan_ref(i);
+    return;
+  }
   // Bits at or above kInfBits: NaN or inf. (They are below 2^31, so a signed compare works.)
   const int nonfinite = _mm_movemask_ps(
       _mm_castsi128_ps(_mm_cmpgt_epi32(amax_bits, _mm_set1_epi32(static_cast<int>(kInfBits - 1)))));
