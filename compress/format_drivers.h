@@ -174,47 +174,34 @@ void DecodeFp8V4(const DecodeJob& j) {
 
 template <class P, bool kFp8, bool kBf16In>
 void EncodeIdx(const EncodeJob& j) {
-  auto store_scale = [&j](uint32_t r, float scale) {
-    StoreF32(j.page + IdxScaleOffset(j.dims, j.entries, j.first_slot + r), scale);
-  };
-  auto values = [&j](uint32_t r) { return j.page + IdxValueOffset(j.dims, j.first_slot + r); };
-  if constexpr (!kFp8) {
-    // Four keys' scales at once (their divisions in one vector), the next four planned before
-    // this four's values are written, so the divisions overlap value work.
-    constexpr uint32_t kGroup = 4;
-    TilePlan plans[2][kGroup];
-    auto plan = [&](uint32_t first, uint32_t which) {
-      const uint32_t n = j.count - first < kGroup ? j.count - first : kGroup;
-      P::template PlanInt8<kBf16In>(j.rows + first * j.row_stride, j.row_stride, j.dims, n, plans[which]);
-    };
-    if (j.count > 0) plan(0, 0);
-    for (uint32_t g = 0; g < j.count; g += kGroup) {
-      const uint32_t which = (g / kGroup) & 1;
-      if (g + kGroup < j.count) plan(g + kGroup, which ^ 1);
-      for (uint32_t k = 0; k < kGroup && g + k < j.count; ++k) {
-        const uint32_t r = g + k;
-        P::template ApplyInt8<kBf16In>(j.rows + r * j.row_stride, j.dims, plans[which][k], values(r));
-        store_scale(r, plans[which][k].scale);
-      }
+  // Four keys planned together (the four int8 scales' divisions in one vector), one group ahead:
+  // the next four are planned before this four's values are written, so that planning overlaps
+  // value work.
+  constexpr uint32_t kGroup = 4;
+  TilePlan plans[2][kGroup];
+  auto plan = [&](uint32_t first, uint32_t which) {
+    const uint32_t n = j.count - first < kGroup ? j.count - first : kGroup;
+    const uint8_t* x = j.rows + first * j.row_stride;
+    if constexpr (kFp8) {
+      P::template PlanE4m3<kBf16In>(x, j.row_stride, j.dims, n, ScaleRule::kPow2Fp32AmaxFloor, plans[which]);
+    } else {
+      P::template PlanInt8<kBf16In>(x, j.row_stride, j.dims, n, plans[which]);
     }
-  } else {
-    constexpr uint32_t kGroup = 4;  // keys planned together, one group ahead
-    TilePlan plans[2][kGroup];
-    auto plan = [&](uint32_t first, uint32_t which) {
-      const uint32_t n = j.count - first < kGroup ? j.count - first : kGroup;
-      P::template PlanE4m3<kBf16In>(j.rows + first * j.row_stride, j.row_stride, j.dims, n,
-                                    ScaleRule::kPow2Fp32AmaxFloor, plans[which]);
-    };
-    if (j.count > 0) plan(0, 0);
-    for (uint32_t g = 0; g < j.count; g += kGroup) {
-      const uint32_t which = (g / kGroup) & 1;
-      if (g + kGroup < j.count) plan(g + kGroup, which ^ 1);
-      for (uint32_t k = 0; k < kGroup && g + k < j.count; ++k) {
-        const uint32_t r = g + k;
-        P::template ApplyE4m3<kBf16In>(j.rows + r * j.row_stride, j.dims, plans[which][k],
-                                       values(r));
-        store_scale(r, plans[which][k].scale);
+  };
+  if (j.count > 0) plan(0, 0);
+  for (uint32_t g = 0; g < j.count; g += kGroup) {
+    const uint32_t which = (g / kGroup) & 1;
+    if (g + kGroup < j.count) plan(g + kGroup, which ^ 1);
+    for (uint32_t k = 0; k < kGroup && g + k < j.count; ++k) {
+      const uint32_t slot = j.first_slot + g + k;
+      const uint8_t* x = j.rows + (g + k) * j.row_stride;
+      uint8_t* values = j.page + IdxValueOffset(j.dims, slot);
+      if constexpr (kFp8) {
+        P::template ApplyE4m3<kBf16In>(x, j.dims, plans[which][k], values);
+      } else {
+        P::template ApplyInt8<kBf16In>(x, j.dims, plans[which][k], values);
       }
+      StoreF32(j.page + IdxScaleOffset(j.dims, j.entries, slot), plans[which][k].scale);
     }
   }
 }

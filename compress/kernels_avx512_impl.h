@@ -315,42 +315,22 @@ struct Avx512Prims {
   template <bool kBf16In>
   SPARSEKV_INLINE static void PlanInt8(const uint8_t* src, size_t stride, uint32_t n, uint32_t count,
                                        TilePlan* plans) {
-    for (uint32_t g = 0; g < count; g += 4) {
-      const uint32_t m = count - g < 4 ? count - g : 4;
-      const uint8_t* base = src + g * stride;
-      __m128i mx[4], unused;
-      for (uint32_t i = 0; i < 4; ++i) {
-        mx[i] = _mm_setzero_si128();
-        if (i < m) TileRange<kBf16In, false>(base + i * stride, n, mx[i], unused);
-      }
-      const __m128i amax = kBf16In ? MaxWords4(mx[0], mx[1], mx[2], mx[3]) : MaxDwords4(mx[0], mx[1], mx[2], mx[3]);
-      PlanInt8Four(amax, m, plans + g, [&](uint32_t i) { return PlanInt8Ref<kBf16In>(base + i * stride, n); });
-    }
+    PlanTileGroups<kBf16In, false>(
+        src, stride, count, [n](const uint8_t* t, __m128i& mx, __m128i& nmn) { TileRange<kBf16In, false>(t, n, mx, nmn); },
+        [&](uint32_t g, uint32_t m, __m128i amax, __m128i) {
+          PlanInt8Four(amax, m, plans + g, [&](uint32_t i) { return PlanInt8Ref<kBf16In>(src + (g + i) * stride, n); });
+        });
   }
 
   template <bool kBf16In>
   SPARSEKV_INLINE static void PlanE4m3(const uint8_t* src, size_t stride, uint32_t n,
                                        uint32_t count, ScaleRule rule, TilePlan* plans) {
-    for (uint32_t g = 0; g < count; g += 4) {
-      const uint32_t m = count - g < 4 ? count - g : 4;
-      const uint8_t* base = src + g * stride;
-      __m128i mx[4], nmn[4];
-      for (uint32_t i = 0; i < 4; ++i) {
-        mx[i] = nmn[i] = _mm_setzero_si128();
-        if (i < m) TileRange<kBf16In, true>(base + i * stride, n, mx[i], nmn[i]);
-      }
-      __m128i amax, amin;
-      if constexpr (kBf16In) {
-        amax = MaxWords4(mx[0], mx[1], mx[2], mx[3]);
-        amin = _mm_xor_si128(MaxWords4(nmn[0], nmn[1], nmn[2], nmn[3]),
-                             _mm_set1_epi32(static_cast<int>(0xffff0000u)));
-      } else {
-        amax = MaxDwords4(mx[0], mx[1], mx[2], mx[3]);
-        amin = _mm_xor_si128(MaxDwords4(nmn[0], nmn[1], nmn[2], nmn[3]), _mm_set1_epi32(-1));
-      }
-      PlanFour(amax, amin, m, rule, plans + g,
-               [&](uint32_t i) { return PlanE4m3Ref<kBf16In>(base + i * stride, n, rule); });
-    }
+    PlanTileGroups<kBf16In, true>(
+        src, stride, count, [n](const uint8_t* t, __m128i& mx, __m128i& nmn) { TileRange<kBf16In, true>(t, n, mx, nmn); },
+        [&](uint32_t g, uint32_t m, __m128i amax, __m128i amin) {
+          PlanFour(amax, amin, m, rule, plans + g,
+                   [&](uint32_t i) { return PlanE4m3Ref<kBf16In>(src + (g + i) * stride, n, rule); });
+        });
   }
 
   template <bool kBf16In>

@@ -121,5 +121,33 @@ template <class PlanRefFn>
   }
 }
 
+// The SIMD planners' loop, shared by both paths: tiles (tile i at src + i * stride) four at a
+// time, each through the path's range pass `range(tile, max_acc, nmin_acc)` (its TileRange),
+// the four results side by side as fp32 bits (the min uncomplemented; zero when not kWantMin),
+// then `plan_four(first tile, tiles in the group, amax bits, amin bits)`.
+template <bool kBf16In, bool kWantMin, class RangeFn, class PlanFourFn>
+[[gnu::always_inline]] inline void PlanTileGroups(const uint8_t* src, size_t stride, uint32_t count, RangeFn range,
+                                                  PlanFourFn plan_four) {
+  for (uint32_t g = 0; g < count; g += 4) {
+    const uint32_t m = count - g < 4 ? count - g : 4;
+    __m128i mx[4], nmn[4];
+    for (uint32_t i = 0; i < 4; ++i) {
+      mx[i] = nmn[i] = _mm_setzero_si128();
+      if (i < m) range(src + (g + i) * stride, mx[i], nmn[i]);
+    }
+    __m128i amax, amin = _mm_setzero_si128();
+    if constexpr (kBf16In) {
+      amax = MaxWords4(mx[0], mx[1], mx[2], mx[3]);
+      if constexpr (kWantMin) {
+        amin = _mm_xor_si128(MaxWords4(nmn[0], nmn[1], nmn[2], nmn[3]), _mm_set1_epi32(static_cast<int>(0xffff0000u)));
+      }
+    } else {
+      amax = MaxDwords4(mx[0], mx[1], mx[2], mx[3]);
+      if constexpr (kWantMin) amin = _mm_xor_si128(MaxDwords4(nmn[0], nmn[1], nmn[2], nmn[3]), _mm_set1_epi32(-1));
+    }
+    plan_four(g, m, amax, amin);
+  }
+}
+
 }  // namespace
 }  // namespace sparsekv::compress
