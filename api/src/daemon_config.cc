@@ -1,16 +1,18 @@
 #include "src/daemon_config.h"
 
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <sstream>
+
+#include "sparsekv/file_system.h"
 
 namespace sparsekv {
 namespace {
@@ -248,22 +250,22 @@ Status CheckNamespaceOrder(const std::string& data_dir, const std::vector<Daemon
   for (const DaemonNamespace& n : namespaces) names.push_back(n.name);
   // Synced before the rename and the directory after it, so a crash leaves the old list or the
   // new one, never a torn or lost file.
+  // The project's file layer (file_system.h) writes, syncs and names the file in its errors.
+  FileSystem* fs = FileSystem::Default();
   const std::string tmp = path + ".tmp";
   const std::string text = json{{"namespaces", names}}.dump(2) + "\n";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Status::IOError(fmt::format("creating {}: {}", tmp, std::strerror(errno)));
-  const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
-  const int saved = errno;
-  ::close(fd);
-  if (!written) return Status::IOError(fmt::format("writing {}: {}", tmp, std::strerror(saved)));
+  {
+    FileOpenOptions fo;
+    fo.create = true;
+    SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<RandomRWFile> f, fs->OpenRandomRW(tmp, fo));
+    SPARSEKV_RETURN_IF_ERROR(f->Truncate(0));  // a leftover from a crash
+    SPARSEKV_RETURN_IF_ERROR(f->Write(0, std::as_bytes(std::span<const char>(text))));
+    SPARSEKV_RETURN_IF_ERROR(f->Sync());
+  }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     return Status::IOError(fmt::format("renaming {} to {}: {}", tmp, path, std::strerror(errno)));
   }
-  const int dir = ::open(data_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir >= 0) {
-    ::fsync(dir);
-    ::close(dir);
-  }
+  SPARSEKV_RETURN_IF_ERROR(fs->SyncDir(data_dir));
   return Status::OK();
 }
 
