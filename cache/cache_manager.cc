@@ -116,7 +116,9 @@ class CacheManager::Impl {
     }
     return held;
   }
-  Result<SlotAllocation> AllocateSlots(SequenceId seq, uint64_t num_tokens) SPARSEKV_EXCLUDES(mu_);
+  Result<SlotAllocation> AllocateSlots(SequenceId seq, uint64_t num_tokens,
+                                       const BoundarySkip* skip = nullptr) SPARSEKV_EXCLUDES(mu_);
+  Status TrimSlots(SequenceId seq) SPARSEKV_EXCLUDES(mu_);
   Status CommitComputed(SequenceId seq, uint64_t num_tokens) SPARSEKV_EXCLUDES(mu_);
   Result<SequenceId> Fork(SequenceId seq) SPARSEKV_EXCLUDES(mu_);
   Status Free(SequenceId seq) SPARSEKV_EXCLUDES(mu_);
@@ -150,6 +152,7 @@ class CacheManager::Impl {
   const CacheManagerOptions options_;
   const BlockGeometry geometry_;
   const BlockHasher hasher_;
+  uint32_t window_tokens() const { return window_tokens_; }
   std::vector<std::unique_ptr<PagePool>> pools_;  // set by Init, then fixed
 
  private:
@@ -791,8 +794,10 @@ Status CacheManager::Impl::CheckSequenceLocked(SequenceId id, const SequenceEntr
     const PagePool& pool = *pools_[q];
     for (uint32_t b = 0; b < n; ++b) {
       const PageId page = table[b];
-      // Pages are released early (window and snapshot roles only) from the front, and only there.
-      if ((page == kInvalidPage) != (b < s.released_upto[q])) {
+      // Pages are released early (window and snapshot roles only) from the front, and only there;
+      // a restore's block not computed yet may lack them (AllocateRestoreSlots).
+      const bool may_lack = roles_[q] != PoolRole::kFullHistory && uint64_t{b} * block_tokens_ >= s.computed;
+      if ((page == kInvalidPage) != (b < s.released_upto[q]) && !(page == kInvalidPage && may_lack)) {
         return fail(page == kInvalidPage
                         ? fmt::format("pool {} block {}: no page, but released only below block {}",
                                       q, b, s.released_upto[q])
@@ -1261,7 +1266,8 @@ Result<PrefixMatch> CacheManager::Impl::AcquireCachedPrefix(SequenceId seq, uint
   return m;
 }
 
-Result<SlotAllocation> CacheManager::Impl::AllocateSlots(SequenceId seq, uint64_t num_tokens) {
+Result<SlotAllocation> CacheManager::Impl::AllocateSlots(SequenceId seq, uint64_t num_tokens,
+                                                        const BoundarySkip* skip) {
   SlotAllocation out;
   bool events = false;
   std::shared_ptr<const std::function<void()>> low;
@@ -1298,7 +1304,17 @@ Result<SlotAllocation> CacheManager::Impl::AllocateSlots(SequenceId seq, uint64_
       out.first_new_block = old_blocks;
       return out;
     }
+    // A restore's blocks below `skip`'s edges get no page of the boundary pools.
+    std::vector<uint32_t> skipped(P(), 0);
+    if (skip != nullptr) {
+      for (size_t q = 0; q < P(); ++q) {
+        if (roles_[q] == PoolRole::kFullHistory) continue;
+        const uint32_t from = roles_[q] == PoolRole::kWindow ? skip->window_from_block : skip->state_from_block;
+        skipped[q] = std::min(new_blocks, from > old_blocks ? from - old_blocks : 0);
+      }
+    }
     std::vector<uint32_t> need(P(), new_blocks);
+    for (size_t q = 0; q < P(); ++q) need[q] -= skipped[q];
     for (const auto& c : cow) ++need[c.first];
     Status st = EnsureAvailableLocked(need);
     if (!st.ok() && WaitForHeldLocked(need)) continue;  // pages came back: start over
@@ -1335,7 +1351,7 @@ Result<SlotAllocation> CacheManager::Impl::AllocateSlots(SequenceId seq, uint64_
     }
     for (size_t q = 0; q < P(); ++q) {
       for (uint32_t i = 0; i < new_blocks; ++i)
-        s->tables[q].push_back(alloc_scratch_[q][used[q]++]);
+        s->tables[q].push_back(i < skipped[q] ? kInvalidPage : alloc_scratch_[q][used[q]++]);
     }
     // Fewer tokens than the sequence holds slots for (lookahead taken before a fork) copies the
     // shared blocks it writes but keeps every block: the tables keep their length, and so must
@@ -1345,7 +1361,7 @@ Result<SlotAllocation> CacheManager::Impl::AllocateSlots(SequenceId seq, uint64_
     if (new_blocks > 0 && old_blocks > 0) {
       for (uint32_t q : state_pools_) {
         const PageId src = s->tables[q][old_blocks - 1];
-        if (src != kInvalidPage)
+        if (src != kInvalidPage && s->tables[q][old_blocks] != kInvalidPage)
           out.copies.push_back({q, src, s->tables[q][old_blocks], CopyReason::kCarryState});
       }
     }
@@ -1361,6 +1377,35 @@ Result<SlotAllocation> CacheManager::Impl::AllocateSlots(SequenceId seq, uint64_
   if (events) DeliverEvents();
   if (low) (*low)();
   return out;
+}
+
+Status CacheManager::Impl::TrimSlots(SequenceId seq) {
+  bool events = false;
+  {
+    MutexLock l(mu_);
+    ChangeCheck check(*this, seq);
+    SequenceEntry* s = FindLocked(seq);
+    if (s == nullptr) return Status::NotFound(SeqNotFound(seq));
+    const auto keep = static_cast<uint32_t>(
+        std::min<uint64_t>((s->computed + block_tokens_ - 1) / block_tokens_, s->num_blocks));
+    // Past the computed tokens nothing is registered, so each page is the sequence's alone (or
+    // shared with a fork, which keeps its reference): released, not cached. Tail first.
+    for (uint32_t b = s->num_blocks; b-- > keep;) {
+      for (size_t q = 0; q < P(); ++q) ReleaseSeqPageLocked(*s, q, b);
+    }
+    for (size_t q = 0; q < P(); ++q) {
+      s->tables[q].resize(keep);
+      s->released_upto[q] = std::min(s->released_upto[q], keep);
+    }
+    s->records.resize(keep, kNoRecord);
+    s->num_blocks = keep;
+    s->slot_tokens = s->computed;
+    s->registered_upto = std::min(s->registered_upto, keep);
+    FlushRemovedLocked();
+    events = !pending_events_.empty();
+  }
+  if (events) DeliverEvents();
+  return Status::OK();
 }
 
 Status CacheManager::Impl::CommitComputed(SequenceId seq, uint64_t num_tokens) {
@@ -1850,6 +1895,7 @@ const CacheManagerOptions& CacheManager::options() const {
 const BlockHasher& CacheManager::hasher() const {
   return impl_->hasher_;
 }
+uint32_t CacheManager::window_tokens() const { return impl_->window_tokens(); }
 size_t CacheManager::num_pools() const {
   return impl_->pools_.size();
 }
@@ -1877,6 +1923,11 @@ Result<PrefixMatch> CacheManager::AcquireResumePrefix(SequenceId seq, uint32_t m
 Result<SlotAllocation> CacheManager::AllocateSlots(SequenceId seq, uint64_t num_tokens) {
   return impl_->AllocateSlots(seq, num_tokens);
 }
+Result<SlotAllocation> CacheManager::AllocateRestoreSlots(SequenceId seq, uint64_t num_tokens,
+                                                         const BoundarySkip& skip) {
+  return impl_->AllocateSlots(seq, num_tokens, &skip);
+}
+Status CacheManager::TrimSlots(SequenceId seq) { return impl_->TrimSlots(seq); }
 Status CacheManager::CommitComputed(SequenceId seq, uint64_t num_tokens) {
   return impl_->CommitComputed(seq, num_tokens);
 }

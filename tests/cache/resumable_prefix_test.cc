@@ -239,5 +239,62 @@ TEST(ResumablePrefix, NewBlocksStartFromThePreviousSnapshot) {
   EXPECT_EQ(c->Stats().internal_errors, 0u) << c->Stats().first_internal_error;
 }
 
+// A restore from history records (offloaded_cache.h): blocks whose window and state nobody will
+// read get no such pages, so a long prefix restores into boundary pools of two pages; committed,
+// it is a resume point at its end only. TrimSlots gives back what a failed restore took, and
+// CheckInvariants still catches a commit at an edge whose pages are missing.
+TEST(ResumablePrefix, RestoreSlotsSkipBoundaryPagesAndTrimGivesThemBack) {
+  auto c = MakeV4(16, /*window_capacity=*/2, /*state_capacity=*/2);
+  const size_t w = PoolsOf(*c, CacheKind::kSwaWindow)[0];
+  const auto states = PoolsOf(*c, CacheKind::kCompressorState);
+  const auto p = Prompt(10 * kBt + 5, 7);
+  SequenceId a = c->CreateSequence().value();
+  ASSERT_TRUE(c->AppendTokens(a, p).ok());
+  ASSERT_TRUE(c->AcquireResumePrefix(a, 10).ok());
+  // Plain slots for ten blocks would need ten window pages; two exist.
+  EXPECT_TRUE(c->AllocateSlots(a, 10 * kBt).status().Is(StatusCode::kResourceExhausted));
+  auto alloc = c->AllocateRestoreSlots(a, 10 * kBt, BoundarySkip{9, 9});
+  ASSERT_TRUE(alloc.ok()) << alloc.status().ToString();
+  EXPECT_EQ(alloc->new_blocks, 10u);
+  for (size_t q : std::vector<size_t>{w, states[0], states[1]}) {
+    const auto t = Table(*c, a, q);
+    ASSERT_EQ(t.size(), 10u);
+    for (uint32_t b = 0; b < 9; ++b) EXPECT_EQ(t[b], kInvalidPage) << "pool " << q << " block " << b;
+    EXPECT_NE(t[9], kInvalidPage);
+  }
+  for (PageId page : Table(*c, a, PoolsOf(*c, CacheKind::kCsaCompressed)[0])) EXPECT_NE(page, kInvalidPage);
+  ASSERT_TRUE(c->CheckInvariants().ok()) << c->CheckInvariants().ToString();
+  ASSERT_TRUE(c->CommitComputed(a, 10 * kBt).ok());
+  ASSERT_TRUE(c->CheckInvariants().ok()) << c->CheckInvariants().ToString();
+  ASSERT_TRUE(c->Free(a).ok());
+  EXPECT_EQ(Hit(*c, p, p.size()), 10u);      // its end is a resume point
+  EXPECT_EQ(Hit(*c, p, 5 * kBt + 1), 0u);    // no edge before it is
+
+  // A restore that stops short: its slots go back, every pool's pages free again.
+  const auto q = Prompt(6 * kBt, 8);
+  SequenceId b = c->CreateSequence().value();
+  ASSERT_TRUE(c->AppendTokens(b, q).ok());
+  const uint32_t free_before = c->pool(w).Stats().free;
+  ASSERT_TRUE(c->AllocateRestoreSlots(b, 6 * kBt, BoundarySkip{5, 5}).ok());
+  EXPECT_EQ(c->pool(w).Stats().free + 1, free_before);
+  ASSERT_TRUE(c->TrimSlots(b).ok());
+  EXPECT_EQ(c->GetSequenceInfo(b)->blocks, 0u);
+  EXPECT_EQ(c->GetSequenceInfo(b)->slot_tokens, 0u);
+  EXPECT_EQ(c->pool(w).Stats().free, free_before);
+  ASSERT_TRUE(c->CheckInvariants().ok()) << c->CheckInvariants().ToString();
+  // and it can be computed as any sequence.
+  ASSERT_TRUE(c->AllocateSlots(b, kBt + 1).ok());
+  ASSERT_TRUE(c->CommitComputed(b, kBt + 1).ok());
+  ASSERT_TRUE(c->CheckInvariants().ok()) << c->CheckInvariants().ToString();
+  ASSERT_TRUE(c->Free(b).ok());
+
+  // Committing at an edge whose window and state pages were skipped is caught.
+  SequenceId d = c->CreateSequence().value();
+  ASSERT_TRUE(c->AppendTokens(d, Prompt(4 * kBt, 9)).ok());
+  ASSERT_TRUE(c->AllocateRestoreSlots(d, 4 * kBt, BoundarySkip{3, 3}).ok());
+  ASSERT_TRUE(c->CommitComputed(d, 2 * kBt).ok());
+  EXPECT_FALSE(c->CheckInvariants().ok());
+}
+
 }  // namespace
 }  // namespace sparsekv

@@ -178,6 +178,14 @@ struct SlotAllocation {
   std::vector<PageCopy> copies;
 };
 
+// A restore's blocks that need no page of a boundary pool (CacheManager::AllocateRestoreSlots):
+// blocks restored from records that carry only the full-history kinds, whose window and
+// compressor state at their end nobody will read.
+struct BoundarySkip {
+  uint32_t window_from_block = 0;  // new blocks below this one get no sliding-window page
+  uint32_t state_from_block = 0;   // new blocks below this one get no compressor-state page
+};
+
 struct SequenceInfo {
   uint64_t tokens = 0;           // appended
   uint64_t computed_tokens = 0;  // committed (or taken from the cache)
@@ -299,6 +307,8 @@ class CacheManager {
   const BlockGeometry& geometry() const;
   const CacheManagerOptions& options() const;
   const BlockHasher& hasher() const;
+  // The model's sliding-window length in tokens (0 without one).
+  uint32_t window_tokens() const;
   size_t num_pools() const;
   // Precondition: i < num_pools(). For page addresses only (see the contract above).
   const PagePool& pool(size_t i) const;
@@ -321,6 +331,16 @@ class CacheManager {
   // blocks that tokens [computed, num_tokens) fall in are copied. All or nothing: on
   // ResourceExhausted no page, count, cached block or pin has changed.
   Result<SlotAllocation> AllocateSlots(SequenceId seq, uint64_t num_tokens);
+  // As AllocateSlots, for a restore (OffloadedCache::Resume): the new blocks that `skip` names get
+  // no page of the sliding-window or compressor-state pools (kInvalidPage in those tables).
+  // Committed, such blocks are cached as prefixes, not resume points. The caller must commit
+  // only up to a boundary whose window and state pages the sequence holds, and TrimSlots the
+  // rest: an engine cannot compute into a block that lacks a page.
+  Result<SlotAllocation> AllocateRestoreSlots(SequenceId seq, uint64_t num_tokens, const BoundarySkip& skip);
+  // Gives back the pages of the blocks past the one holding the last computed token (slots taken
+  // ahead and never committed), in every pool; the sequence then has slots for exactly its
+  // computed tokens' blocks. NotFound for an unknown sequence.
+  Status TrimSlots(SequenceId seq);
   // The KV of tokens [0, num_tokens) is written. Registers the full blocks among them (stored
   // events), then releases window and snapshot pages that left the sequence's window.
   // Preconditions: computed <= num_tokens <= min(appended tokens, slot tokens), and no block that
