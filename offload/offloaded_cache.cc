@@ -47,6 +47,11 @@ struct OffloadedCache::SparePool {
 
 struct OffloadedCache::Staged {
   BlockDigest digest;
+  // A history record (its full-history pools' pages only, filed under HistoryKey): the block's
+  // window or state pages had left L1 before it.
+  bool history = false;
+  BundleKey key;          // what it is filed under
+  uint64_t reserved = 0;  // its record bytes, counted in pending_demote_bytes
   // A block is megabytes: RecordBuffer maps those with huge pages, so that a fresh buffer costs
   // the hook (under the manager's lock) a few 2 MiB faults rather than one per 4 KiB.
   RecordBuffer bytes;
@@ -76,6 +81,11 @@ bool HasEveryPage(std::span<const PageId> pages) {
 struct OffloadedCache::Held {
   CacheManager* manager = nullptr;
   HeldBlock block;
+
+  bool history = false;   // demoted as a history record (its window or state pages were gone)
+  bool demoted = false;   // whole or as history: counted in pending_demote_bytes
+  uint64_t reserved = 0;  // its record bytes there
+  BundleKey key;
 
   Held(CacheManager* m, HeldBlock b) : manager(m), block(std::move(b)) {}
   Held(const Held&) = delete;
@@ -116,9 +126,24 @@ OffloadedCache::OffloadedCache(CacheManager& manager, TierChain& chain,
   sizes.push_back(sizeof(BlockHash));
   block_record_bytes_ = BundleRecordBytes(sizes);
   {
-    std::vector<uint64_t> tail = {48, uint64_t{manager_.geometry().block_tokens} * sizeof(TokenId)};
+    const BlockGeometry& geo = manager_.geometry();
+    window_blocks_ = (manager_.window_tokens() + geo.block_tokens - 1) / geo.block_tokens;
+    // The largest tail: a partial block (every pool's page) and the window pages before it.
+    std::vector<uint64_t> tail = {64, uint64_t{geo.block_tokens} * sizeof(TokenId)};
     tail.insert(tail.end(), sizes.begin(), sizes.end() - 1);
+    for (const PoolGeometry& g : geo.pools) {
+      if (IsFullHistoryKind(g.spec.kind)) continue;
+      has_boundary_pools_ = true;
+      if (g.spec.kind == CacheKind::kSwaWindow) tail.insert(tail.end(), window_blocks_, g.block_stride);
+    }
     max_tail_record_bytes_ = BundleRecordBytes(tail);
+  }
+  {
+    std::vector<uint64_t> history = sizes;
+    for (size_t p = 0; p < manager_.geometry().pools.size(); ++p) {
+      if (!IsFullHistoryKind(manager_.geometry().pools[p].spec.kind)) history[p] = 0;
+    }
+    history_record_bytes_ = BundleRecordBytes(history);
   }
   geometry_fingerprint_ = XXH3_64bits(sizes.data(), sizes.size() * sizeof(uint64_t)) ^
                           manager_.geometry().block_tokens;
@@ -253,25 +278,71 @@ BundlePtr OffloadedCache::GatherPages(const BlockDigest& digest, std::span<const
   return b.ok() ? *b : nullptr;
 }
 
+BundleKey OffloadedCache::HistoryKey(const BlockDigest& digest) const {
+  if (!has_boundary_pools_) return KeyOf(digest);  // the same bytes as a whole bundle
+  // A domain of its own: XXH3-128 of a tag and the block's key.
+  static constexpr char kTag[] = "sparsekv.history.v1";
+  std::byte in[sizeof kTag - 1 + sizeof(BlockHash)];
+  std::memcpy(in, kTag, sizeof kTag - 1);
+  std::memcpy(in + sizeof kTag - 1, &digest.hash, sizeof(BlockHash));
+  const XXH128_hash_t h = XXH3_128bits(in, sizeof in);
+  return BundleKey{options_.namespace_id, BlockHash{h.low64, h.high64}};
+}
+
+BundlePtr OffloadedCache::GatherHistory(const BlockDigest& digest, std::span<const PageId> pages,
+                                        bool into_host) const {
+  const BlockGeometry& geo = manager_.geometry();
+  std::vector<std::span<const std::byte>> segments;
+  for (size_t p = 0; p < geo.pools.size(); ++p) {
+    if (!IsFullHistoryKind(geo.pools[p].spec.kind)) {
+      segments.emplace_back(reinterpret_cast<const std::byte*>(&digest), 0);  // empty, not null
+      continue;
+    }
+    if (pages[p] == kInvalidPage) return nullptr;
+    segments.emplace_back(manager_.pool(p).PageData(pages[p]), geo.pools[p].block_stride);
+  }
+  segments.emplace_back(reinterpret_cast<const std::byte*>(&digest.check), sizeof digest.check);
+  const uint64_t sequence = chain_.NextSequence();
+  // As GatherPages: straight into the host tier when it is the chain's first.
+  auto* host = into_host ? dynamic_cast<HostTier*>(&chain_.tier(0)) : nullptr;
+  if (host != nullptr) {
+    Result<BundlePtr> b = host->PutGathered(HistoryKey(digest), segments, sequence);
+    if (b.ok()) return *b;
+  }
+  auto b = Bundle::Make(HistoryKey(digest), segments, sequence);
+  return b.ok() ? *b : nullptr;
+}
+
 void OffloadedCache::OnEvict(const EvictingBlock& block) {
   // Runs under the manager's lock (cache_manager.h): only the lock-free pool accessors, and our
   // own short locks, which are never held across a manager call.
   const bool complete = HasEveryPage(block.pages);
+  // A block leaving L1 whole after its window or state pages went: its history is kept, as a
+  // history record (V4). Only the window or state pages going: the whole block, so its edge
+  // stays a resume point in the tiers, unless the options say not to.
+  const bool history = !complete && block.whole_block && has_boundary_pools_;
   auto staged = std::make_shared<Staged>();
+  staged->history = history;
+  staged->key = history ? HistoryKey(block.digest) : KeyOf(block.digest);
+  staged->reserved = history ? history_record_bytes_ : block_record_bytes_;
   {
     MutexLock lock(shared_->mu);
-    if (!complete) {
+    if (!complete && !history) {
       ++shared_->stats.evicted_incomplete;
       return;
     }
-    if (shared_->stats.pending_demote_bytes + block_record_bytes_ >
-        options_.max_pending_demote_bytes) {
+    if (!block.whole_block && !options_.demote_on_boundary_eviction) {
+      ++shared_->stats.boundary_evictions_not_demoted;
+      return;
+    }
+    if (shared_->stats.pending_demote_bytes + staged->reserved > options_.max_pending_demote_bytes) {
       ++shared_->stats.demote_backlog_drops;
       return;
     }
     // Reserved before the copy, so that concurrent evictions cannot all pass the limit.
-    shared_->stats.pending_demote_bytes += block_record_bytes_;
+    shared_->stats.pending_demote_bytes += staged->reserved;
     ++shared_->in_flight;
+    if (history) ++shared_->stats.evicted_history;
   }
   staged->spare = spare_;
   if (evict_ahead_target_ > 0) ScheduleEvictAhead();  // the pool ran out: get ahead again
@@ -288,6 +359,7 @@ void OffloadedCache::OnEvict(const EvictingBlock& block) {
   const BlockGeometry& geo = manager_.geometry();
   std::byte* out = staged->bytes.data();
   for (size_t p = 0; p < geo.pools.size(); ++p) {
+    if (history && !IsFullHistoryKind(geo.pools[p].spec.kind)) continue;
     std::memcpy(out, manager_.pool(p).PageData(block.pages[p]), geo.pools[p].block_stride);
     out += geo.pools[p].block_stride;
   }
@@ -296,7 +368,7 @@ void OffloadedCache::OnEvict(const EvictingBlock& block) {
   {
     MutexLock lock(shared_->mu);
     ++shared_->stats.evicted_demoted;
-    shared_->pending[KeyOf(block.digest)] = Shared::Pending{staged, nullptr, nullptr};
+    shared_->pending[staged->key] = Shared::Pending{staged, nullptr, nullptr};
     shared_->queue.push_back(std::move(staged));
     schedule = !shared_->drain_scheduled;
     shared_->drain_scheduled = true;
@@ -352,15 +424,21 @@ uint32_t OffloadedCache::EvictBlocks(uint32_t free_target, uint32_t max_blocks) 
     const auto t0 = std::chrono::steady_clock::now();
     evicted += manager_.EvictAhead(free_target, batch, [&](HeldBlock b) {
       auto held = std::make_shared<Held>(&manager_, std::move(b));
+      // As OnEvict: a block whose window or state pages went before goes as a history record.
+      held->history = !held->complete() && has_boundary_pools_;
+      held->demoted = held->complete() || held->history;
+      held->key = held->history ? HistoryKey(held->block.digest) : KeyOf(held->block.digest);
+      held->reserved = held->history ? history_record_bytes_ : block_record_bytes_;
       MutexLock lock(shared_->mu);
-      if (!held->complete()) {
+      if (!held->demoted) {
         ++shared_->stats.evicted_incomplete;
       } else {
-        shared_->stats.pending_demote_bytes += block_record_bytes_;
+        shared_->stats.pending_demote_bytes += held->reserved;
         ++shared_->in_flight;
         ++shared_->stats.evicted_demoted;
         ++shared_->stats.evicted_ahead;
-        shared_->pending[KeyOf(held->block.digest)] = Shared::Pending{nullptr, nullptr, held};
+        if (held->history) ++shared_->stats.evicted_history;
+        shared_->pending[held->key] = Shared::Pending{nullptr, nullptr, held};
       }
       taken.push_back(std::move(held));  // an incomplete one's pages go back below, off the lock
     });
@@ -377,21 +455,24 @@ uint32_t OffloadedCache::EvictBlocks(uint32_t free_target, uint32_t max_blocks) 
     std::vector<BundlePtr> made(taken.size());
     RunSplit(static_cast<uint32_t>(taken.size()), [&](uint32_t from, uint32_t to) {
       for (uint32_t i = from; i < to; ++i) {
-        if (taken[i]->complete())
+        if (taken[i]->history) {
+          made[i] = GatherHistory(taken[i]->block.digest, taken[i]->block.pages, gather_into_host_);
+        } else if (taken[i]->demoted) {
           made[i] = GatherPages(taken[i]->block.digest, taken[i]->block.pages, gather_into_host_);
+        }
       }
     });
     std::vector<BundlePtr> bundles;
     for (size_t i = 0; i < taken.size(); ++i) {
       const std::shared_ptr<Held>& held = taken[i];
-      if (!held->complete()) continue;
+      if (!held->demoted) continue;
       BundlePtr b = std::move(made[i]);
       MutexLock lock(shared_->mu);
-      auto it = shared_->pending.find(KeyOf(held->block.digest));
+      auto it = shared_->pending.find(held->key);
       const bool current = it != shared_->pending.end() && it->second.held == held;
       if (b == nullptr) {
         if (current) shared_->pending.erase(it);
-        shared_->stats.pending_demote_bytes -= block_record_bytes_;
+        shared_->stats.pending_demote_bytes -= held->reserved;
         ++shared_->stats.demote_failures;
         if (--shared_->in_flight == 0) shared_->idle.notify_all();
         continue;
@@ -423,11 +504,16 @@ BundlePtr OffloadedCache::BundleOf(const Staged& staged) const {
   std::vector<std::span<const std::byte>> segments;
   const std::byte* in = staged.bytes.data();
   for (const PoolGeometry& g : geo.pools) {
+    if (staged.history && !IsFullHistoryKind(g.spec.kind)) {
+      segments.emplace_back(in, 0);  // empty, not null
+      continue;
+    }
     segments.emplace_back(in, g.block_stride);
     in += g.block_stride;
   }
-  segments.emplace_back(in, sizeof staged.digest.check);
-  auto b = Bundle::Make(KeyOf(staged.digest), segments, chain_.NextSequence());
+  // The check from the digest, not the buffer: a history record's payload ends earlier.
+  segments.emplace_back(reinterpret_cast<const std::byte*>(&staged.digest.check), sizeof staged.digest.check);
+  auto b = Bundle::Make(staged.key, segments, chain_.NextSequence());
   return b.ok() ? *b : nullptr;
 }
 
@@ -444,12 +530,12 @@ void OffloadedCache::DrainEvicted() {
   {
     MutexLock lock(shared_->mu);
     for (size_t i = 0; i < batch.size(); ++i) {
-      auto it = shared_->pending.find(KeyOf(batch[i]->digest));
+      auto it = shared_->pending.find(batch[i]->key);
       const bool current = it != shared_->pending.end() && it->second.staged == batch[i];
       if (made[i] == nullptr) {
         // Bundle::MakeWith refused the sizes: cannot happen for a geometry the manager took.
         if (current) shared_->pending.erase(it);
-        shared_->stats.pending_demote_bytes -= block_record_bytes_;
+        shared_->stats.pending_demote_bytes -= batch[i]->reserved;
         ++shared_->stats.demote_failures;
         if (--shared_->in_flight == 0) shared_->idle.notify_all();
         continue;
@@ -471,9 +557,7 @@ void OffloadedCache::Demote(std::vector<BundlePtr> bundles, bool evicted) {
   auto shared = shared_;
   std::vector<BundlePtr> sent = evicted ? bundles : std::vector<BundlePtr>{};
   const uint64_t n = bundles.size();
-  const uint64_t record_bytes = block_record_bytes_;
-  chain_.DemoteAsync(std::move(bundles), [shared, sent = std::move(sent), n,
-                                          record_bytes](std::vector<Status> results) {
+  chain_.DemoteAsync(std::move(bundles), [shared, sent = std::move(sent), n](std::vector<Status> results) {
     uint64_t failed = 0;
     for (const Status& s : results) {
       if (!s.ok()) {
@@ -487,7 +571,7 @@ void OffloadedCache::Demote(std::vector<BundlePtr> bundles, bool evicted) {
       // Findable in the chain from now on (or dropped); a newer copy of the key stays.
       auto it = shared->pending.find(b->key());
       if (it != shared->pending.end() && it->second.bundle == b) shared->pending.erase(it);
-      shared->stats.pending_demote_bytes -= record_bytes;
+      shared->stats.pending_demote_bytes -= b->record_bytes();  // what its eviction reserved
     }
     shared->in_flight -= n;
     if (shared->in_flight == 0) shared->idle.notify_all();
@@ -515,7 +599,8 @@ std::vector<BundlePtr> OffloadedCache::PendingBundles(std::span<const BundleKey>
     if (staged[i] != nullptr) {
       out[i] = BundleOf(*staged[i]);
     } else if (held[i] != nullptr) {
-      out[i] = GatherPages(held[i]->block.digest, held[i]->block.pages, /*into_host=*/false);
+      out[i] = held[i]->history ? GatherHistory(held[i]->block.digest, held[i]->block.pages, /*into_host=*/false)
+                                : GatherPages(held[i]->block.digest, held[i]->block.pages, /*into_host=*/false);
     }
   }
   return out;
@@ -540,7 +625,7 @@ size_t OffloadedCache::CountLower(std::span<const BundleKey> keys) const {
   return n;
 }
 
-Status OffloadedCache::CheckLayout(const Bundle& b, const BlockDigest& digest) const {
+Status OffloadedCache::CheckLayout(const Bundle& b, const BlockDigest& digest, bool history) const {
   const BlockGeometry& geo = manager_.geometry();
   if (b.segment_count() != geo.pools.size() + 1) {
     return Status::Corruption(
@@ -548,10 +633,12 @@ Status OffloadedCache::CheckLayout(const Bundle& b, const BlockDigest& digest) c
                     b.key().ToString(), b.segment_count(), geo.pools.size()));
   }
   for (size_t p = 0; p < geo.pools.size(); ++p) {
-    if (b.segment_bytes(static_cast<uint32_t>(p)) != geo.pools[p].block_stride) {
+    const uint64_t want =
+        history && !IsFullHistoryKind(geo.pools[p].spec.kind) ? 0 : geo.pools[p].block_stride;
+    if (b.segment_bytes(static_cast<uint32_t>(p)) != want) {
       return Status::Corruption(fmt::format(
-          "bundle {}: kind {} holds {} bytes, the pool's block is {}", b.key().ToString(), p,
-          b.segment_bytes(static_cast<uint32_t>(p)), geo.pools[p].block_stride));
+          "{} {}: kind {} holds {} bytes, expected {}", history ? "history record" : "bundle",
+          b.key().ToString(), p, b.segment_bytes(static_cast<uint32_t>(p)), want));
     }
   }
   BlockHash check;
@@ -633,10 +720,44 @@ void OffloadedCache::RunSplit(uint32_t count,
   for (auto& h : helpers) h.wait();
 }
 
+// A tail record checked against the state it should hold (ParseTail), and where its pages are.
+struct OffloadedCache::Tail {
+  BundlePtr bundle;
+  uint64_t state_tokens = 0;
+  uint32_t block = 0;          // the block the state ends in (or at)
+  bool partial = false;        // segments 2.. hold that block's page of every pool
+  bool edges = false;          // version 2: it holds the window and state its state needs
+  uint32_t window_first = 0;   // full blocks [window_first, block) have window pages here
+  uint32_t state_blocks = 0;   // 1: the state pools' page of block - 1 is here
+  std::vector<int> edge_segment;  // [pool]: segment of its first window or state page, or -1
+
+  // The tail's page of boundary pool `pool` for full block `b`, or an empty span.
+  std::span<const std::byte> Edge(size_t pool, uint32_t b, bool window) const {
+    if (edge_segment[pool] < 0) return {};
+    if (window) {
+      if (b < window_first || b >= block) return {};
+      return bundle->segment(static_cast<uint32_t>(edge_segment[pool]) + (b - window_first));
+    }
+    if (state_blocks == 0 || b + 1 != block) return {};
+    return bundle->segment(static_cast<uint32_t>(edge_segment[pool]));
+  }
+};
+
+struct OffloadedCache::RestorePlan {
+  std::vector<BundleKey> keys;  // one per block: a whole bundle's key or a history record's
+  std::vector<bool> history;    // keys[i] is a history record's
+  BoundarySkip skip;            // blocks whose boundary pages nobody reads: not even allocated
+  const Tail* tail = nullptr;   // the boundary pages of the blocks `skip` leaves
+};
+
 uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
-                                       std::span<const BlockDigest> digests) {
+                                       std::span<const BlockDigest> digests, const RestorePlan* plan) {
   std::vector<BundleKey> keys;
-  for (const BlockDigest& d : digests) keys.push_back(KeyOf(d));
+  if (plan != nullptr) {
+    keys = plan->keys;
+  } else {
+    for (const BlockDigest& d : digests) keys.push_back(KeyOf(d));
+  }
   const std::vector<BundlePtr> pending = PendingBundles(keys);
   // What the host tier holds is read where it lies (pinned, not copied out) and checked as it
   // is copied into the L1 pages below: one pass over its bytes, no allocation. The rest comes
@@ -698,15 +819,34 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
     std::vector<std::byte*> dst(geo.pools.size() + 1, nullptr);  // the digest is not copied
     for (uint32_t i = from; i < to; ++i) {
       const Bundle& b = **got[i];
-      for (size_t p = 0; p < geo.pools.size(); ++p)
-        dst[p] = manager_.pool(p).PageData(tables[p][first_block + i]);
+      const uint32_t block = first_block + i;
+      for (size_t p = 0; p < geo.pools.size(); ++p) {
+        const PageId page = tables[p][block];
+        // Under a plan, the boundary pages come from its tail, and only where allocated.
+        const bool from_tail = plan != nullptr && !IsFullHistoryKind(geo.pools[p].spec.kind);
+        dst[p] = page == kInvalidPage || from_tail ? nullptr : manager_.pool(p).PageData(page);
+      }
       if (in_place[i]) {
         checked[i] = b.CopySegmentsVerified(dst);
-        continue;
+      } else {
+        for (size_t p = 0; p < geo.pools.size(); ++p) {
+          if (dst[p] == nullptr) continue;
+          const std::span<const std::byte> seg = b.segment(static_cast<uint32_t>(p));
+          std::memcpy(dst[p], seg.data(), seg.size());
+        }
       }
-      for (size_t p = 0; p < geo.pools.size(); ++p) {
-        const std::span<const std::byte> seg = b.segment(static_cast<uint32_t>(p));
-        std::memcpy(dst[p], seg.data(), seg.size());
+      if (plan == nullptr) continue;
+      for (size_t p = 0; p < geo.pools.size() && checked[i].ok(); ++p) {
+        const PageId page = tables[p][block];
+        if (page == kInvalidPage || IsFullHistoryKind(geo.pools[p].spec.kind)) continue;
+        const std::span<const std::byte> edge =
+            plan->tail->Edge(p, block, geo.pools[p].spec.kind == CacheKind::kSwaWindow);
+        if (edge.size() != geo.pools[p].block_stride) {
+          checked[i] = Status::Internal(fmt::format(
+              "offloaded cache: the tail holds no page of pool {} for block {}", p, block));
+          continue;
+        }
+        std::memcpy(manager_.pool(p).PageData(page), edge.data(), edge.size());
       }
     }
   };
@@ -722,7 +862,7 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
         rejected += !got[end].status().Is(StatusCode::kNotFound);
         break;
       }
-      const Status layout = CheckLayout(**got[end], digests[end]);
+      const Status layout = CheckLayout(**got[end], digests[end], plan != nullptr && plan->history[end]);
       if (!layout.ok()) {
         spdlog::warn("offloaded cache: not restoring: {}", layout.ToString());
         ++rejected;
@@ -730,7 +870,9 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
       }
     }
     if (end == b0) break;
-    Result<SlotAllocation> alloc = manager_.AllocateSlots(seq, uint64_t{first_block + end} * bt);
+    const uint64_t upto = uint64_t{first_block + end} * bt;
+    Result<SlotAllocation> alloc = plan != nullptr ? manager_.AllocateRestoreSlots(seq, upto, plan->skip)
+                                                   : manager_.AllocateSlots(seq, upto);
     if (!alloc.ok()) {
       no_room = 1;  // no room in L1: what is restored so far stands
       break;
@@ -751,7 +893,8 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
     if (good < end) {
       // Damaged in host memory: the tier drops it, and the restored prefix ends before it. The
       // pages allocated past it stay the sequence's, uncommitted, as any allocation.
-      host->CheckPinned(*got[good], keys[good]).IgnoreError();
+      if (in_place[good] && checked[good].Is(StatusCode::kCorruption))
+        host->CheckPinned(*got[good], keys[good]).IgnoreError();
       spdlog::warn("offloaded cache: not restoring: {}", checked[good].ToString());
       ++rejected;
     }
@@ -768,9 +911,9 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
     shared_->stats.restore_rejected += rejected;
     shared_->stats.restore_no_room += no_room;
   };
-  if (restored == 0) {
-    count(0);
-    return 0;
+  if (restored == 0 || plan != nullptr) {  // a plan's caller commits (at the tail's state)
+    count(restored);
+    return restored;
   }
   // Committed like computed KV: the blocks become the sequence's and findable again.
   const Status s = manager_.CommitComputed(seq, uint64_t{first_block + restored} * bt);
@@ -845,11 +988,11 @@ Result<OffloadedPrefix> OffloadedCache::LookupPrefix(const PrefixQuery& query) {
 namespace {
 
 constexpr uint32_t kTailMagic = 0x544b5653;  // "SKVT" read as little-endian bytes
-constexpr uint16_t kTailVersion = 1;
+constexpr uint16_t kTailVersion = 2;
 
-struct TailHeader {
+struct TailHeaderV1 {
   uint32_t magic = kTailMagic;
-  uint16_t version = kTailVersion;
+  uint16_t version = 1;
   uint16_t pools = 0;
   uint32_t block_tokens = 0;
   uint32_t tail_tokens = 0;
@@ -857,7 +1000,15 @@ struct TailHeader {
   BlockHash parent_check;
   uint64_t geometry = 0;
 };
-static_assert(sizeof(TailHeader) == 48);
+static_assert(sizeof(TailHeaderV1) == 48);
+
+struct TailHeader : TailHeaderV1 {
+  uint32_t window_first = 0;   // first full block whose window pages follow
+  uint32_t window_blocks = 0;  // window pages per sliding-window pool
+  uint32_t state_blocks = 0;   // state pages per compressor-state pool (0 or 1)
+  uint32_t reserved = 0;
+};
+static_assert(sizeof(TailHeader) == 64);
 
 }  // namespace
 
@@ -915,14 +1066,24 @@ Result<SuspendInfo> OffloadedCache::Suspend(SequenceId seq) {
   SuspendInfo out;
   out.tokens = P;
   out.blocks = nb;
-  // Full blocks the chain lacks (nor has on the way) are gathered from the sequence's pages.
-  std::vector<BundleKey> keys;
-  for (uint32_t b = 0; b < nb; ++b) keys.push_back(KeyOf(st->digests[b]));
+  // Full blocks the chain holds in neither form (nor has on the way) are written now, from the
+  // sequence's own pages: as history records where the model has boundary pools (the tail
+  // carries the window and state at P), whole otherwise.
+  std::vector<BundleKey> keys, history_keys;
+  for (uint32_t b = 0; b < nb; ++b) {
+    keys.push_back(KeyOf(st->digests[b]));
+    if (has_boundary_pools_) history_keys.push_back(HistoryKey(st->digests[b]));
+  }
   const std::vector<int> where = chain_.Locate(keys);
+  const std::vector<int> where_history =
+      has_boundary_pools_ ? chain_.Locate(history_keys) : std::vector<int>(nb, -1);
   const std::vector<BundlePtr> pending = PendingBundles(keys);
+  const std::vector<BundlePtr> pending_history =
+      has_boundary_pools_ ? PendingBundles(history_keys) : std::vector<BundlePtr>(nb);
   std::vector<uint32_t> missing;
   for (uint32_t b = 0; b < nb; ++b) {
-    if (where[b] < 0 && pending[b] == nullptr) missing.push_back(b);
+    if (where[b] < 0 && where_history[b] < 0 && pending[b] == nullptr && pending_history[b] == nullptr)
+      missing.push_back(b);
   }
   // Gathered (copy and hash, split between threads as a write-through commit is) and handed to
   // the chain a chunk at a time, a few chunks in flight: memory stays bounded for a sequence of
@@ -942,27 +1103,16 @@ Result<SuspendInfo> OffloadedCache::Suspend(SequenceId seq) {
   for (size_t c = 0; c < missing.size(); c += kChunk) {
     const auto count = static_cast<uint32_t>(std::min(kChunk, missing.size() - c));
     std::vector<BundlePtr> made(count);
-    // A window or snapshot page the sequence gave up early may still be the cached block's:
-    // those blocks' pages are held (the lock taken briefly), then read off it like the rest.
-    std::vector<std::optional<HeldBlock>> held(count);
-    for (uint32_t i = 0; i < count; ++i) {
-      const uint32_t b = missing[c + i];
-      bool whole = true;
-      for (const std::vector<PageId>& t : tables) whole &= b < t.size() && t[b] != kInvalidPage;
-      if (whole) continue;
-      Result<HeldBlock> h = manager_.HoldCachedBlock(st->digests[b]);
-      if (h.ok()) held[i] = std::move(*h);
-    }
     RunSplit(count, [&](uint32_t from, uint32_t to) {
+      std::vector<PageId> pages(geo.pools.size());
       for (uint32_t i = from; i < to; ++i) {
         const uint32_t b = missing[c + i];
-        made[i] = held[i] ? GatherPages(st->digests[b], held[i]->pages, /*into_host=*/true)
-                          : GatherBlock(seq, b, st->digests[b], tables, /*into_host=*/true);
+        for (size_t p = 0; p < geo.pools.size(); ++p)
+          pages[p] = b < tables[p].size() ? tables[p][b] : kInvalidPage;
+        made[i] = has_boundary_pools_ ? GatherHistory(st->digests[b], pages, /*into_host=*/true)
+                                      : GatherPages(st->digests[b], pages, /*into_host=*/true);
       }
     });
-    for (const std::optional<HeldBlock>& h : held) {
-      if (h) manager_.ReleaseHeldBlock(*h);
-    }
     std::vector<BundlePtr> chunk;
     for (BundlePtr& b : made) {
       if (b == nullptr) {
@@ -973,6 +1123,7 @@ Result<SuspendInfo> OffloadedCache::Suspend(SequenceId seq) {
       chunk.push_back(std::move(b));
     }
     out.written_blocks += static_cast<uint32_t>(chunk.size());
+    if (has_boundary_pools_) out.history_blocks += static_cast<uint32_t>(chunk.size());
     if (chunk.empty()) continue;
     flying.push_back(chain_.Demote(std::move(chunk)));
     SPARSEKV_RETURN_IF_ERROR(settle(kInFlight - 1));
@@ -983,23 +1134,47 @@ Result<SuspendInfo> OffloadedCache::Suspend(SequenceId seq) {
   const std::span<const TokenId> tail_tokens(st->all.data() + uint64_t{nb} * bt, P - uint64_t{nb} * bt);
   out.tail = TailKey(parent, st->extra_keys, tail_tokens, P);
   TailHeader header;
+  header.version = kTailVersion;
   header.pools = static_cast<uint16_t>(geo.pools.size());
   header.block_tokens = bt;
   header.tail_tokens = static_cast<uint32_t>(tail_tokens.size());
   header.state_tokens = P;
   header.parent_check = parent.check;
   header.geometry = geometry_fingerprint_;
+  // The window at P reaches back to token P - window: those full blocks' window pages, and at a
+  // block edge the snapshot of the block before it (a partial block's page holds the running
+  // state at P).
+  const uint64_t window = manager_.window_tokens();
+  header.window_first = has_boundary_pools_ ? static_cast<uint32_t>(P > window ? (P - window) / bt : 0) : nb;
+  header.window_blocks = nb - std::min(nb, header.window_first);
+  header.state_blocks = has_boundary_pools_ && P % bt == 0 && nb > 0 ? 1 : 0;
   std::vector<std::span<const std::byte>> segments;
   segments.emplace_back(reinterpret_cast<const std::byte*>(&header), sizeof header);
   segments.emplace_back(reinterpret_cast<const std::byte*>(tail_tokens.data()), tail_tokens.size_bytes());
+  auto page_of = [&](size_t p, uint32_t b) -> Result<std::span<const std::byte>> {
+    const PageId page = b < tables[p].size() ? tables[p][b] : kInvalidPage;
+    if (page == kInvalidPage) {
+      return Status::Internal(fmt::format(
+          "offloaded cache: sequence {} holds no page of pool {} for block {} (state at {} tokens)", seq, p, b, P));
+    }
+    return std::span<const std::byte>(manager_.pool(p).PageData(page), geo.pools[p].block_stride);
+  };
   if (P % bt != 0) {
     for (size_t p = 0; p < geo.pools.size(); ++p) {
-      const PageId page = nb < tables[p].size() ? tables[p][nb] : kInvalidPage;
-      if (page == kInvalidPage) {
-        return Status::Internal(fmt::format(
-            "offloaded cache: sequence {} holds no page of pool {} for its partial block {}", seq, p, nb));
+      SPARSEKV_ASSIGN_OR_RETURN(std::span<const std::byte> page, page_of(p, nb));
+      segments.push_back(page);
+    }
+  }
+  for (CacheKind kind : {CacheKind::kSwaWindow, CacheKind::kCompressorState}) {
+    const bool is_window = kind == CacheKind::kSwaWindow;
+    const uint32_t first = is_window ? header.window_first : nb - header.state_blocks;
+    const uint32_t n = is_window ? header.window_blocks : header.state_blocks;
+    for (size_t p = 0; p < geo.pools.size(); ++p) {
+      if (geo.pools[p].spec.kind != kind) continue;
+      for (uint32_t b = first; b < first + n; ++b) {
+        SPARSEKV_ASSIGN_OR_RETURN(std::span<const std::byte> page, page_of(p, b));
+        segments.push_back(page);
       }
-      segments.emplace_back(manager_.pool(p).PageData(page), geo.pools[p].block_stride);
     }
   }
   SPARSEKV_ASSIGN_OR_RETURN(BundlePtr tail,
@@ -1014,46 +1189,100 @@ Result<SuspendInfo> OffloadedCache::Suspend(SequenceId seq) {
   return out;
 }
 
-Status OffloadedCache::RestoreTail(SequenceId seq, const Bundle& b, const BlockDigest& parent,
-                                   std::span<const TokenId> tail_tokens, uint64_t state_tokens) {
+Result<OffloadedCache::Tail> OffloadedCache::ParseTail(BundlePtr b, const BlockDigest& parent,
+                                                       std::span<const TokenId> tail_tokens,
+                                                       uint64_t state_tokens) const {
   const BlockGeometry& geo = manager_.geometry();
   const uint32_t bt = geo.block_tokens;
-  const std::string name = "tail record " + b.key().ToString();
-  if (b.segment_count() != 2 + geo.pools.size())
-    return Status::Corruption(fmt::format("{}: {} segments, expected {}", name, b.segment_count(), 2 + geo.pools.size()));
+  const std::string name = "tail record " + b->key().ToString();
   TailHeader h;
-  const auto hs = b.segment(0);
-  if (hs.size() != sizeof h) return Status::Corruption(name + ": header size");
-  std::memcpy(&h, hs.data(), sizeof h);
-  if (h.magic != kTailMagic || h.version != kTailVersion)
-    return Status::Corruption(fmt::format("{}: magic {:#x} version {} (expected version {})", name, h.magic, h.version, kTailVersion));
+  const auto hs = b->segment(0);
+  if (hs.size() < sizeof(TailHeaderV1)) return Status::Corruption(name + ": header size");
+  std::memcpy(static_cast<void*>(&h), hs.data(), sizeof(TailHeaderV1));
+  if (h.magic != kTailMagic || (h.version != 1 && h.version != kTailVersion)) {
+    return Status::Corruption(fmt::format("{}: magic {:#x} version {} (expected version 1 or {})", name,
+                                          h.magic, h.version, kTailVersion));
+  }
+  if (hs.size() != (h.version == 1 ? sizeof(TailHeaderV1) : sizeof(TailHeader)))
+    return Status::Corruption(name + ": header size");
+  if (h.version == 1) {
+    h.window_first = static_cast<uint32_t>(state_tokens / bt);  // version 1: no window or state pages
+  } else {
+    std::memcpy(static_cast<void*>(&h), hs.data(), sizeof h);
+  }
   if (h.pools != geo.pools.size() || h.block_tokens != bt || h.geometry != geometry_fingerprint_)
     return Status::Corruption(name + ": laid out for another geometry");
   if (h.state_tokens != state_tokens || !(h.parent_check == parent.check) ||
       h.tail_tokens != tail_tokens.size())
     return Status::Corruption(name + ": names another state (a hash collision)");
-  const auto ts = b.segment(1);
+  Tail t;
+  t.bundle = b;
+  t.state_tokens = state_tokens;
+  t.block = static_cast<uint32_t>(state_tokens / bt);
+  t.partial = state_tokens % bt != 0;
+  t.edges = h.version >= 2;
+  t.window_first = h.window_first;
+  t.state_blocks = h.state_blocks;
+  if (h.window_first > t.block || h.window_blocks != t.block - h.window_first || h.state_blocks > 1 ||
+      (h.state_blocks == 1 && (t.partial || t.block == 0)))
+    return Status::Corruption(fmt::format("{}: window blocks {}+{} and {} state blocks for a state of {} tokens",
+                                          name, h.window_first, h.window_blocks, h.state_blocks, state_tokens));
+  // Segments: header, tokens, the partial block's pages, then the window and state pages.
+  uint32_t next = 2 + (t.partial ? static_cast<uint32_t>(geo.pools.size()) : 0);
+  t.edge_segment.assign(geo.pools.size(), -1);
+  for (CacheKind kind : {CacheKind::kSwaWindow, CacheKind::kCompressorState}) {
+    const uint32_t n = kind == CacheKind::kSwaWindow ? h.window_blocks : h.state_blocks;
+    for (size_t p = 0; p < geo.pools.size(); ++p) {
+      if (geo.pools[p].spec.kind != kind || n == 0) continue;
+      t.edge_segment[p] = static_cast<int>(next);
+      next += n;
+    }
+  }
+  if (b->segment_count() != next)
+    return Status::Corruption(fmt::format("{}: {} segments, expected {}", name, b->segment_count(), next));
+  const auto ts = b->segment(1);
   if (ts.size() != tail_tokens.size_bytes() || std::memcmp(ts.data(), tail_tokens.data(), ts.size()) != 0)
     return Status::Corruption(name + ": its tokens differ (a hash collision)");
-  for (size_t p = 0; p < geo.pools.size(); ++p) {
-    if (b.segment(static_cast<uint32_t>(2 + p)).size() != geo.pools[p].block_stride)
-      return Status::Corruption(fmt::format("{}: pool {} page of {} bytes", name, p, b.segment(static_cast<uint32_t>(2 + p)).size()));
+  for (uint32_t i = 2; i < next; ++i) {
+    // Every page segment is one pool's block; which pool is fixed by the order above.
+    size_t pool = 0;
+    if (i < 2 + (t.partial ? geo.pools.size() : 0)) {
+      pool = i - 2;
+    } else {
+      int best = -1;  // the pool whose pages start last at or before i
+      for (size_t p = 0; p < geo.pools.size(); ++p) {
+        if (t.edge_segment[p] > best && static_cast<uint32_t>(t.edge_segment[p]) <= i) {
+          best = t.edge_segment[p];
+          pool = p;
+        }
+      }
+    }
+    if (b->segment(i).size() != geo.pools[pool].block_stride)
+      return Status::Corruption(fmt::format("{}: segment {} (pool {}) of {} bytes", name, i, pool, b->segment(i).size()));
   }
-  SPARSEKV_ASSIGN_OR_RETURN(SlotAllocation alloc, manager_.AllocateSlots(seq, state_tokens));
+  return t;
+}
+
+Status OffloadedCache::RestorePartial(SequenceId seq, const Tail& tail) {
+  const BlockGeometry& geo = manager_.geometry();
+  SPARSEKV_ASSIGN_OR_RETURN(SlotAllocation alloc, manager_.AllocateSlots(seq, tail.state_tokens));
   for (const PageCopy& c : alloc.copies) {
     std::memcpy(manager_.pool(c.pool).PageData(c.dst), manager_.pool(c.pool).PageData(c.src),
                 geo.pools[c.pool].block_stride);
   }
-  const auto block = static_cast<uint32_t>(state_tokens / bt);
   std::vector<PageId> table;
   for (size_t p = 0; p < geo.pools.size(); ++p) {
     SPARSEKV_RETURN_IF_ERROR(manager_.GetBlockTable(seq, p, &table));
-    if (block >= table.size() || table[block] == kInvalidPage)
-      return Status::Internal(fmt::format("{}: no page of pool {} for block {}", name, p, block));
-    const auto seg = b.segment(static_cast<uint32_t>(2 + p));
-    std::memcpy(manager_.pool(p).PageData(table[block]), seg.data(), seg.size());
+    if (tail.block >= table.size() || table[tail.block] == kInvalidPage) {
+      return Status::Internal(fmt::format("tail record {}: no page of pool {} for block {}",
+                                          tail.bundle->key().ToString(), p, tail.block));
+    }
+    const auto seg = tail.bundle->segment(static_cast<uint32_t>(2 + p));
+    std::memcpy(manager_.pool(p).PageData(table[tail.block]), seg.data(), seg.size());
   }
-  return CommitComputed(seq, state_tokens);
+  // The manager's commit: the blocks before were restored from the chain, and a partial one
+  // is not demoted.
+  return manager_.CommitComputed(seq, tail.state_tokens);
 }
 
 Result<ResumeInfo> OffloadedCache::Resume(const SequenceOptions& options,
@@ -1073,42 +1302,111 @@ Result<ResumeInfo> OffloadedCache::Resume(const SequenceOptions& options,
   const std::shared_ptr<SequenceState> st = *std::move(found);
   const uint32_t bt = manager_.geometry().block_tokens;
   const auto nb = static_cast<uint32_t>(state_tokens / bt);
+  const bool partial = state_tokens % bt != 0;
   ResumeInfo out;
   out.seq = seq;
   out.tokens = tokens.size();
   out.state_tokens = state_tokens;
+  if (!st->cache_blocks) {
+    if (state_tokens > 0) out.lost = "the sequence does not cache blocks";
+    out.recompute_tokens = state_tokens;
+    return out;
+  }
+
+  // The tail, when the state needs one: for a partial block, or for the window and state at a
+  // block edge of a model that has them.
+  std::optional<Tail> tail;
+  std::string tail_lost;
+  const BlockDigest parent = nb == 0 ? st->root : st->digests[nb - 1];
+  const std::span<const TokenId> tail_tokens = tokens.subspan(uint64_t{nb} * bt, state_tokens - uint64_t{nb} * bt);
+  if (partial || (has_boundary_pools_ && nb > 0)) {
+    const BundleKey key{options_.namespace_id, TailKey(parent, st->extra_keys, tail_tokens, state_tokens)};
+    std::vector<Result<BundlePtr>> got = chain_.Promote({key}).get();
+    Result<Tail> t = got[0].ok() ? ParseTail(*got[0], parent, tail_tokens, state_tokens) : got[0].status();
+    if (t.ok()) {
+      tail = *std::move(t);
+    } else if (t.status().Is(StatusCode::kNotFound)) {
+      tail_lost = "tail record " + key.ToString() + " not found";
+    } else {
+      tail_lost = t.status().ToString();
+      spdlog::warn("offloaded cache: resume: {}", tail_lost);
+      MutexLock lock(shared_->mu);
+      ++shared_->stats.restore_rejected;
+    }
+  }
+
   Result<PrefixMatch> l1 = manager_.AcquireResumePrefix(seq, nb);
   if (!l1.ok()) return fail(l1.status());
   out.l1_blocks = l1->blocks;
   uint32_t have = l1->blocks;
-  if (st->cache_blocks && have < nb) {
-    std::span<const BlockDigest> rest(st->digests.data() + have, nb - have);
-    out.lower_blocks = RestoreBlocks(seq, have, rest);
-    have += out.lower_blocks;
-    if (have < nb) {
-      out.lost = fmt::format("block {} of {} not found whole in L1 or the chain", have, nb);
+  bool committed_at_state = false;
+  // With a tail whose window and state pages cover the edge, each block may come from a whole
+  // or a history record, and only the boundary pages the tail holds are allocated.
+  const bool edges = tail && has_boundary_pools_ && tail->edges;
+  if (have < nb && edges) {
+    RestorePlan plan;
+    plan.tail = &*tail;
+    plan.skip.window_from_block = tail->window_first;
+    plan.skip.state_from_block = tail->state_blocks > 0 ? nb - 1 : nb;
+    std::vector<BundleKey> whole, hist;
+    for (uint32_t b = have; b < nb; ++b) {
+      whole.push_back(KeyOf(st->digests[b]));
+      hist.push_back(HistoryKey(st->digests[b]));
     }
-  } else if (!st->cache_blocks && nb > 0) {
-    out.lost = "the sequence does not cache blocks";
+    const std::vector<int> at_whole = chain_.Locate(whole);
+    const std::vector<int> at_hist = chain_.Locate(hist);
+    const std::vector<BundlePtr> pending = PendingBundles(whole);
+    const std::vector<BundlePtr> pending_hist = PendingBundles(hist);
+    for (size_t i = 0; i < whole.size(); ++i) {
+      const bool use_whole =
+          at_whole[i] >= 0 || pending[i] != nullptr || (at_hist[i] < 0 && pending_hist[i] == nullptr);
+      plan.keys.push_back(use_whole ? whole[i] : hist[i]);
+      plan.history.push_back(!use_whole);
+    }
+    const uint32_t n = RestoreBlocks(seq, have, std::span<const BlockDigest>(st->digests).subspan(have, nb - have), &plan);
+    Status s = n == nb - have ? Status::OK()
+                              : Status::NotFound(fmt::format("block {} of {} not found whole or as history in L1 or the chain", have + n, nb));
+    // Committed at the state, or not at all: the blocks' own edges are not there to stop at.
+    if (s.ok()) s = partial ? RestorePartial(seq, *tail) : manager_.CommitComputed(seq, state_tokens);
+    if (s.ok()) {
+      out.lower_blocks = n;
+      have = nb;
+      committed_at_state = true;
+      out.tail_restored = true;
+    } else {
+      Status trim = manager_.TrimSlots(seq);
+      if (!trim.ok()) return fail(trim);
+      out.lost = s.ToString();
+    }
+  }
+  if (!committed_at_state && have < nb) {
+    // Whole bundles only, as for a prefix hit; committed as far as they go.
+    const uint32_t n = RestoreBlocks(seq, have, std::span<const BlockDigest>(st->digests).subspan(have, nb - have));
+    out.lower_blocks = n;
+    have += n;
+    if (have < nb) {
+      std::string why = fmt::format("block {} of {} not found whole in L1 or the chain", have, nb);
+      if (!out.lost.empty()) why += "; with the tail's window and state: " + out.lost;
+      if (!tail_lost.empty()) why += "; " + tail_lost;
+      out.lost = std::move(why);
+    } else {
+      out.lost.clear();  // whole bundles reached the state after all
+    }
   }
   out.restored_tokens = uint64_t{have} * bt;
-  if (have == nb && state_tokens % bt != 0) {
-    const BlockDigest parent = nb == 0 ? st->root : st->digests[nb - 1];
-    const std::span<const TokenId> tail_tokens = tokens.subspan(uint64_t{nb} * bt, state_tokens - uint64_t{nb} * bt);
-    const BundleKey key{options_.namespace_id, TailKey(parent, st->extra_keys, tail_tokens, state_tokens)};
-    std::vector<Result<BundlePtr>> got = chain_.Promote({key}).get();
-    Status used = got[0].ok() ? RestoreTail(seq, **got[0], parent, tail_tokens, state_tokens) : got[0].status();
+  if (committed_at_state) {
+    out.restored_tokens = state_tokens;
+  } else if (have == nb && partial) {
+    Status used = tail ? RestorePartial(seq, *tail) : Status::NotFound(tail_lost);
     if (used.ok()) {
       out.tail_restored = true;
       out.restored_tokens = state_tokens;
     } else {
-      out.lost = used.Is(StatusCode::kNotFound) ? "tail record " + key.ToString() + " not found"
-                                                 : used.ToString();
-      if (!used.Is(StatusCode::kNotFound)) {
-        spdlog::warn("offloaded cache: resume: {}", used.ToString());
-        MutexLock lock(shared_->mu);
-        ++shared_->stats.restore_rejected;
+      if (tail) {  // the allocation failed: what it took goes back
+        Status trim = manager_.TrimSlots(seq);
+        if (!trim.ok()) return fail(trim);
       }
+      out.lost = used.message().empty() ? used.ToString() : std::string(used.message());
     }
   }
   out.recompute_tokens = state_tokens - out.restored_tokens;

@@ -1206,7 +1206,8 @@ class PyOffloadedCache {
  public:
   PyOffloadedCache(PyCacheManager& manager, const std::string& offload_json, const std::string& data_dir,
                    const std::string& write_policy, uint32_t namespace_id, uint64_t max_pending_demote_bytes,
-                   uint32_t evict_ahead_blocks, int prefetch_blocks, uint32_t restore_threads)
+                   uint32_t evict_ahead_blocks, int prefetch_blocks, uint32_t restore_threads,
+                   bool demote_on_boundary_eviction)
       : m_(manager.manager()) {
     OffloadedCacheOptions o;
     o.namespace_id = namespace_id;
@@ -1215,6 +1216,7 @@ class PyOffloadedCache {
     o.evict_ahead_blocks = evict_ahead_blocks;
     o.prefetch_blocks = prefetch_blocks;
     o.restore_threads = restore_threads;
+    o.demote_on_boundary_eviction = demote_on_boundary_eviction;
     OffloadOptions oo = Take(ParseOffloadOptionsJson(offload_json));
     ResolveOffloadPaths(oo, data_dir);
     if (o.write_policy == WritePolicy::kWriteBack) {
@@ -1305,6 +1307,7 @@ class PyOffloadedCache {
     d["blocks"] = i.blocks;
     d["written_blocks"] = i.written_blocks;
     d["unsaved_blocks"] = i.unsaved_blocks;
+    d["history_blocks"] = i.history_blocks;
     d["tail_bytes"] = i.tail_bytes;
     d["written_bytes"] = i.written_bytes;
     return d;
@@ -1363,6 +1366,8 @@ class PyOffloadedCache {
     d["evicted_demoted"] = s.evicted_demoted;
     d["evicted_ahead"] = s.evicted_ahead;
     d["evicted_incomplete"] = s.evicted_incomplete;
+    d["evicted_history"] = s.evicted_history;
+    d["boundary_evictions_not_demoted"] = s.boundary_evictions_not_demoted;
     d["demote_backlog_drops"] = s.demote_backlog_drops;
     d["pending_demote_bytes"] = s.pending_demote_bytes;
     d["restored_blocks"] = s.restored_blocks;
@@ -1646,10 +1651,10 @@ PYBIND11_MODULE(_sparsekv, m) {
 
   py::class_<PyOffloadedCache>(m, "_OffloadedCache")
       .def(py::init<PyCacheManager&, const std::string&, const std::string&, const std::string&, uint32_t, uint64_t,
-                    uint32_t, int, uint32_t>(),
+                    uint32_t, int, uint32_t, bool>(),
            py::arg("manager"), py::arg("offload_json"), py::arg("data_dir"), py::arg("write_policy"),
            py::arg("namespace_id"), py::arg("max_pending_demote_bytes"), py::arg("evict_ahead_blocks"),
-           py::arg("prefetch_blocks"), py::arg("restore_threads"))
+           py::arg("prefetch_blocks"), py::arg("restore_threads"), py::arg("demote_on_boundary_eviction"))
       .def("create_sequence", &PyOffloadedCache::CreateSequence)
       .def("append_tokens", &PyOffloadedCache::AppendTokens)
       .def("acquire_prefix", &PyOffloadedCache::AcquirePrefix)

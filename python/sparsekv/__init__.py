@@ -572,17 +572,20 @@ class OffloadedCache:
     ``offload`` is the daemon's "offload" section as a dict (docs: offload_options.h), e.g.
     ``{"host": {"capacity_bytes": "1GiB"}, "ssd": {"enabled": True, "capacity_bytes": "4GiB"}}``;
     relative paths are under `data_dir`. ``write_policy``: "write-through" copies every block
-    at commit, "write-back" copies blocks when L1 evicts them.
+    at commit, "write-back" copies blocks when L1 evicts them. ``demote_on_boundary_eviction``
+    (write-back): whether a block whose window or state pages alone leave L1 is demoted whole
+    then (see OffloadedCacheOptions in offloaded_cache.h).
 
     Sequences are created, fed, committed and freed through this object; pages are allocated
     and block tables read on ``manager``. It keeps the manager alive."""
 
     def __init__(self, manager, offload=None, *, data_dir=".", write_policy="write-through", namespace_id=0,
-                 max_pending_demote_bytes=256 << 20, evict_ahead_blocks=8, prefetch_blocks=-1, restore_threads=2):
+                 max_pending_demote_bytes=256 << 20, evict_ahead_blocks=8, prefetch_blocks=-1, restore_threads=2,
+                 demote_on_boundary_eviction=True):
         self.manager = manager
         self._c = _sparsekv._OffloadedCache(manager._m, _json.dumps(offload or {}), str(data_dir), write_policy,
                                             namespace_id, max_pending_demote_bytes, evict_ahead_blocks,
-                                            prefetch_blocks, restore_threads)
+                                            prefetch_blocks, restore_threads, demote_on_boundary_eviction)
 
     def create_sequence(self, namespace_salt="", extra_keys="", cache_blocks=True):
         return self._c.create_sequence(namespace_salt, extra_keys, cache_blocks)

@@ -3,6 +3,7 @@
 // recovers the log from the daemon and resumes the sequence exactly, step for step with an
 // uninterrupted run (the toy decoder, bench/toy_decoder.h). Another namespace finds nothing.
 #include <gtest/gtest.h>
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -60,7 +61,7 @@ class DaemonSuspendTest : public ::testing::Test {
     o.token = ns == "alpha" ? "a" : "b";
     return o;
   }
-  Engine Open(bool v4, const std::string& ns) {
+  Engine Open(bool v4, const std::string& ns, WritePolicy policy = WritePolicy::kWriteThrough) {
     Engine e;
     ModelSpec spec = ModelPreset(v4 ? "deepseek-v4-flash" : "deepseek-v3.2-exp", KvPrecision::kFp8).value();
     spec.layers.resize(v4 ? 4 : 2);
@@ -79,7 +80,9 @@ class DaemonSuspendTest : public ::testing::Test {
     TierChainOptions co;
     co.write_policy = WritePolicy::kWriteThrough;
     e.chain = std::make_unique<TierChain>(std::move(tiers), co);
-    e.cache = std::make_unique<OffloadedCache>(*e.manager, *e.chain);
+    OffloadedCacheOptions oo;
+    oo.write_policy = policy;
+    e.cache = std::make_unique<OffloadedCache>(*e.manager, *e.chain, oo);
     e.toy = ToyDecoder::Create(*e.manager, 7).value();
     return e;
   }
@@ -100,32 +103,39 @@ std::span<const int32_t> Logged(std::span<const TokenId> t) {
   return {reinterpret_cast<const int32_t*>(t.data()), t.size()};
 }
 
+// Write-through: the daemon has the blocks as they fill. Write-back: they reach it when the
+// request is suspended, V4's as history records (the window and state in the tail).
 TEST_F(DaemonSuspendTest, AnotherEngineResumesFromTheDaemonExactly) {
-  for (bool v4 : {false, true}) {
-    SCOPED_TRACE(v4 ? "V4" : "V3.2");
+  for (const bool write_back : {false, true})
+  for (const bool v4 : {false, true}) {
+    SCOPED_TRACE(fmt::format("{}, {}", v4 ? "V4" : "V3.2", write_back ? "write-back" : "write-through"));
+    const WritePolicy policy = write_back ? WritePolicy::kWriteBack : WritePolicy::kWriteThrough;
     const uint64_t p = 2 * kBlockTokens + 3, more = 10;
-    const uint64_t request = v4 ? 2 : 1;
+    const uint64_t request = (v4 ? 2 : 1) + (write_back ? 2 : 0);
+    const TokenId first = write_back ? 6 : 5;  // blocks of their own
     std::vector<uint64_t> ref;
     {
       Engine e = Open(v4, "beta");  // the uninterrupted run, in another namespace
       SequenceId seq = e.cache->CreateSequence().value();
-      std::vector<TokenId> tokens{5};
+      std::vector<TokenId> tokens{first};
       ASSERT_TRUE(e.cache->AppendTokens(seq, tokens).ok());
       ASSERT_TRUE(Decode(e, seq, p + more, &tokens, &ref).ok());
     }
     WireBlockHash tail{};
     {
-      Engine e = Open(v4, "alpha");
+      Engine e = Open(v4, "alpha", policy);
       auto log = sparsekv::Client::Connect(Client("alpha")).value();
       SequenceId seq = e.cache->CreateSequence().value();
-      std::vector<TokenId> tokens{5};
+      std::vector<TokenId> tokens{first};
       ASSERT_TRUE(e.cache->AppendTokens(seq, tokens).ok());
       std::vector<uint64_t> digests;
       ASSERT_TRUE(Decode(e, seq, p, &tokens, &digests).ok());
       ASSERT_TRUE(log->LogAppend(request, 0, Logged(tokens)).ok());
       SuspendInfo info = e.cache->Suspend(seq).value();
       EXPECT_EQ(info.tokens, p);
-      EXPECT_EQ(info.written_blocks, 0u);  // write-through: the daemon had them as they filled
+      // Write-through: the daemon had them as they filled.
+      EXPECT_EQ(info.written_blocks, write_back ? 2u : 0u);
+      EXPECT_EQ(info.history_blocks, write_back && v4 ? 2u : 0u);
       std::memcpy(tail.data(), &info.tail, 16);
       ASSERT_TRUE(log->LogSuspended(request, p, tail).ok());
     }  // the engine goes; the daemon keeps its blocks, its tail and its log

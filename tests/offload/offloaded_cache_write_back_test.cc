@@ -410,8 +410,9 @@ ModelSpec SmallV4Spec() {
 
 // V4: a block's window page is evicted long before its full-history pages (it went to the cache
 // when it left the running sequence's window). The block is demoted then, complete; its later
-// eviction without the window page is not demoted again; and the prefix comes back with the
-// window and snapshot pages needed to resume.
+// eviction without the window page demotes its history record (a resume through a tail can use
+// it; a prefix hit cannot); and the prefix comes back with the window and snapshot pages needed
+// to resume.
 TEST(OffloadedCacheWriteBack, V4BlockIsDemotedCompleteWhenItsWindowPageGoesFirst) {
   StackOptions o;
   o.spec = SmallV4Spec();
@@ -432,12 +433,13 @@ TEST(OffloadedCacheWriteBack, V4BlockIsDemotedCompleteWhenItsWindowPageGoesFirst
   EXPECT_EQ(s.chain->tier(0).Stats().items, 1u);
 
   // A five-block request evicts p's full-history pages, block 2's among them: it lacks its
-  // window page now, and is not demoted again.
+  // window page now, and goes as a history record (the whole one is in the chain already).
   ASSERT_TRUE(Request(s, Prompt(4 * 128 + 1, 3)).allocated);
   s.cache->WaitIdle();
   const OffloadedCacheStats st = s.cache->Stats();
   EXPECT_GT(s.manager->Stats().evicted_blocks, 0u);
-  EXPECT_EQ(st.evicted_incomplete, 1u);
+  EXPECT_EQ(st.evicted_incomplete, 0u);
+  EXPECT_EQ(st.evicted_history, 1u);
   EXPECT_EQ(st.demote_failures, 0u);
   const OffloadedPrefix look = Lookup(s, p);
   EXPECT_EQ(look.blocks, 4u);

@@ -9,7 +9,9 @@
 #include <fmt/format.h>
 
 #include <cstring>
+#include <functional>
 #include <map>
+#include <optional>
 
 #include "sparsekv/fault_injection_file_system.h"
 #include "sparsekv/host_tier.h"
@@ -43,12 +45,16 @@ struct Stack {
   std::unique_ptr<ToyDecoder> toy;
 };
 
-Stack Build(bool v4, const std::string& dir, WritePolicy policy = WritePolicy::kWriteThrough) {
+Stack Build(bool v4, const std::string& dir, WritePolicy policy = WritePolicy::kWriteThrough,
+            uint32_t l1_blocks = kL1Blocks, uint32_t boundary_blocks = 0, bool demote_on_boundary_eviction = true,
+            uint32_t evict_ahead_blocks = 8) {
   Stack s;
   s.fs = std::make_unique<FaultInjectionFileSystem>(FileSystem::Default());
   CacheManagerOptions mo;
   mo.block_tokens = kBlockTokens;
-  mo.capacity_blocks = kL1Blocks;
+  mo.capacity_blocks = l1_blocks;
+  mo.window_capacity_blocks = boundary_blocks;
+  mo.state_capacity_blocks = boundary_blocks;
   mo.huge_pages = false;
   mo.check_invariants = true;
   s.manager = CacheManager::Create(Spec(v4), mo).value();
@@ -57,8 +63,9 @@ Stack Build(bool v4, const std::string& dir, WritePolicy policy = WritePolicy::k
   sizes.push_back(16);
   const uint64_t block_bytes = BundleRecordBytes(sizes);
   HostTierOptions h;
-  h.max_record_bytes = block_bytes + 8192;  // a tail record: a block's pages, its tokens, a header
-  h.capacity_bytes = 24 * ((block_bytes + 4095) & ~uint64_t{4095});
+  // A tail record: a block's pages, the window pages before it, its tokens, a header.
+  h.max_record_bytes = 2 * block_bytes;
+  h.capacity_bytes = (l1_blocks + 14) * ((block_bytes + 4095) & ~uint64_t{4095});
   h.huge_pages = false;
   SsdTierOptions d;
   d.path = dir;
@@ -73,6 +80,8 @@ Stack Build(bool v4, const std::string& dir, WritePolicy policy = WritePolicy::k
   s.chain = std::make_unique<TierChain>(std::move(tiers), co);
   OffloadedCacheOptions oo;
   oo.write_policy = policy;
+  oo.demote_on_boundary_eviction = demote_on_boundary_eviction;
+  oo.evict_ahead_blocks = evict_ahead_blocks;
   s.cache = std::make_unique<OffloadedCache>(*s.manager, *s.chain, oo);
   EXPECT_LE(s.cache->max_tail_record_bytes(), h.max_record_bytes);
   EXPECT_GT(s.cache->max_tail_record_bytes(), block_bytes);
@@ -140,13 +149,15 @@ struct Suspended {
   Pages pages;
 };
 
-// Decodes p tokens and suspends there.
-Suspended DecodeAndSuspend(Stack& s, uint64_t p) {
+// Decodes p tokens and suspends there (`before` runs just before the suspend).
+Suspended DecodeAndSuspend(Stack& s, uint64_t p,
+                           const std::function<void(const std::vector<TokenId>&)>& before = nullptr) {
   Suspended r;
   SequenceId seq = s.cache->CreateSequence().value();
   EXPECT_TRUE(s.cache->AppendTokens(seq, r.tokens).ok());
   const Status st = Decode(s, seq, p, &r.tokens, &r.digests);
   EXPECT_TRUE(st.ok()) << st.ToString();
+  if (before) before(r.tokens);
   r.pages = Snapshot(*s.manager, seq);
   auto info = s.cache->Suspend(seq);
   EXPECT_TRUE(info.ok()) << info.status().ToString();
@@ -167,16 +178,46 @@ Suspended DecodeAndSuspend(Stack& s, uint64_t p) {
   return r;
 }
 
-class SuspendResume : public ::testing::TestWithParam<bool> {};
+// The digests of the full blocks of `tokens`.
+std::vector<BlockDigest> DigestsOf(Stack& s, const std::vector<TokenId>& tokens) {
+  SequenceId probe = s.cache->CreateSequence().value();
+  EXPECT_TRUE(s.cache->AppendTokens(probe, tokens).ok());
+  std::vector<BlockDigest> d = s.cache->BlockDigests(probe).value();
+  EXPECT_TRUE(s.cache->Free(probe).ok());
+  return d;
+}
+
+// Erases blocks [from, to) of `tokens` from every tier: their whole bundles, and with `history`
+// their history records too.
+void EraseBlocks(Stack& s, const std::vector<TokenId>& tokens, uint32_t from, uint32_t to, bool history) {
+  s.cache->WaitIdle();
+  const std::vector<BlockDigest> d = DigestsOf(s, tokens);
+  std::vector<BundleKey> keys;
+  for (uint32_t b = from; b < to && b < d.size(); ++b) {
+    keys.push_back(BundleKey{0, d[b].hash});
+    if (history && !(s.cache->HistoryKey(d[b]) == keys.back())) keys.push_back(s.cache->HistoryKey(d[b]));
+  }
+  for (const Status& st : s.chain->Erase(keys).get()) EXPECT_TRUE(st.ok()) << st.ToString();
+}
+
+// Parameters: V4 (else V3.2); history (write-back: Suspend writes the blocks, as history records
+// where the model has boundary pools, and a resume "from the chain" finds only those: the whole
+// bundles that L1's eviction demotes are erased).
+class SuspendResume : public ::testing::TestWithParam<std::tuple<bool, bool>> {
+ protected:
+  bool v4() const { return std::get<0>(GetParam()); }
+  bool history() const { return std::get<1>(GetParam()); }
+  WritePolicy policy() const { return history() ? WritePolicy::kWriteBack : WritePolicy::kWriteThrough; }
+};
 
 TEST_P(SuspendResume, ContinuesBitIdenticalAtBlockAndCompressionEdges) {
-  const bool v4 = GetParam();
+  const bool v4 = this->v4();
   // 1, 3, 4, 5, 127, 128, 129 tokens into the first and the second block (V4's ratio-4 edge
   // at 4, its ratio-128 and the block edge at 128 and 256).
   const std::vector<uint64_t> positions = {1, 3, 4, 5, 127, 128, 129, 131, 132, 133, 255, 256, 257};
   const std::vector<uint64_t> ref = Reference(v4, 257 + kContinue);
   testing::TempDir dir("suspend");
-  Stack s = Build(v4, dir.path());
+  Stack s = Build(v4, dir.path(), policy());
   for (size_t i = 0; i < positions.size(); ++i) {
     const uint64_t p = positions[i];
     const bool from_chain = i % 2 == 1;
@@ -187,16 +228,24 @@ TEST_P(SuspendResume, ContinuesBitIdenticalAtBlockAndCompressionEdges) {
     EXPECT_EQ(r.info.tokens, p);
     EXPECT_EQ(r.info.blocks, p / kBlockTokens);
     EXPECT_EQ(r.info.unsaved_blocks, 0u);
+    if (history() && v4) {
+      EXPECT_EQ(r.info.history_blocks, r.info.written_blocks);
+    }
+    if (!history()) {
+      EXPECT_EQ(r.info.written_blocks, 0u) << "write-through stored them as they filled";
+    }
     if (from_chain) {
       s.cache->WaitIdle();
       s.cache->Evict(kL1Blocks);
       ASSERT_EQ(s.manager->Stats().cached_blocks, 0u);
+      if (history() && v4) EraseBlocks(s, r.tokens, 0, static_cast<uint32_t>(p / kBlockTokens), /*history=*/false);
     }
     auto res = s.cache->Resume({}, r.tokens, p);
     ASSERT_TRUE(res.ok()) << res.status().ToString();
     EXPECT_EQ(res->recompute_tokens, 0u) << res->lost;
     EXPECT_EQ(res->restored_tokens, p);
-    EXPECT_EQ(res->tail_restored, p % kBlockTokens != 0);
+    // The tail serves a partial block, and V4's window and state at an edge L1 cannot give.
+    EXPECT_EQ(res->tail_restored, p % kBlockTokens != 0 || (v4 && from_chain && p >= kBlockTokens));
     if (from_chain) {
       EXPECT_EQ(res->lower_blocks, p / kBlockTokens);
     }
@@ -225,11 +274,11 @@ TEST_P(SuspendResume, ContinuesBitIdenticalAtBlockAndCompressionEdges) {
 // A tail record that cannot be used ends the exact state at the block edge before it: the
 // resume says so, and computing the rest again gives the uninterrupted digests.
 TEST_P(SuspendResume, MissingWrongOrDamagedTailRecomputesFromTheBlockEdge) {
-  const bool v4 = GetParam();
+  const bool v4 = this->v4();
   const uint64_t p = 133;
   const std::vector<uint64_t> ref = Reference(v4, p + kContinue);
   testing::TempDir dir("suspend_tail");
-  Stack s = Build(v4, dir.path());
+  Stack s = Build(v4, dir.path(), policy());
   for (const std::string how : {"missing", "wrong", "damaged"}) {
     SCOPED_TRACE(how);
     Suspended r = DecodeAndSuspend(s, p);
@@ -271,28 +320,31 @@ TEST_P(SuspendResume, MissingWrongOrDamagedTailRecomputesFromTheBlockEdge) {
 // A prefix block evicted from L1 and erased from every tier since the suspension: the resume
 // restores the blocks before it and says how many tokens to compute again.
 TEST_P(SuspendResume, PrefixBlockGoneFromEveryTierRecomputesFromIt) {
-  const bool v4 = GetParam();
+  const bool v4 = this->v4();
   const uint64_t p = 3 * kBlockTokens + 5;
   const std::vector<uint64_t> ref = Reference(v4, p + kContinue);
   testing::TempDir dir("suspend_gone");
-  Stack s = Build(v4, dir.path());
+  Stack s = Build(v4, dir.path(), policy());
   Suspended r = DecodeAndSuspend(s, p);
   s.cache->WaitIdle();
   s.cache->Evict(kL1Blocks);
-  SequenceId probe = s.cache->CreateSequence().value();
-  ASSERT_TRUE(s.cache->AppendTokens(probe, r.tokens).ok());
-  const std::vector<BlockDigest> digests = s.cache->BlockDigests(probe).value();
-  ASSERT_TRUE(s.cache->Free(probe).ok());
-  ASSERT_TRUE(s.chain->Erase({BundleKey{0, digests[1].hash}}).get()[0].ok());
+  // Block 1 in every form; with history, the whole bundles of the others too (the history
+  // records and the tail remain, and cannot reach past block 1).
+  EraseBlocks(s, r.tokens, 1, 2, /*history=*/true);
+  if (history() && v4) EraseBlocks(s, r.tokens, 0, 3, /*history=*/false);
   auto res = s.cache->Resume({}, r.tokens, p);
   ASSERT_TRUE(res.ok()) << res.status().ToString();
-  EXPECT_EQ(res->restored_tokens, kBlockTokens);
-  EXPECT_EQ(res->recompute_tokens, p - kBlockTokens);
+  // V4's block 0 alone is a resume point only as a whole bundle.
+  const uint64_t exact = history() && v4 ? 0 : kBlockTokens;
+  EXPECT_EQ(res->restored_tokens, exact);
+  EXPECT_EQ(res->recompute_tokens, p - exact);
+  EXPECT_EQ(s.manager->GetSequenceInfo(res->seq)->slot_tokens, exact) << "no slots left past the exact state";
   EXPECT_FALSE(res->tail_restored);
-  EXPECT_NE(res->lost.find("block 1"), std::string::npos) << res->lost;
+  EXPECT_NE(res->lost.find(exact ? "block 1" : "block 0"), std::string::npos) << res->lost;
+  ASSERT_TRUE(s.manager->CheckInvariants().ok()) << s.manager->CheckInvariants().ToString();
   std::vector<uint64_t> again;
-  ASSERT_TRUE(Recompute(s, res->seq, r.tokens, kBlockTokens, p, &again).ok());
-  EXPECT_EQ(again, std::vector<uint64_t>(ref.begin() + kBlockTokens, ref.begin() + static_cast<long>(p)));
+  ASSERT_TRUE(Recompute(s, res->seq, r.tokens, exact, p, &again).ok());
+  EXPECT_EQ(again, std::vector<uint64_t>(ref.begin() + static_cast<long>(exact), ref.begin() + static_cast<long>(p)));
   std::vector<uint64_t> after;
   ASSERT_TRUE(Decode(s, res->seq, kContinue, &r.tokens, &after).ok());
   EXPECT_EQ(after, std::vector<uint64_t>(ref.begin() + static_cast<long>(p),
@@ -302,14 +354,15 @@ TEST_P(SuspendResume, PrefixBlockGoneFromEveryTierRecomputesFromIt) {
 // Write-back: nothing reached the tiers before the suspend, and V4's window and snapshot pages
 // of older blocks left the sequence early (they are the cached blocks' only): Suspend writes
 // every block whole, and a resume with L1 emptied restores them all.
-TEST_P(SuspendResume, WriteBackSuspendWritesEveryBlockWhole) {
-  const bool v4 = GetParam();
+TEST_P(SuspendResume, WriteBackSuspendWritesEveryBlock) {
+  const bool v4 = this->v4();
   const uint64_t p = 3 * kBlockTokens + 5;
   const std::vector<uint64_t> ref = Reference(v4, p + kContinue);
   testing::TempDir dir("suspend_wb");
   Stack s = Build(v4, dir.path(), WritePolicy::kWriteBack);
   Suspended r = DecodeAndSuspend(s, p);
   EXPECT_EQ(r.info.written_blocks, 3u);
+  EXPECT_EQ(r.info.history_blocks, v4 ? 3u : 0u);
   EXPECT_EQ(r.info.unsaved_blocks, 0u);
   ASSERT_TRUE(s.manager->CheckInvariants().ok()) << s.manager->CheckInvariants().ToString();
   s.cache->Evict(kL1Blocks);
@@ -327,8 +380,12 @@ TEST_P(SuspendResume, WriteBackSuspendWritesEveryBlockWhole) {
   ASSERT_TRUE(s.manager->CheckInvariants().ok());
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, SuspendResume, ::testing::Values(false, true),
-                         [](const auto& info) { return info.param ? "V4" : "V32"; });
+INSTANTIATE_TEST_SUITE_P(Models, SuspendResume,
+                         ::testing::Combine(::testing::Values(false, true), ::testing::Values(false, true)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) ? "V4" : "V32") +
+                                  (std::get<1>(info.param) ? "History" : "WriteThrough");
+                         });
 
 TEST(Suspend, ConversationCostsItsBlocksOncePlusOneTail) {
   testing::TempDir dir("suspend_conv");
@@ -356,6 +413,208 @@ TEST(Suspend, ConversationCostsItsBlocksOncePlusOneTail) {
   auto key = s.cache->SuspensionKey({}, tokens, tokens.size() - 1);
   ASSERT_TRUE(key.ok());
   EXPECT_EQ(*key, previous);
+}
+
+// A V4 sequence far longer than L1's window and state pools (2 blocks each) suspends as history
+// records and resumes from them into that L1: only the boundary pages the tail holds are
+// allocated, and decoding goes on bit for bit.
+TEST(Suspend, LongV4SequenceResumesFromHistoryIntoSmallBoundaryPools) {
+  const uint64_t p = 9 * kBlockTokens + 77;
+  const std::vector<uint64_t> ref = Reference(true, p + kContinue);
+  testing::TempDir dir("suspend_long");
+  Stack s = Build(true, dir.path(), WritePolicy::kWriteBack, /*l1_blocks=*/12, /*boundary_blocks=*/2);
+  // The blocks whose window pages L1 evicted while decoding were demoted whole: erased, so the
+  // suspend writes every block as a history record.
+  Suspended r = DecodeAndSuspend(s, p, [&](const std::vector<TokenId>& t) { EraseBlocks(s, t, 0, 9, false); });
+  ASSERT_EQ(r.digests, std::vector<uint64_t>(ref.begin(), ref.begin() + static_cast<long>(p)));
+  EXPECT_EQ(r.info.history_blocks, 9u);
+  s.cache->WaitIdle();
+  s.cache->Evict(12);
+  ASSERT_EQ(s.manager->Stats().cached_blocks, 0u);
+  EraseBlocks(s, r.tokens, 0, 9, /*history=*/false);  // whole copies the eviction demoted
+  auto res = s.cache->Resume({}, r.tokens, p);
+  ASSERT_TRUE(res.ok()) << res.status().ToString();
+  EXPECT_EQ(res->recompute_tokens, 0u) << res->lost;
+  EXPECT_EQ(res->lower_blocks, 9u);
+  EXPECT_TRUE(res->tail_restored);
+  EXPECT_EQ(s.cache->Stats().restore_no_room, 0u);
+  ASSERT_TRUE(s.manager->CheckInvariants().ok()) << s.manager->CheckInvariants().ToString();
+  // Byte for byte, every page the suspended sequence held.
+  const Pages resumed = Snapshot(*s.manager, res->seq);
+  EXPECT_EQ(resumed.size(), r.pages.size());
+  for (const auto& [where, bytes] : r.pages) {
+    auto it = resumed.find(where);
+    ASSERT_NE(it, resumed.end()) << "block " << where.first << " pool " << where.second;
+    EXPECT_TRUE(it->second == bytes) << "block " << where.first << " pool " << where.second;
+  }
+  std::vector<uint64_t> after;
+  ASSERT_TRUE(Decode(s, res->seq, kContinue, &r.tokens, &after).ok());
+  EXPECT_EQ(after, std::vector<uint64_t>(ref.begin() + static_cast<long>(p),
+                                         ref.begin() + static_cast<long>(p + kContinue)));
+  ASSERT_TRUE(s.cache->Free(res->seq).ok());
+  ASSERT_TRUE(s.manager->CheckInvariants().ok());
+}
+
+// Write-back, window and state pools of two pages: as a long V4 sequence runs, L1 evicts its
+// older blocks' window and state pages. Whole demotes of those (the default) leave a resume point
+// at each edge; without them (demote_on_boundary_eviction false) nothing is written then. Either
+// way the blocks' own eviction later demotes their history records: through the eviction hook
+// when a second run's allocations evict them (no evict-ahead here), through EvictAhead when
+// Evict does. The second run suspends, and with the whole bundles erased resumes exactly from
+// the history records.
+TEST(Suspend, WriteBackEvictionKeepsTheHistoryOfBlocksWithoutTheirEdges) {
+  const uint64_t p = 6 * kBlockTokens + 9;
+  const std::vector<uint64_t> ref = Reference(true, p + kContinue);
+  for (const bool whole_demotes : {true, false}) {
+    SCOPED_TRACE(whole_demotes ? "demote on boundary eviction" : "no demote on boundary eviction");
+    testing::TempDir dir("suspend_evict_history");
+    Stack s = Build(true, dir.path(), WritePolicy::kWriteBack, /*l1_blocks=*/8, /*boundary_blocks=*/2,
+                    whole_demotes, /*evict_ahead_blocks=*/0);
+    std::vector<TokenId> tokens{11};
+    {
+      SequenceId a = s.cache->CreateSequence().value();
+      ASSERT_TRUE(s.cache->AppendTokens(a, tokens).ok());
+      ASSERT_TRUE(Decode(s, a, p, &tokens, nullptr).ok());
+      ASSERT_TRUE(s.cache->Free(a).ok());
+    }
+    Suspended r = DecodeAndSuspend(s, p);  // its allocations evict the first run's blocks
+    ASSERT_EQ(r.tokens, tokens);
+    const uint64_t by_hook = s.cache->Stats().evicted_history;
+    EXPECT_GE(by_hook, 1u) << "the second run's allocations evicted blocks without their edges";
+    s.cache->WaitIdle();
+    s.cache->Evict(8);
+    s.cache->WaitIdle();
+    ASSERT_EQ(s.manager->Stats().cached_blocks, 0u);
+    const OffloadedCacheStats st = s.cache->Stats();
+    const std::vector<BlockDigest> d = DigestsOf(s, tokens);
+    std::vector<BundleKey> whole, hist;
+    for (uint32_t b = 0; b < 6; ++b) {
+      whole.push_back(BundleKey{0, d[b].hash});
+      hist.push_back(s.cache->HistoryKey(d[b]));
+    }
+    const std::vector<int> at_whole = s.chain->Locate(whole), at_hist = s.chain->Locate(hist);
+    // Every block is in the chain in one form or the other (a block the second run computed
+    // again while the first's was cached gave it back its window and state: it went whole).
+    std::vector<BundleKey> erase;
+    for (uint32_t b = 0; b < 6; ++b) {
+      EXPECT_TRUE(at_whole[b] >= 0 || at_hist[b] >= 0) << b;
+      if (at_hist[b] >= 0 && at_whole[b] >= 0) erase.push_back(whole[b]);
+    }
+    EXPECT_GE(st.evicted_history, by_hook);
+    EXPECT_EQ(st.boundary_evictions_not_demoted > 0, !whole_demotes);
+    // Where a history record exists the whole bundle goes, so the resume mixes the two.
+    for (const Status& e : s.chain->Erase(erase).get()) ASSERT_TRUE(e.ok());
+    auto res = s.cache->Resume({}, r.tokens, p);
+    ASSERT_TRUE(res.ok()) << res.status().ToString();
+    EXPECT_EQ(res->recompute_tokens, 0u) << res->lost;
+    EXPECT_EQ(res->lower_blocks, 6u);
+    std::vector<uint64_t> after;
+    ASSERT_TRUE(Decode(s, res->seq, kContinue, &r.tokens, &after).ok());
+    EXPECT_EQ(after, std::vector<uint64_t>(ref.begin() + static_cast<long>(p),
+                                           ref.begin() + static_cast<long>(p + kContinue)));
+    ASSERT_TRUE(s.cache->Free(res->seq).ok());
+  }
+}
+
+// History records are no resume point: neither a lookup nor a prefix hit takes them (a V4
+// prefix needs the window and state at its edge), while Resume with the tail restores it all.
+TEST(Suspend, HistoryRecordsAreNoPrefixHit) {
+  const uint64_t p = 3 * kBlockTokens + 9;
+  testing::TempDir dir("suspend_nohit");
+  Stack s = Build(true, dir.path(), WritePolicy::kWriteBack);
+  Suspended r = DecodeAndSuspend(s, p);
+  s.cache->WaitIdle();
+  s.cache->Evict(kL1Blocks);
+  EraseBlocks(s, r.tokens, 0, 3, /*history=*/false);
+  PrefixQuery q;
+  q.tokens = r.tokens;
+  auto look = s.cache->LookupPrefix(q);
+  ASSERT_TRUE(look.ok());
+  EXPECT_EQ(look->blocks, 0u);
+  SequenceId seq = s.cache->CreateSequence().value();
+  ASSERT_TRUE(s.cache->AppendTokens(seq, r.tokens).ok());
+  auto hit = s.cache->AcquirePrefix(seq);
+  ASSERT_TRUE(hit.ok());
+  EXPECT_EQ(hit->blocks, 0u);
+  ASSERT_TRUE(s.cache->Free(seq).ok());
+  auto res = s.cache->Resume({}, r.tokens, p);
+  ASSERT_TRUE(res.ok());
+  EXPECT_EQ(res->recompute_tokens, 0u) << res->lost;
+  ASSERT_TRUE(s.cache->Free(res->seq).ok());
+}
+
+// Write-back, so Suspend writes the blocks itself: a V4 conversation suspended after every turn
+// costs each block once, as a history record (its full-history kinds only), plus the tails; the
+// tier holds the blocks and the one live tail.
+TEST(Suspend, V4ConversationStoresHistoryOncePlusOneLiveTail) {
+  testing::TempDir dir("suspend_conv_wb");
+  Stack s = Build(true, dir.path(), WritePolicy::kWriteBack);
+  uint64_t history_bytes = 0;
+  {
+    std::vector<uint64_t> sizes;
+    for (const auto& g : s.manager->geometry().pools)
+      sizes.push_back(IsFullHistoryKind(g.spec.kind) ? g.block_stride : 0);
+    sizes.push_back(16);
+    history_bytes = BundleRecordBytes(sizes);
+  }
+  std::vector<TokenId> tokens{11};
+  std::optional<BlockHash> previous;
+  uint64_t written = 0, tails = 0, last_tail = 0;
+  uint32_t blocks = 0;
+  for (int turn = 0; turn < 6; ++turn) {
+    auto res = s.cache->Resume({}, tokens, tokens.size() - 1);
+    ASSERT_TRUE(res.ok());
+    ASSERT_EQ(res->recompute_tokens, 0u) << res->lost;
+    ASSERT_TRUE(Decode(s, res->seq, 70, &tokens, nullptr).ok());
+    auto info = s.cache->Suspend(res->seq);
+    ASSERT_TRUE(info.ok()) << info.status().ToString();
+    EXPECT_EQ(info->history_blocks, info->written_blocks);
+    blocks += info->written_blocks;
+    written += info->written_bytes;
+    tails += info->tail_bytes;
+    last_tail = info->tail_bytes;
+    if (previous) {
+      ASSERT_TRUE(s.cache->DropSuspension(*previous).ok());
+    }
+    previous = info->tail;
+  }
+  EXPECT_EQ(blocks, (tokens.size() - 1) / kBlockTokens);
+  EXPECT_EQ(written, blocks * history_bytes + tails);
+  s.cache->WaitIdle();
+  // The SSD tier under write-through: every history record and the last tail, nothing else
+  // (L1 has not evicted anything, so no whole bundle was demoted).
+  EXPECT_EQ(s.chain->tier(1).Stats().items, blocks + 1);
+  EXPECT_EQ(s.chain->tier(1).Stats().bytes, blocks * history_bytes + last_tail);
+}
+
+// A tail written by the previous version (1: no window or state pages; its blocks were whole)
+// still resumes.
+TEST(Suspend, VersionOneTailStillResumes) {
+  const uint64_t p = 133;
+  const std::vector<uint64_t> ref = Reference(true, p + kContinue);
+  testing::TempDir dir("suspend_v1");
+  Stack s = Build(true, dir.path());
+  Suspended r = DecodeAndSuspend(s, p);
+  s.cache->WaitIdle();
+  s.cache->Evict(kL1Blocks);
+  const BundleKey key{0, r.info.tail};
+  BundlePtr v2 = s.chain->Promote({key}).get()[0].value();
+  // Version 1: the 48-byte header, the tokens, the partial block's pages; no window page.
+  std::vector<std::byte> header(v2->segment(0).begin(), v2->segment(0).begin() + 48);
+  const uint16_t one = 1;
+  std::memcpy(header.data() + 4, &one, sizeof one);
+  std::vector<std::span<const std::byte>> segs{header, v2->segment(1)};
+  for (size_t pool = 0; pool < s.manager->num_pools(); ++pool) segs.push_back(v2->segment(static_cast<uint32_t>(2 + pool)));
+  ASSERT_GT(v2->segment_count(), segs.size()) << "the version 2 tail holds the window page of block 0";
+  ASSERT_TRUE(s.chain->Demote({Bundle::Make(key, segs, s.chain->NextSequence()).value()}).get()[0].ok());
+  auto res = s.cache->Resume({}, r.tokens, p);
+  ASSERT_TRUE(res.ok()) << res.status().ToString();
+  EXPECT_EQ(res->recompute_tokens, 0u) << res->lost;
+  EXPECT_TRUE(res->tail_restored);
+  std::vector<uint64_t> after;
+  ASSERT_TRUE(Decode(s, res->seq, kContinue, &r.tokens, &after).ok());
+  EXPECT_EQ(after, std::vector<uint64_t>(ref.begin() + static_cast<long>(p),
+                                         ref.begin() + static_cast<long>(p + kContinue)));
 }
 
 TEST(Suspend, BadArguments) {

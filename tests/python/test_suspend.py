@@ -18,7 +18,7 @@ def make_cache(tmp_path):
     return m, sparsekv.OffloadedCache(m, offload, data_dir=tmp_path, write_policy="write-through")
 
 
-def decode(cache, seq, tokens, upto, rng):
+def decode(cache, seq, tokens, upto, rng, block=BLOCK):
     """Computes tokens [computed, upto): allocate, write random bytes into the new rows' pages, commit."""
     m = cache.manager
     done = m.sequence_info(seq)["computed_tokens"]
@@ -26,7 +26,7 @@ def decode(cache, seq, tokens, upto, rng):
     for pool in range(m.num_pools):
         arr = m.pool_array(pool)
         table = m.block_table(seq, pool)
-        for b in range(done // BLOCK, (upto + BLOCK - 1) // BLOCK):
+        for b in range(done // block, (upto + block - 1) // block):
             arr[table[b], :] = rng.integers(0, 256, size=arr.shape[1], dtype=np.uint8)
     cache.commit_computed(seq, upto)
 
@@ -92,6 +92,53 @@ def test_missing_tail_recomputes_from_the_block_edge(tmp_path):
         raise AssertionError("a state past the tokens was accepted")
     except sparsekv.InvalidArgument:
         pass
+
+
+def test_long_v4_sequence_suspends_as_history_into_small_boundary_pools(tmp_path):
+    # V4 (window and compressor state), write-back, window and state pools of 2 pages: 12 blocks
+    # are computed a block at a time; their window and state leave L1 and are not demoted whole.
+    # The suspend writes every block as a history record (full-history kinds only) plus one tail
+    # that holds the window and state at the token; a resume into the same small pools gives
+    # every page back.
+    block = 128
+    m = sparsekv.CacheManager(sparsekv.model_preset("deepseek-v4-flash", "fp8"), capacity_blocks=16,
+                              block_tokens=block, window_capacity_blocks=2, state_capacity_blocks=2)
+    offload = {"host": {"capacity_bytes": "256MiB"},
+               "ssd": {"enabled": True, "capacity_bytes": "512MiB", "durability": "fdatasync"}}
+    cache = sparsekv.OffloadedCache(m, offload, data_dir=tmp_path, write_policy="write-back",
+                                    demote_on_boundary_eviction=False)
+    rng = np.random.default_rng(5)
+    state = 12 * block + 40
+    tokens = [int(t) for t in rng.integers(1, 50000, size=state + 1)]
+    seq = cache.create_sequence()
+    cache.append_tokens(seq, tokens)
+    for upto in list(range(block, state, block)) + [state]:
+        decode(cache, seq, tokens, upto, rng, block)  # from the computed tokens to `upto`
+
+    def held(s):
+        out = {}
+        for pool in range(m.num_pools):
+            arr = m.pool_array(pool)
+            for b, page in enumerate(m.block_table(s, pool)):
+                if page < arr.shape[0]:
+                    out[(b, pool)] = arr[page].copy()
+        return out
+
+    before = held(seq)
+    info = cache.suspend(seq)
+    assert info["history_blocks"] == info["written_blocks"] == 12, info
+    cache.wait_idle()
+    cache.evict(16)
+    stats = cache.stats()
+    assert stats["boundary_evictions_not_demoted"] > 0, stats
+    r = cache.resume(tokens, state)
+    assert (r["restored_tokens"], r["recompute_tokens"], r["tail_restored"]) == (state, 0, True), r
+    after = held(r["seq"])
+    assert before.keys() == after.keys()
+    for k in before:
+        assert np.array_equal(before[k], after[k]), k
+    decode(cache, r["seq"], tokens, state + 1, rng, block)
+    cache.free(r["seq"])
 
 
 # ---- the request log through sparsekvd (LOG_* operations) ----

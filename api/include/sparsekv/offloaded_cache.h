@@ -12,8 +12,9 @@
 //         (header, checksum) and hands them to the chain.
 //         Only blocks that leave L1 are written; this covers every cached block of the manager,
 //         including those of sequences created on manager() directly. A V4 block whose window or
-//         snapshot pages are evicted first is demoted then, complete; its later eviction without
-//         them is counted (evicted_incomplete) and not demoted again. A block on its way to the
+//         snapshot pages are evicted first is demoted then, complete (unless
+//         demote_on_boundary_eviction is false); its later eviction without them demotes its
+//         history record (below), so its history survives a dropped or skipped whole demote. A block on its way to the
 //         chain stays findable by LookupPrefix and AcquirePrefix. manager().Reset() forgets L1
 //         blocks without evicting them: they are not demoted.
 //     A demote that cannot complete (a tier full, an I/O error, or too many bytes already
@@ -29,22 +30,42 @@
 // finds what was evicted (and acknowledged by a persistent tier) before it.
 //
 // Suspend and resume (issue 35). Suspend saves a running sequence at its computed token P and
-// frees its L1 pages: its full blocks as the ordinary bundles above (shared with every sequence
-// that has them; those the chain lacks are written now), plus one small *tail record* that holds
-// what continuing at exactly P needs beyond them: the page of every pool for the block P falls
-// in (the partial block's latent, indexer and compressed entries, V4's window rows and the
-// compressor's running state at P), the tokens since the last full block, and a header
-// (version, geometry, the parent block's check). Its key is derived from the tokens
-// (SuspensionKey), so one conversation suspended after every turn costs its blocks once plus one
-// tail per live suspension (DropSuspension erases an old one). Resume rebuilds a sequence from
-// the tokens: the longest exact prefix from L1 and the chain, then the tail; whatever is missing
-// or damaged ends the exact state there, and the result says how many tokens must be computed
-// again. The tail record's layout (little-endian), segments of one bundle:
-//   0  header: u32 magic "SKVT", u16 version 1, u16 pools, u32 block_tokens, u32 tail tokens,
-//      u64 state tokens P, 16-byte check of the parent block's digest (the root's for P < one
-//      block), u64 XXH3 of the pools' block strides
+// frees its L1 pages: its full blocks (shared with every sequence that has them; those the chain
+// lacks are written now), plus one small *tail record* that holds what continuing at exactly P
+// needs beyond them. Its key is derived from the tokens (SuspensionKey), so one conversation
+// suspended after every turn costs its blocks once plus one tail per live suspension
+// (DropSuspension erases an old one).
+//
+// History-only blocks. A V4 block's sliding-window and compressor-state pages are only needed to
+// resume *at* its end, and they are most of its bytes (15.1 of 15.6 MB in deepseek-v4-flash at
+// fp8). So the blocks Suspend writes carry only the full-history kinds (latent/compressed
+// entries, indexer keys): a *history record*, with those segments empty, filed under
+// HistoryKey(digest), a key of its own so that a lookup never takes one for a resume point. The
+// window and state at P go in the tail instead. (Models without such pools, V3.2, write
+// ordinary bundles: a history record would be the same bytes.) The blocks that write-through
+// and write-back demote stay whole, so any block edge they cover is a prefix hit.
+//
+// Resume rebuilds a sequence from the tokens: the longest exact prefix from L1 and the chain,
+// then the tail; whatever is missing or damaged ends the exact state there, and the result says
+// how many tokens must be computed again. With the tail, each block may come from a whole or a
+// history record, and the L1 pages of blocks whose window or state nobody reads are not even
+// allocated (CacheManager::AllocateRestoreSlots), so a 1M-token V4 sequence resumes into an L1
+// sized for its history. Without a usable tail, only whole records count, up to the last block
+// edge they make resumable.
+//
+// The tail record's layout (little-endian), segments of one bundle:
+//   0  header (64 bytes): u32 magic "SKVT", u16 version 2, u16 pools, u32 block_tokens, u32 tail
+//      tokens, u64 state tokens P, 16-byte check of the parent block's digest (the root's for
+//      P < one block), u64 XXH3 of the pools' block strides, u32 first window block w, u32
+//      window blocks, u32 state blocks (0 or 1), u32 0
 //   1  the tail tokens, i32 each
-//   2.. one page per pool (block_stride bytes), only when P is not a multiple of block_tokens
+//   2.. one page per pool for the block P falls in, only when P is not a multiple of
+//      block_tokens (the partial block's entries, its window rows, the compressor's running
+//      state at P)
+//   .. then, for each sliding-window pool in pool order, its pages of the full blocks
+//      [w, P / block_tokens) that the window at P reaches into, and for each compressor-state
+//      pool, when P is a block edge, its page of the block before P (the snapshot there)
+// Version 1 (no window or state blocks, a 48-byte header) is still read: its blocks were whole.
 // Durability: Suspend returns once the chain has acknowledged the tail and the blocks it wrote
 // (the chain's Demote: the first tier under write-back, every tier under write-through).
 //
@@ -94,6 +115,14 @@ struct OffloadedCacheOptions {
   // larger than the reserve, or faster than the demote thread) copies under the lock, as
   // with 0 (off). Default: 8.
   uint32_t evict_ahead_blocks = 8;
+  // Write-back: when L1 evicts only a block's sliding-window or compressor-state pages (the block
+  // stays, a prefix but no resume point), demote the whole block first, so that its edge stays a
+  // resume point in the tiers. For V4 that is the block's full size (15.6 MB in
+  // deepseek-v4-flash at fp8, against 0.5 MB of history) for every block a long sequence
+  // leaves behind; false skips those demotes (counted in boundary_evictions_not_demoted), and
+  // the block's history is still demoted when the block itself is evicted (a history record) or
+  // its sequence suspended. Default: true.
+  bool demote_on_boundary_eviction = true;
   // Blocks after a restored prefix to prefetch; -1 takes the chain's prefetch_blocks. Default: -1.
   int prefetch_blocks = -1;
   // Threads copying a restore into the L1 pages (checking host-tier records as they land) and
@@ -121,8 +150,14 @@ struct OffloadedCacheStats {
   // held for the bookkeeping of those evictions, and waiting for it).
   double evict_ahead_seconds = 0;
   // Write-back: evictions of a block that lacked a kind (its window or snapshot pages were
-  // evicted earlier, when the complete block was demoted): not demoted again.
+  // evicted earlier) of a model whose history records would be the whole block: not demoted.
   uint64_t evicted_incomplete = 0;
+  // Write-back: evictions of a block whose window or state pages went earlier, demoted as a
+  // history record (its full-history kinds; HistoryKey).
+  uint64_t evicted_history = 0;
+  // Write-back: evictions of a block's window or state pages alone that were not demoted
+  // (demote_on_boundary_eviction false).
+  uint64_t boundary_evictions_not_demoted = 0;
   // Write-back: evicted blocks dropped because max_pending_demote_bytes were already waiting.
   uint64_t demote_backlog_drops = 0;
   // Write-back: record bytes of the blocks copied out and not yet stored by the chain (now).
@@ -138,9 +173,10 @@ struct SuspendInfo {
   uint64_t tokens = 0;        // state tokens: the sequence's computed tokens when suspended
   uint32_t blocks = 0;        // full blocks the state covers
   uint32_t written_blocks = 0;  // of those, written to the chain by this call (the rest were there)
-  // Blocks the chain lacked that could not be written (a window or snapshot page gone from the
-  // sequence and from L1, and the block's bundle nowhere): a resume recomputes from the first.
+  // Blocks the chain lacked that could not be written (a page of a full-history pool missing
+  // from the sequence: never, short of a bug): a resume recomputes from the first.
   uint32_t unsaved_blocks = 0;
+  uint32_t history_blocks = 0;  // of written_blocks, those written as history records
   uint64_t tail_bytes = 0;      // the tail record's bytes
   uint64_t written_bytes = 0;   // record bytes written by this call, tail included
 };
@@ -153,7 +189,9 @@ struct ResumeInfo {
   uint64_t recompute_tokens = 0;  // state_tokens - restored_tokens (0 when all was found)
   uint32_t l1_blocks = 0;       // blocks found in L1
   uint32_t lower_blocks = 0;    // blocks restored from the chain
-  bool tail_restored = false;   // the tail record was used (false at a block edge: not needed)
+  // The tail record was used: for the partial block, or for the window and state at a block
+  // edge that L1 could not give (V4 blocks restored from history records).
+  bool tail_restored = false;
   std::string lost;             // what ended the exact state early, when recompute_tokens > 0
 };
 
@@ -189,6 +227,8 @@ class OffloadedCache {
   // not an error: see ResumeInfo::recompute_tokens and lost.
   Result<ResumeInfo> Resume(const SequenceOptions& options, std::span<const TokenId> tokens,
                             uint64_t state_tokens) SPARSEKV_EXCLUDES(mu_);
+  // The key a history record of that block is filed under (namespace_id of the options).
+  BundleKey HistoryKey(const BlockDigest& digest) const;
   // The tail record's key for that state (what Suspend returned for it).
   Result<BlockHash> SuspensionKey(const SequenceOptions& options, std::span<const TokenId> tokens,
                                   uint64_t state_tokens) const;
@@ -218,6 +258,8 @@ class OffloadedCache {
   struct SparePool;
   struct Shared;
   struct Held;
+  struct Tail;
+  struct RestorePlan;
   // The sequence's state; NotFound when this cache does not know it.
   Result<std::shared_ptr<SequenceState>> FindSequence(SequenceId seq) const SPARSEKV_EXCLUDES(mu_);
   BundleKey KeyOf(const BlockDigest& d) const { return BundleKey{options_.namespace_id, d.hash}; }
@@ -230,6 +272,10 @@ class OffloadedCache {
   // (HostTier::PutGathered) and returned pinned there: only for a bundle demoted next.
   BundlePtr GatherPages(const BlockDigest& digest, std::span<const PageId> pages,
                         bool into_host) const;
+  // A history record of the block (its full-history pools' pages, the others empty, the digest
+  // check), filed under HistoryKey; nullptr if one of those pages is missing. `into_host` as
+  // for GatherPages.
+  BundlePtr GatherHistory(const BlockDigest& digest, std::span<const PageId> pages, bool into_host) const;
   // Runs range(from, to) over [0, count) split between the caller and the restorers (one part
   // each), and returns when every part has.
   void RunSplit(uint32_t count, const std::function<void(uint32_t, uint32_t)>& range) const;
@@ -257,16 +303,25 @@ class OffloadedCache {
   std::vector<BundlePtr> PendingBundles(std::span<const BundleKey> keys) const;
   // How many leading keys the chain holds or has on the way.
   size_t CountLower(std::span<const BundleKey> keys) const;
-  Status CheckLayout(const Bundle& b, const BlockDigest& digest) const;
+  // A whole bundle of this geometry, or with `history` a history record, of block `digest`.
+  Status CheckLayout(const Bundle& b, const BlockDigest& digest, bool history = false) const;
+  // Copies blocks [first_block, first_block + digests.size()) from L1's pending copies and the
+  // chain into the sequence and returns how many leading ones were restored. Without a plan:
+  // whole bundles, committed. With one: its keys, its skipped boundary pages, the window and
+  // state pages from its tail, and no commit (the caller commits at the tail's state or trims).
   uint32_t RestoreBlocks(SequenceId seq, uint32_t first_block,
-                         std::span<const BlockDigest> digests);
+                         std::span<const BlockDigest> digests, const RestorePlan* plan = nullptr);
   // The tail key for tokens [0, state_tokens) given the digests of their full blocks.
   BlockHash TailKey(const BlockDigest& parent, std::string_view extra_keys,
                     std::span<const TokenId> tail_tokens, uint64_t state_tokens) const;
-  // Copies a tail record into the sequence's block `state_tokens / block_tokens` and commits
-  // up to state_tokens; an error says why it was not used (nothing committed then).
-  Status RestoreTail(SequenceId seq, const Bundle& b, const BlockDigest& parent,
-                     std::span<const TokenId> tail_tokens, uint64_t state_tokens);
+  // Checks a tail record against the state it should hold; an error says why it is unusable.
+  Result<Tail> ParseTail(BundlePtr b, const BlockDigest& parent, std::span<const TokenId> tail_tokens,
+                         uint64_t state_tokens) const;
+  // Copies the tail's partial block into the sequence's block `state_tokens / block_tokens`
+  // (allocated here) and commits up to state_tokens; an error says why not (nothing committed).
+  Status RestorePartial(SequenceId seq, const Tail& tail);
+  bool has_boundary_pools_ = false;   // the model keeps sliding-window or compressor-state pools
+  uint32_t window_blocks_ = 0;        // ceil(window_tokens / block_tokens)
   uint64_t geometry_fingerprint_ = 0;
   uint64_t max_tail_record_bytes_ = 0;
 
@@ -275,6 +330,7 @@ class OffloadedCache {
   const OffloadedCacheOptions options_;
   std::shared_ptr<Shared> shared_;
   uint64_t block_record_bytes_ = 0;   // record bytes of one block's bundle
+  uint64_t history_record_bytes_ = 0;  // ... and of its history record
   uint64_t block_payload_bytes_ = 0;  // its segments' bytes: every pool's page and the check
   uint32_t evict_ahead_target_ = 0;   // write-back: free pages EvictAhead keeps; 0: off
   static constexpr uint32_t kEvictAheadBatch = 4;  // blocks held at a time
