@@ -45,6 +45,7 @@ struct Msg {
     kTorn,
     kFinishing,  // Finish is about to be logged: a kill from here on may leave it finished or not
     kStalled,    // stopped on purpose after a durable finish, before kFinished
+    kHistory,    // a suspend wrote `value` blocks as history records
   };
   uint32_t type = 0;
   uint32_t pad = 0;
@@ -80,7 +81,10 @@ struct Engine {
   std::unique_ptr<RequestLog> log;
 };
 
-Result<Engine> OpenEngine(const std::string& root, uint32_t requests) {
+// write_back: the blocks reach the tiers when L1 evicts them (whole) or when a request is
+// suspended (as history records, the window and state in its tail); otherwise each block is
+// stored whole as it fills and a suspend writes the tail alone.
+Result<Engine> OpenEngine(const std::string& root, uint32_t requests, bool write_back) {
   Engine e;
   SPARSEKV_ASSIGN_OR_RETURN(e.manager, MakeManager(requests * 5 + 16));
   std::vector<uint64_t> sizes;
@@ -104,7 +108,9 @@ Result<Engine> OpenEngine(const std::string& root, uint32_t requests) {
   TierChainOptions co;
   co.write_policy = WritePolicy::kWriteThrough;  // a suspension is on the SSD when acknowledged
   e.chain = std::make_unique<TierChain>(std::move(tiers), co);
-  e.cache = std::make_unique<OffloadedCache>(*e.manager, *e.chain);
+  OffloadedCacheOptions oo;
+  oo.write_policy = write_back ? WritePolicy::kWriteBack : WritePolicy::kWriteThrough;
+  e.cache = std::make_unique<OffloadedCache>(*e.manager, *e.chain, oo);
   RequestLogOptions lo;
   lo.path = root + "/log";
   lo.segment_bytes = 256 << 10;  // small: segments roll over and are reclaimed during the run
@@ -130,7 +136,8 @@ std::span<const int32_t> AsLogged(std::span<const TokenId> t) {
 }  // namespace
 
 Status RunSuspendStressChild(const SuspendStressChildOptions& o) {
-  SPARSEKV_ASSIGN_OR_RETURN(Engine e, OpenEngine(o.dir, o.requests));
+  // Odd incarnations (the first among them) write back, so resumes meet both kinds of blocks.
+  SPARSEKV_ASSIGN_OR_RETURN(Engine e, OpenEngine(o.dir, o.requests, o.incarnation % 2 == 1));
   auto send = [&](uint32_t type, uint64_t request, uint64_t value) {
     Msg m;
     m.type = type;
@@ -226,6 +233,7 @@ Status RunSuspendStressChild(const SuspendStressChildOptions& o) {
           if (!info.ok()) return fail(info.status());
           if (Status st = e.log->Suspended(s.id, {info->tokens, info->tail, 0}); !st.ok()) return fail(st);
           send(Msg::kSuspended, s.id, info->tokens);
+          if (info->history_blocks > 0) send(Msg::kHistory, s.id, info->history_blocks);
           if (s.tail && !(*s.tail == info->tail)) e.cache->DropSuspension(*s.tail).IgnoreError();
           s.tail = info->tail;
           s.state = info->tokens;
@@ -267,7 +275,7 @@ Result<nlohmann::json> RunSuspendStress(const SuspendStressOptions& o) {
   std::set<uint64_t> finishing;  // Finish under way when the child was killed: gone or whole, both right
   bool stalled_now = false;      // this cycle's child has stalled after a durable finish
   uint64_t started = 0, acked_tokens = 0, resumes = 0, exact = 0, recomputed = 0, mismatches = 0, suspends = 0,
-           torn_cycles = 0, torn_bytes = 0, torn_injected = 0, stalls = 0;
+           torn_cycles = 0, torn_bytes = 0, torn_injected = 0, stalls = 0, history_blocks = 0;
   auto apply = [&](const Msg& m) {
     switch (m.type) {
       case Msg::kStart: ++started; break;
@@ -284,6 +292,7 @@ Result<nlohmann::json> RunSuspendStress(const SuspendStressOptions& o) {
         break;
       case Msg::kFinished: finished.insert(m.request); break;
       case Msg::kSuspended: ++suspends; break;
+      case Msg::kHistory: history_blocks += m.value; break;
       case Msg::kResumeExact: ++resumes, ++exact, recomputed += m.value; break;
       case Msg::kResumePartial: ++resumes, recomputed += m.value; break;
       case Msg::kMismatch: mismatches += m.value; break;
@@ -393,6 +402,7 @@ Result<nlohmann::json> RunSuspendStress(const SuspendStressOptions& o) {
   out["finished_unacknowledged"] = finished_unacknowledged;
   out["finish_stalls"] = stalls;
   out["suspends"] = suspends;
+  out["history_blocks_written"] = history_blocks;
   out["resumes"] = resumes;
   out["resumed_exact"] = exact;
   out["recomputed_tokens"] = recomputed;

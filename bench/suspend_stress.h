@@ -4,7 +4,9 @@
 //
 // The child (the same binary, re-executed with a hidden subcommand) runs a toy engine
 // (toy_decoder.h) over an OffloadedCache (a V4-shaped model: window, CSA, HCA and compressor
-// state; host and SSD tiers, write-through, fdatasync) and a RequestLog: several threads each
+// state; host and SSD tiers, fdatasync; the cache write-back in odd incarnations, write-through
+// in even ones, so that suspends write history records and resumes read both kinds of block)
+// and a RequestLog: several threads each
 // decode a few requests token by token, appending every token to the log (acknowledged once
 // durable), now and then suspending a request (OffloadedCache::Suspend, then
 // RequestLog::Suspended with the tail key) and resuming it, finishing requests and starting new
@@ -50,6 +52,7 @@ struct SuspendStressOptions {
 // resurrected (finished requests found unfinished), finished_unacknowledged (finished in the log
 // by a child killed before it said so; right, not lost), finish_stalls (cycles whose child
 // stalled there on purpose), resumes, resumed_exact, recomputed_tokens,
+// history_blocks_written (blocks suspends wrote as history records, write-back incarnations),
 // child_mismatches (recomputed steps whose token differed from the log), differing_requests
 // (the final check against uninterrupted runs), checked_requests, checked_tokens, suspends,
 // torn_tails_injected, torn_tails_cut (opens that cut a tail), torn_bytes_cut, seconds, seed,
