@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
 
 #include "bench_util.h"
@@ -40,25 +41,39 @@ std::vector<TokenId> Tokens(uint64_t n, uint64_t seed) {
   return t;
 }
 
+// Window and compressor-state pages a sequence holds at once: those of the block being computed
+// and the one before (the rest are released as they leave the window, and a resume from history
+// records allocates only the tail's).
+constexpr uint32_t kBoundaryBlocks = 4;
+
 Result<std::unique_ptr<CacheManager>> Manager(const ModelSpec& spec, uint32_t blocks) {
   CacheManagerOptions mo;
   mo.block_tokens = kBlockTokens;
   mo.capacity_blocks = blocks;
+  mo.window_capacity_blocks = std::min(blocks, kBoundaryBlocks);
+  mo.state_capacity_blocks = std::min(blocks, kBoundaryBlocks);
   mo.huge_pages = true;
   return CacheManager::Create(spec, mo);
 }
 
-// Computes tokens [from, to) of `seq` the cheap way: every new page filled with a pattern.
-Status Fill(CacheManager& m, SequenceId seq, uint64_t from, uint64_t to) {
-  SPARSEKV_ASSIGN_OR_RETURN(SlotAllocation a, m.AllocateSlots(seq, to));
-  (void)a;
-  for (size_t p = 0; p < m.num_pools(); ++p) {
-    std::vector<PageId> table;
-    SPARSEKV_RETURN_IF_ERROR(m.GetBlockTable(seq, p, &table));
-    for (uint64_t b = from / kBlockTokens; b < table.size(); ++b) {
-      if (table[b] == kInvalidPage) continue;
+// Computes tokens [from, to) of `seq` the cheap way, a block at a time as an engine does (so the
+// window and state pages leave the sequence as they fall behind): every new page filled with a
+// pattern, then `commit`.
+Status Fill(CacheManager& m, SequenceId seq, uint64_t from, uint64_t to,
+            const std::function<Status(SequenceId, uint64_t)>& commit) {
+  std::vector<PageId> table;
+  for (uint64_t t = from; t < to;) {
+    const uint64_t next = std::min(to, (t / kBlockTokens + 1) * kBlockTokens);
+    SPARSEKV_ASSIGN_OR_RETURN(SlotAllocation a, m.AllocateSlots(seq, next));
+    (void)a;
+    const uint64_t b = t / kBlockTokens;
+    for (size_t p = 0; p < m.num_pools(); ++p) {
+      SPARSEKV_RETURN_IF_ERROR(m.GetBlockTable(seq, p, &table));
+      if (b >= table.size() || table[b] == kInvalidPage) continue;
       std::memset(m.pool(p).PageData(table[b]), static_cast<int>((b * 31 + p) & 0xff), m.geometry().pools[p].block_stride);
     }
+    SPARSEKV_RETURN_IF_ERROR(commit(seq, next));
+    t = next;
   }
   return Status::OK();
 }
@@ -89,14 +104,25 @@ double MemcpyRate(const CacheManager& m, SequenceId seq, uint32_t blocks) {
   return static_cast<double>(bytes) / (NowSeconds() - t0);
 }
 
-uint64_t BlockRecordBytes(const CacheManager& m) {
+// Record bytes of one block: whole, or (history) its full-history kinds only, as Suspend writes
+// V4's blocks.
+uint64_t BlockRecordBytes(const CacheManager& m, bool history = false) {
   std::vector<uint64_t> sizes;
-  for (const auto& p : m.geometry().pools) sizes.push_back(p.block_stride);
+  for (const auto& p : m.geometry().pools)
+    sizes.push_back(history && !IsFullHistoryKind(p.spec.kind) ? 0 : p.block_stride);
   sizes.push_back(16);
   return BundleRecordBytes(sizes);
 }
 
-Result<std::unique_ptr<TierChain>> Chain(bool ssd, const std::string& dir, uint64_t bytes, bool populate = true) {
+// Bytes of one block's full-history pools: what a sequence's blocks cost in L1 and in the tiers.
+uint64_t HistoryBytesPerBlock(const BlockGeometry& geo) {
+  uint64_t n = 0;
+  for (const PoolGeometry& g : geo.pools) n += IsFullHistoryKind(g.spec.kind) ? g.block_stride : 0;
+  return n;
+}
+
+Result<std::unique_ptr<TierChain>> Chain(bool ssd, const std::string& dir, uint64_t bytes, bool populate = true,
+                                         uint64_t record_bytes = 1ull << 20) {
   std::vector<std::unique_ptr<Tier>> tiers;
   if (!ssd) {
     HostTierOptions h;
@@ -110,6 +136,9 @@ Result<std::unique_ptr<TierChain>> Chain(bool ssd, const std::string& dir, uint6
     d.path = dir;
     d.capacity_bytes = bytes + 256 * kMiB;
     d.durability = Durability::kFdatasync;
+    // As many bytes in flight as fio's baseline (1 MiB I/Os, 16 deep): a V4 history record is
+    // 0.5 MB, one I/O each.
+    d.queue_depth = static_cast<uint32_t>(std::clamp<uint64_t>(16 * kMiB / std::max<uint64_t>(record_bytes, 1), 16, 64));
     SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<SsdTier> t, SsdTier::Open(d));
     tiers.push_back(std::move(t));
   }
@@ -125,14 +154,19 @@ Result<nlohmann::json> SuspendResume(const std::string& name, const ModelSpec& s
   const auto blocks = static_cast<uint32_t>((tokens + kBlockTokens - 1) / kBlockTokens);
   const std::vector<TokenId> ids = Tokens(tokens, 1);
   SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<CacheManager> m, Manager(spec, blocks + 2));
-  const uint64_t record = BlockRecordBytes(*m);
+  const uint64_t record = BlockRecordBytes(*m, /*history=*/true);
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
   std::filesystem::create_directories(dir, ec);
-  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<TierChain> chain, Chain(ssd, dir, uint64_t{blocks} * (record + 4096), !cold_host));
+  const uint64_t tail = BlockRecordBytes(*m) * 2;  // at most a block's pages and a window page more
+  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<TierChain> chain,
+                            Chain(ssd, dir, uint64_t{blocks} * (record + 4096) + tail, !cold_host, record));
   OffloadedCacheOptions co;
   co.write_policy = WritePolicy::kWriteBack;  // nothing reaches the tier before the suspend
   co.evict_ahead_blocks = 0;
+  // V4's window and state pages leave L1 as the sequence grows; whole demotes of those blocks
+  // (15.6 MB each) are prefix caching's business, not a suspend's.
+  co.demote_on_boundary_eviction = false;
   nlohmann::json j;
   j["model"] = name;
   j["tier"] = ssd ? "ssd" : "host";
@@ -145,8 +179,8 @@ Result<nlohmann::json> SuspendResume(const std::string& name, const ModelSpec& s
     OffloadedCache cache(*m, *chain, co);
     SPARSEKV_ASSIGN_OR_RETURN(SequenceId seq, cache.CreateSequence());
     SPARSEKV_RETURN_IF_ERROR(cache.AppendTokens(seq, std::span<const TokenId>(ids).first(state + 1)));
-    SPARSEKV_RETURN_IF_ERROR(Fill(*m, seq, 0, state));
-    SPARSEKV_RETURN_IF_ERROR(cache.CommitComputed(seq, state));
+    SPARSEKV_RETURN_IF_ERROR(
+        Fill(*m, seq, 0, state, [&](SequenceId q, uint64_t n) { return cache.CommitComputed(q, n); }));
     memcpy_before = MemcpyRate(*m, seq, blocks);
     const double t0 = NowSeconds();
     SPARSEKV_ASSIGN_OR_RETURN(info, cache.Suspend(seq));
@@ -155,6 +189,7 @@ Result<nlohmann::json> SuspendResume(const std::string& name, const ModelSpec& s
     j["suspend_bytes"] = info.written_bytes;
     j["suspend_bytes_per_s"] = static_cast<double>(info.written_bytes) / secs;
     j["tail_bytes"] = info.tail_bytes;
+    j["history_blocks"] = info.history_blocks;
   }
   m.reset();  // resume into another L1, warm as a serving engine's is (its pages touched)
   SPARSEKV_ASSIGN_OR_RETURN(m, Manager(spec, blocks + 2));
@@ -203,15 +238,24 @@ Result<nlohmann::json> SuspendResume(const std::string& name, const ModelSpec& s
 }
 
 // Part 2: a conversation suspended after every turn.
-Result<nlohmann::json> Conversation(const ModelSpec& spec, uint32_t turns, uint32_t turn_tokens, const std::string& dir) {
+Result<nlohmann::json> Conversation(const ModelSpec& spec, uint32_t turns, uint32_t turn_tokens, const std::string& dir,
+                                    WritePolicy policy) {
   const uint64_t total = uint64_t{turns} * turn_tokens + 1;
   const auto blocks = static_cast<uint32_t>(total / kBlockTokens + 2);
   SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<CacheManager> m, Manager(spec, blocks + 2));
   std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
   std::filesystem::create_directories(dir, ec);
   const uint64_t record = BlockRecordBytes(*m);
   SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<TierChain> chain, Chain(true, dir, uint64_t{blocks + turns} * (record + 8192) * 2));
-  OffloadedCache cache(*m, *chain, {});  // write-through: blocks are written as they fill
+  // Write-back: the blocks reach the tier through Suspend alone (L1 holds the conversation), as
+  // history records. Write-through: every block is stored whole as it fills, a prefix hit at
+  // each of its edges, and Suspend adds the tails.
+  OffloadedCacheOptions co;
+  co.write_policy = policy;
+  co.evict_ahead_blocks = 0;
+  co.demote_on_boundary_eviction = false;
+  OffloadedCache cache(*m, *chain, co);
   const std::vector<TokenId> ids = Tokens(total, 2);
   // A whole snapshot's least: the full-history kinds of every token, one window, one state.
   uint64_t history_per_block = 0, boundary_pages = 0;
@@ -229,8 +273,8 @@ Result<nlohmann::json> Conversation(const ModelSpec& spec, uint32_t turns, uint3
     const uint64_t upto = uint64_t{turn + 1} * turn_tokens;
     SPARSEKV_ASSIGN_OR_RETURN(ResumeInfo r, cache.Resume({}, std::span<const TokenId>(ids).first(upto + 1), state));
     if (r.recompute_tokens != 0) return Status::Internal("bench suspend: a turn resumed short: " + r.lost);
-    SPARSEKV_RETURN_IF_ERROR(Fill(*m, r.seq, state, upto));
-    SPARSEKV_RETURN_IF_ERROR(cache.CommitComputed(r.seq, upto));
+    SPARSEKV_RETURN_IF_ERROR(
+        Fill(*m, r.seq, state, upto, [&](SequenceId q, uint64_t n) { return cache.CommitComputed(q, n); }));
     SPARSEKV_ASSIGN_OR_RETURN(SuspendInfo s, cache.Suspend(r.seq));
     if (previous) SPARSEKV_RETURN_IF_ERROR(cache.DropSuspension(*previous));
     previous = s.tail;
@@ -246,6 +290,7 @@ Result<nlohmann::json> Conversation(const ModelSpec& spec, uint32_t turns, uint3
     if (f.is_regular_file() && ::stat(f.path().c_str(), &st) == 0) on_disk += uint64_t(st.st_blocks) * 512;
   }
   nlohmann::json j;
+  j["write_policy"] = policy == WritePolicy::kWriteBack ? "write-back" : "write-through";
   j["turns"] = turns;
   j["turn_tokens"] = turn_tokens;
   j["tier_bytes"] = ts.bytes;
@@ -254,6 +299,7 @@ Result<nlohmann::json> Conversation(const ModelSpec& spec, uint32_t turns, uint3
   j["whole_snapshots_bytes"] = snapshots;
   j["ratio_vs_whole_snapshots"] = static_cast<double>(ts.bytes) / static_cast<double>(snapshots);
   j["block_record_bytes"] = record;
+  j["history_record_bytes"] = BlockRecordBytes(*m, /*history=*/true);
   j["boundary_bytes_per_block"] = boundary_pages;
   j["history_bytes_per_block"] = history_per_block;
   return j;
@@ -340,7 +386,9 @@ Result<nlohmann::json> RunSuspendBench(const SuspendBenchOptions& o) {
   for (const Model& mdl : {Model{"deepseek-v3.2-exp", o.v32_tokens}, Model{"deepseek-v4-flash", o.v4_tokens}}) {
     SPARSEKV_ASSIGN_OR_RETURN(ModelSpec spec, ModelPreset(mdl.name, KvPrecision::kFp8));
     SPARSEKV_ASSIGN_OR_RETURN(BlockGeometry geo, ComputeBlockGeometry(spec, kBlockTokens));
-    const uint64_t per_block = geo.BytesPerBlock();
+    // A suspended sequence's blocks hold their full-history kinds (its window and state: a few
+    // blocks' worth in L1, one tail in the tier).
+    const uint64_t per_block = HistoryBytesPerBlock(geo) + 4096;
     // L1 and the host tier hold the sequence at once (the SSD run: L1 and the tier's staging).
     const uint64_t fits = budget / 2 / per_block * kBlockTokens;
     uint64_t tokens = mdl.tokens;
@@ -362,7 +410,10 @@ Result<nlohmann::json> RunSuspendBench(const SuspendBenchOptions& o) {
   {
     ProgressNote(fmt::format("a conversation of {} turns", o.turns));
     SPARSEKV_ASSIGN_OR_RETURN(ModelSpec spec, ModelPreset("deepseek-v4-flash", KvPrecision::kFp8));
-    SPARSEKV_ASSIGN_OR_RETURN(out["conversation"], Conversation(spec, o.turns, o.turn_tokens, root + "/conversation"));
+    SPARSEKV_ASSIGN_OR_RETURN(out["conversation"],
+                              Conversation(spec, o.turns, o.turn_tokens, root + "/conversation", WritePolicy::kWriteBack));
+    SPARSEKV_ASSIGN_OR_RETURN(out["conversation_write_through"],
+                              Conversation(spec, o.turns, o.turn_tokens, root + "/conversation", WritePolicy::kWriteThrough));
   }
   nlohmann::json logs = nlohmann::json::array();
   for (uint32_t c : o.concurrency) {

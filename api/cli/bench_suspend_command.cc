@@ -59,10 +59,13 @@ SPARSEKV_BENCH_COMMAND(suspend) {
       if (s.contains("cut_to_fit_memory")) std::printf("  (cut to fit memory)");
       std::printf("\n");
     }
-    const auto& c = j["conversation"];
-    std::printf("conversation: %u turns of %u tokens: %.1f MB on the tier, whole snapshots %.1f MB (ratio %.2f)\n",
-                c["turns"].get<unsigned>(), c["turn_tokens"].get<unsigned>(), c["tier_bytes"].get<double>() / 1e6,
-                c["whole_snapshots_bytes"].get<double>() / 1e6, c["ratio_vs_whole_snapshots"].get<double>());
+    for (const char* key : {"conversation", "conversation_write_through"}) {
+      const auto& c = j[key];
+      std::printf("conversation (%s): %u turns of %u tokens: %.1f MB on the tier, whole snapshots %.1f MB (ratio %.2f)\n",
+                  c["write_policy"].get<std::string>().c_str(), c["turns"].get<unsigned>(), c["turn_tokens"].get<unsigned>(),
+                  c["tier_bytes"].get<double>() / 1e6, c["whole_snapshots_bytes"].get<double>() / 1e6,
+                  c["ratio_vs_whole_snapshots"].get<double>());
+    }
     for (const auto& l : j["log"]) {
       std::printf("log: %5u requests  %9.0f appends/s  p50 %.2f ms  p99 %.2f ms  %.1f appends/sync",
                   l["concurrency"].get<unsigned>(), l["appends_per_s"].get<double>(), l["p50_ms"].get<double>(),

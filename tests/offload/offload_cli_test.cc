@@ -205,6 +205,16 @@ TEST(BenchSuspend, SmallRunJsonShape) {
   }
   EXPECT_GT(j["conversation"]["tier_bytes"].get<uint64_t>(), 0u);
   EXPECT_GT(j["conversation"]["whole_snapshots_bytes"].get<uint64_t>(), 0u);
+  // Suspend's own storage (write-back: history records and one live tail) is below the whole
+  // snapshots' sum; write-through also keeps every block whole, a prefix hit at each edge.
+  EXPECT_LT(j["conversation"]["ratio_vs_whole_snapshots"].get<double>(), 1.0);
+  EXPECT_GT(j["conversation_write_through"]["tier_bytes"].get<uint64_t>(),
+            j["conversation"]["tier_bytes"].get<uint64_t>());
+  for (const auto& s : j["sequences"]) {
+    if (s["model"] == "deepseek-v4-flash") {
+      EXPECT_EQ(s["history_blocks"].get<uint64_t>(), s["state_tokens"].get<uint64_t>() / 128);
+    }
+  }
   ASSERT_EQ(j["log"].size(), 2u);
   EXPECT_GT(j["log"][1]["appends_per_sync"].get<double>(), 1.0);  // 16 appending: group commits
   EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
