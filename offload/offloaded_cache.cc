@@ -321,10 +321,7 @@ void OffloadedCache::OnEvict(const EvictingBlock& block) {
   // history record (V4). Only the window or state pages going: the whole block, so its edge
   // stays a resume point in the tiers, unless the options say not to.
   const bool history = !complete && block.whole_block && has_boundary_pools_;
-  auto staged = std::make_shared<Staged>();
-  staged->history = history;
-  staged->key = history ? HistoryKey(block.digest) : KeyOf(block.digest);
-  staged->reserved = history ? history_record_bytes_ : block_record_bytes_;
+  const uint64_t reserved = history ? history_record_bytes_ : block_record_bytes_;
   {
     MutexLock lock(shared_->mu);
     if (!complete && !history) {
@@ -335,15 +332,19 @@ void OffloadedCache::OnEvict(const EvictingBlock& block) {
       ++shared_->stats.boundary_evictions_not_demoted;
       return;
     }
-    if (shared_->stats.pending_demote_bytes + staged->reserved > options_.max_pending_demote_bytes) {
+    if (shared_->stats.pending_demote_bytes + reserved > options_.max_pending_demote_bytes) {
       ++shared_->stats.demote_backlog_drops;
       return;
     }
     // Reserved before the copy, so that concurrent evictions cannot all pass the limit.
-    shared_->stats.pending_demote_bytes += staged->reserved;
+    shared_->stats.pending_demote_bytes += reserved;
     ++shared_->in_flight;
     if (history) ++shared_->stats.evicted_history;
   }
+  auto staged = std::make_shared<Staged>();
+  staged->history = history;
+  staged->key = history ? HistoryKey(block.digest) : KeyOf(block.digest);
+  staged->reserved = reserved;
   staged->spare = spare_;
   if (evict_ahead_target_ > 0) ScheduleEvictAhead();  // the pool ran out: get ahead again
   {
@@ -603,6 +604,13 @@ std::vector<BundlePtr> OffloadedCache::PendingBundles(std::span<const BundleKey>
                                 : GatherPages(held[i]->block.digest, held[i]->block.pages, /*into_host=*/false);
     }
   }
+  return out;
+}
+
+std::vector<bool> OffloadedCache::IsPending(std::span<const BundleKey> keys) const {
+  std::vector<bool> out(keys.size(), false);
+  MutexLock lock(shared_->mu);
+  for (size_t i = 0; i < keys.size() && !shared_->pending.empty(); ++i) out[i] = shared_->pending.count(keys[i]) > 0;
   return out;
 }
 
@@ -911,8 +919,8 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
     shared_->stats.restore_rejected += rejected;
     shared_->stats.restore_no_room += no_room;
   };
-  if (restored == 0 || plan != nullptr) {  // a plan's caller commits (at the tail's state)
-    count(restored);
+  if (restored == 0 || plan != nullptr) {  // a plan's caller commits (at the tail's state) and counts
+    count(0);
     return restored;
   }
   // Committed like computed KV: the blocks become the sequence's and findable again.
@@ -1077,13 +1085,12 @@ Result<SuspendInfo> OffloadedCache::Suspend(SequenceId seq) {
   const std::vector<int> where = chain_.Locate(keys);
   const std::vector<int> where_history =
       has_boundary_pools_ ? chain_.Locate(history_keys) : std::vector<int>(nb, -1);
-  const std::vector<BundlePtr> pending = PendingBundles(keys);
-  const std::vector<BundlePtr> pending_history =
-      has_boundary_pools_ ? PendingBundles(history_keys) : std::vector<BundlePtr>(nb);
+  const std::vector<bool> pending = IsPending(keys);
+  const std::vector<bool> pending_history =
+      has_boundary_pools_ ? IsPending(history_keys) : std::vector<bool>(nb, false);
   std::vector<uint32_t> missing;
   for (uint32_t b = 0; b < nb; ++b) {
-    if (where[b] < 0 && where_history[b] < 0 && pending[b] == nullptr && pending_history[b] == nullptr)
-      missing.push_back(b);
+    if (where[b] < 0 && where_history[b] < 0 && !pending[b] && !pending_history[b]) missing.push_back(b);
   }
   // Gathered (copy and hash, split between threads as a write-through commit is) and handed to
   // the chain a chunk at a time, a few chunks in flight: memory stays bounded for a sequence of
@@ -1223,10 +1230,20 @@ Result<OffloadedCache::Tail> OffloadedCache::ParseTail(BundlePtr b, const BlockD
   t.edges = h.version >= 2;
   t.window_first = h.window_first;
   t.state_blocks = h.state_blocks;
-  if (h.window_first > t.block || h.window_blocks != t.block - h.window_first || h.state_blocks > 1 ||
-      (h.state_blocks == 1 && (t.partial || t.block == 0)))
-    return Status::Corruption(fmt::format("{}: window blocks {}+{} and {} state blocks for a state of {} tokens",
-                                          name, h.window_first, h.window_blocks, h.state_blocks, state_tokens));
+  // Exactly what Suspend writes for this model: fewer window or state pages would leave the
+  // resumed sequence without some of what its next token reads.
+  const uint64_t window = manager_.window_tokens();
+  uint32_t want_first = t.block, want_state = 0;  // version 1, or a model without those pools
+  if (h.version >= 2 && has_boundary_pools_) {
+    want_first = static_cast<uint32_t>(state_tokens > window ? (state_tokens - window) / bt : 0);
+    want_state = !t.partial && t.block > 0 ? 1 : 0;
+  }
+  if (h.window_first != want_first || h.window_blocks != t.block - want_first || h.state_blocks != want_state ||
+      h.reserved != 0) {
+    return Status::Corruption(fmt::format(
+        "{}: window pages of blocks {}+{} and {} state pages for a state of {} tokens (expected {}+{} and {})", name,
+        h.window_first, h.window_blocks, h.state_blocks, state_tokens, want_first, t.block - want_first, want_state));
+  }
   // Segments: header, tokens, the partial block's pages, then the window and state pages.
   uint32_t next = 2 + (t.partial ? static_cast<uint32_t>(geo.pools.size()) : 0);
   t.edge_segment.assign(geo.pools.size(), -1);
@@ -1313,13 +1330,18 @@ Result<ResumeInfo> OffloadedCache::Resume(const SequenceOptions& options,
     return out;
   }
 
+  Result<PrefixMatch> l1 = manager_.AcquireResumePrefix(seq, nb);
+  if (!l1.ok()) return fail(l1.status());
+  out.l1_blocks = l1->blocks;
+  uint32_t have = l1->blocks;
+
   // The tail, when the state needs one: for a partial block, or for the window and state at a
-  // block edge of a model that has them.
+  // block edge L1 does not reach (a model that has them).
   std::optional<Tail> tail;
   std::string tail_lost;
   const BlockDigest parent = nb == 0 ? st->root : st->digests[nb - 1];
   const std::span<const TokenId> tail_tokens = tokens.subspan(uint64_t{nb} * bt, state_tokens - uint64_t{nb} * bt);
-  if (partial || (has_boundary_pools_ && nb > 0)) {
+  if (partial || (has_boundary_pools_ && have < nb)) {
     const BundleKey key{options_.namespace_id, TailKey(parent, st->extra_keys, tail_tokens, state_tokens)};
     std::vector<Result<BundlePtr>> got = chain_.Promote({key}).get();
     Result<Tail> t = got[0].ok() ? ParseTail(*got[0], parent, tail_tokens, state_tokens) : got[0].status();
@@ -1335,11 +1357,11 @@ Result<ResumeInfo> OffloadedCache::Resume(const SequenceOptions& options,
     }
   }
 
-  Result<PrefixMatch> l1 = manager_.AcquireResumePrefix(seq, nb);
-  if (!l1.ok()) return fail(l1.status());
-  out.l1_blocks = l1->blocks;
-  uint32_t have = l1->blocks;
   bool committed_at_state = false;
+  auto count_restored = [&](uint32_t blocks) {
+    MutexLock lock(shared_->mu);
+    shared_->stats.restored_blocks += blocks;
+  };
   // With a tail whose window and state pages cover the edge, each block may come from a whole
   // or a history record, and only the boundary pages the tail holds are allocated.
   const bool edges = tail && has_boundary_pools_ && tail->edges;
@@ -1353,19 +1375,31 @@ Result<ResumeInfo> OffloadedCache::Resume(const SequenceOptions& options,
       whole.push_back(KeyOf(st->digests[b]));
       hist.push_back(HistoryKey(st->digests[b]));
     }
-    const std::vector<int> at_whole = chain_.Locate(whole);
-    const std::vector<int> at_hist = chain_.Locate(hist);
-    const std::vector<BundlePtr> pending = PendingBundles(whole);
-    const std::vector<BundlePtr> pending_hist = PendingBundles(hist);
+    // Where a block is, as a rank: on its way to the chain (0), in tier t (t + 1), nowhere.
+    constexpr int kNowhere = std::numeric_limits<int>::max();
+    auto ranks = [&](const std::vector<BundleKey>& keys) {
+      const std::vector<int> at = chain_.Locate(keys);
+      const std::vector<bool> pending = IsPending(keys);
+      std::vector<int> r(keys.size());
+      for (size_t i = 0; i < keys.size(); ++i) r[i] = pending[i] ? 0 : at[i] >= 0 ? at[i] + 1 : kNowhere;
+      return r;
+    };
+    const std::vector<int> rank_whole = ranks(whole), rank_hist = ranks(hist);
+    uint32_t absent = nb;
     for (size_t i = 0; i < whole.size(); ++i) {
-      const bool use_whole =
-          at_whole[i] >= 0 || pending[i] != nullptr || (at_hist[i] < 0 && pending_hist[i] == nullptr);
-      plan.keys.push_back(use_whole ? whole[i] : hist[i]);
-      plan.history.push_back(!use_whole);
+      // The history record where it is as near as the whole bundle: a thirtieth of the bytes,
+      // and the whole one's window and state are not read here anyway (the tail's are).
+      const bool use_hist = rank_hist[i] != kNowhere && rank_hist[i] <= rank_whole[i];
+      if (!use_hist && rank_whole[i] == kNowhere && absent == nb) absent = have + static_cast<uint32_t>(i);
+      plan.keys.push_back(use_hist ? hist[i] : whole[i]);
+      plan.history.push_back(use_hist);
     }
-    const uint32_t n = RestoreBlocks(seq, have, std::span<const BlockDigest>(st->digests).subspan(have, nb - have), &plan);
+    // A block in neither form: the tail cannot be reached, so nothing is read for it.
+    const uint32_t n = absent < nb ? 0
+                                   : RestoreBlocks(seq, have, std::span<const BlockDigest>(st->digests).subspan(have, nb - have), &plan);
     Status s = n == nb - have ? Status::OK()
-                              : Status::NotFound(fmt::format("block {} of {} not found whole or as history in L1 or the chain", have + n, nb));
+                              : Status::NotFound(fmt::format("block {} of {} not found whole or as history in L1 or the chain",
+                                                             absent < nb ? absent : have + n, nb));
     // Committed at the state, or not at all: the blocks' own edges are not there to stop at.
     if (s.ok()) s = partial ? RestorePartial(seq, *tail) : manager_.CommitComputed(seq, state_tokens);
     if (s.ok()) {
@@ -1373,6 +1407,7 @@ Result<ResumeInfo> OffloadedCache::Resume(const SequenceOptions& options,
       have = nb;
       committed_at_state = true;
       out.tail_restored = true;
+      count_restored(n);
     } else {
       Status trim = manager_.TrimSlots(seq);
       if (!trim.ok()) return fail(trim);

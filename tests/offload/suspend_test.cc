@@ -617,6 +617,40 @@ TEST(Suspend, VersionOneTailStillResumes) {
                                          ref.begin() + static_cast<long>(p + kContinue)));
 }
 
+// A version-2 tail whose header claims fewer window pages than the state needs (a foreign or
+// damaged writer whose checksum holds) is not used: the resume goes back to the whole bundles'
+// edge instead of leaving the window's first rows unrestored.
+TEST(Suspend, ATailShortOfWindowPagesIsNotUsed) {
+  const uint64_t p = 133;
+  testing::TempDir dir("suspend_short_tail");
+  Stack s = Build(true, dir.path());
+  Suspended r = DecodeAndSuspend(s, p);
+  s.cache->WaitIdle();
+  s.cache->Evict(kL1Blocks);
+  const BundleKey key{0, r.info.tail};
+  BundlePtr v2 = s.chain->Promote({key}).get()[0].value();
+  std::vector<std::byte> header(v2->segment(0).begin(), v2->segment(0).end());
+  ASSERT_EQ(header.size(), 64u);
+  uint32_t first = 0, blocks = 0;
+  std::memcpy(&first, header.data() + 48, 4);
+  std::memcpy(&blocks, header.data() + 52, 4);
+  ASSERT_EQ(first, 0u);
+  ASSERT_EQ(blocks, 1u);
+  first = 1;
+  blocks = 0;
+  std::memcpy(header.data() + 48, &first, 4);
+  std::memcpy(header.data() + 52, &blocks, 4);
+  std::vector<std::span<const std::byte>> segs{header, v2->segment(1)};
+  for (size_t pool = 0; pool < s.manager->num_pools(); ++pool) segs.push_back(v2->segment(static_cast<uint32_t>(2 + pool)));
+  ASSERT_TRUE(s.chain->Demote({Bundle::Make(key, segs, s.chain->NextSequence()).value()}).get()[0].ok());
+  auto res = s.cache->Resume({}, r.tokens, p);
+  ASSERT_TRUE(res.ok()) << res.status().ToString();
+  EXPECT_FALSE(res->tail_restored);
+  EXPECT_EQ(res->restored_tokens, kBlockTokens);
+  EXPECT_NE(res->lost.find("window pages"), std::string::npos) << res->lost;
+  ASSERT_TRUE(s.manager->CheckInvariants().ok()) << s.manager->CheckInvariants().ToString();
+}
+
 TEST(Suspend, BadArguments) {
   testing::TempDir dir("suspend_bad");
   Stack s = Build(false, dir.path());

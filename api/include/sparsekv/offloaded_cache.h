@@ -149,8 +149,8 @@ struct OffloadedCacheStats {
   // Write-back: seconds the demote thread spent in CacheManager::EvictAhead (the manager's lock
   // held for the bookkeeping of those evictions, and waiting for it).
   double evict_ahead_seconds = 0;
-  // Write-back: evictions of a block that lacked a kind (its window or snapshot pages were
-  // evicted earlier) of a model whose history records would be the whole block: not demoted.
+  // Write-back: evictions that lacked a kind and were not demoted: the window or snapshot
+  // pages of a block that had already lost some of them.
   uint64_t evicted_incomplete = 0;
   // Write-back: evictions of a block whose window or state pages went earlier, demoted as a
   // history record (its full-history kinds; HistoryKey).
@@ -301,6 +301,8 @@ class OffloadedCache {
   void Demote(std::vector<BundlePtr> bundles, bool evicted);
   // Per key: the bundle on its way to the chain (write-back), or nullptr.
   std::vector<BundlePtr> PendingBundles(std::span<const BundleKey> keys) const;
+  // Per key: whether it is on its way to the chain (write-back), without making its bundle.
+  std::vector<bool> IsPending(std::span<const BundleKey> keys) const;
   // How many leading keys the chain holds or has on the way.
   size_t CountLower(std::span<const BundleKey> keys) const;
   // A whole bundle of this geometry, or with `history` a history record, of block `digest`.
