@@ -256,14 +256,19 @@ BundlePtr OffloadedCache::GatherBlock(SequenceId seq, uint32_t block, const Bloc
 }
 
 BundlePtr OffloadedCache::GatherPages(const BlockDigest& digest, std::span<const PageId> pages,
-                                      bool into_host) const {
+                                      bool into_host, bool history) const {
   const BlockGeometry& geo = manager_.geometry();
   std::vector<std::span<const std::byte>> segments;
   for (size_t p = 0; p < geo.pools.size(); ++p) {
+    if (history && !IsFullHistoryKind(geo.pools[p].spec.kind)) {
+      segments.emplace_back(reinterpret_cast<const std::byte*>(&digest), 0);  // empty, not null
+      continue;
+    }
     if (pages[p] == kInvalidPage) return nullptr;
     segments.emplace_back(manager_.pool(p).PageData(pages[p]), geo.pools[p].block_stride);
   }
   segments.emplace_back(reinterpret_cast<const std::byte*>(&digest.check), sizeof digest.check);
+  const BundleKey key = history ? HistoryKey(digest) : KeyOf(digest);
   const uint64_t sequence = chain_.NextSequence();
   // Written straight into the host tier's memory when it is the chain's first tier: one
   // copy-and-hash pass, and the demote that follows only refreshes it there and writes the
@@ -271,10 +276,10 @@ BundlePtr OffloadedCache::GatherPages(const BlockDigest& digest, std::span<const
   // goes to the chain, which decides as for any put.
   auto* host = into_host ? dynamic_cast<HostTier*>(&chain_.tier(0)) : nullptr;
   if (host != nullptr) {
-    Result<BundlePtr> b = host->PutGathered(KeyOf(digest), segments, sequence);
+    Result<BundlePtr> b = host->PutGathered(key, segments, sequence);
     if (b.ok()) return *b;
   }
-  auto b = Bundle::Make(KeyOf(digest), segments, sequence);
+  auto b = Bundle::Make(key, segments, sequence);
   return b.ok() ? *b : nullptr;
 }
 
@@ -287,30 +292,6 @@ BundleKey OffloadedCache::HistoryKey(const BlockDigest& digest) const {
   std::memcpy(in + sizeof kTag - 1, &digest.hash, sizeof(BlockHash));
   const XXH128_hash_t h = XXH3_128bits(in, sizeof in);
   return BundleKey{options_.namespace_id, BlockHash{h.low64, h.high64}};
-}
-
-BundlePtr OffloadedCache::GatherHistory(const BlockDigest& digest, std::span<const PageId> pages,
-                                        bool into_host) const {
-  const BlockGeometry& geo = manager_.geometry();
-  std::vector<std::span<const std::byte>> segments;
-  for (size_t p = 0; p < geo.pools.size(); ++p) {
-    if (!IsFullHistoryKind(geo.pools[p].spec.kind)) {
-      segments.emplace_back(reinterpret_cast<const std::byte*>(&digest), 0);  // empty, not null
-      continue;
-    }
-    if (pages[p] == kInvalidPage) return nullptr;
-    segments.emplace_back(manager_.pool(p).PageData(pages[p]), geo.pools[p].block_stride);
-  }
-  segments.emplace_back(reinterpret_cast<const std::byte*>(&digest.check), sizeof digest.check);
-  const uint64_t sequence = chain_.NextSequence();
-  // As GatherPages: straight into the host tier when it is the chain's first.
-  auto* host = into_host ? dynamic_cast<HostTier*>(&chain_.tier(0)) : nullptr;
-  if (host != nullptr) {
-    Result<BundlePtr> b = host->PutGathered(HistoryKey(digest), segments, sequence);
-    if (b.ok()) return *b;
-  }
-  auto b = Bundle::Make(HistoryKey(digest), segments, sequence);
-  return b.ok() ? *b : nullptr;
 }
 
 void OffloadedCache::OnEvict(const EvictingBlock& block) {
@@ -456,11 +437,8 @@ uint32_t OffloadedCache::EvictBlocks(uint32_t free_target, uint32_t max_blocks) 
     std::vector<BundlePtr> made(taken.size());
     RunSplit(static_cast<uint32_t>(taken.size()), [&](uint32_t from, uint32_t to) {
       for (uint32_t i = from; i < to; ++i) {
-        if (taken[i]->history) {
-          made[i] = GatherHistory(taken[i]->block.digest, taken[i]->block.pages, gather_into_host_);
-        } else if (taken[i]->demoted) {
-          made[i] = GatherPages(taken[i]->block.digest, taken[i]->block.pages, gather_into_host_);
-        }
+        if (taken[i]->demoted)
+          made[i] = GatherPages(taken[i]->block.digest, taken[i]->block.pages, gather_into_host_, taken[i]->history);
       }
     });
     std::vector<BundlePtr> bundles;
@@ -600,8 +578,7 @@ std::vector<BundlePtr> OffloadedCache::PendingBundles(std::span<const BundleKey>
     if (staged[i] != nullptr) {
       out[i] = BundleOf(*staged[i]);
     } else if (held[i] != nullptr) {
-      out[i] = held[i]->history ? GatherHistory(held[i]->block.digest, held[i]->block.pages, /*into_host=*/false)
-                                : GatherPages(held[i]->block.digest, held[i]->block.pages, /*into_host=*/false);
+      out[i] = GatherPages(held[i]->block.digest, held[i]->block.pages, /*into_host=*/false, held[i]->history);
     }
   }
   return out;
@@ -1116,8 +1093,7 @@ Result<SuspendInfo> OffloadedCache::Suspend(SequenceId seq) {
         const uint32_t b = missing[c + i];
         for (size_t p = 0; p < geo.pools.size(); ++p)
           pages[p] = b < tables[p].size() ? tables[p][b] : kInvalidPage;
-        made[i] = has_boundary_pools_ ? GatherHistory(st->digests[b], pages, /*into_host=*/true)
-                                      : GatherPages(st->digests[b], pages, /*into_host=*/true);
+        made[i] = GatherPages(st->digests[b], pages, /*into_host=*/true, /*history=*/has_boundary_pools_);
       }
     });
     std::vector<BundlePtr> chunk;

@@ -269,13 +269,11 @@ class OffloadedCache {
                         const std::vector<std::vector<PageId>>& tables, bool into_host) const;
   // The same from one page per pool; nullptr if one is missing. With `into_host` and a host
   // tier first in the chain, the record is stored there as it is gathered
-  // (HostTier::PutGathered) and returned pinned there: only for a bundle demoted next.
-  BundlePtr GatherPages(const BlockDigest& digest, std::span<const PageId> pages,
-                        bool into_host) const;
-  // A history record of the block (its full-history pools' pages, the others empty, the digest
-  // check), filed under HistoryKey; nullptr if one of those pages is missing. `into_host` as
-  // for GatherPages.
-  BundlePtr GatherHistory(const BlockDigest& digest, std::span<const PageId> pages, bool into_host) const;
+  // (HostTier::PutGathered) and returned pinned there: only for a bundle demoted next. With
+  // `history`, a history record instead: the full-history pools' pages only (the others'
+  // segments empty), filed under HistoryKey.
+  BundlePtr GatherPages(const BlockDigest& digest, std::span<const PageId> pages, bool into_host,
+                        bool history = false) const;
   // Runs range(from, to) over [0, count) split between the caller and the restorers (one part
   // each), and returns when every part has.
   void RunSplit(uint32_t count, const std::function<void(uint32_t, uint32_t)>& range) const;
