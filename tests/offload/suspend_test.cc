@@ -129,6 +129,30 @@ Pages Snapshot(const CacheManager& m, SequenceId seq) {
   return out;
 }
 
+// Decodes kContinue more tokens of a resumed sequence (tokens as ToyDecoder::Run wants them):
+// they must give the uninterrupted run's digests `ref` from position p on.
+void ExpectContinues(Stack& s, SequenceId seq, std::vector<TokenId>* tokens, const std::vector<uint64_t>& ref,
+                     uint64_t p) {
+  std::vector<uint64_t> after;
+  const Status st = Decode(s, seq, kContinue, tokens, &after);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(after, std::vector<uint64_t>(ref.begin() + static_cast<long>(p),
+                                         ref.begin() + static_cast<long>(p + kContinue)));
+}
+
+// Every page the suspended sequence held, byte for byte, and no more.
+void ExpectSamePages(const Pages& want, const Pages& got) {
+  EXPECT_EQ(got.size(), want.size());
+  for (const auto& [where, bytes] : want) {
+    auto it = got.find(where);
+    ASSERT_NE(it, got.end()) << "block " << where.first << " pool " << where.second;
+    size_t at = 0;
+    while (at < bytes.size() && bytes[at] == it->second[at]) ++at;
+    EXPECT_EQ(at, bytes.size()) << "block " << where.first << " pool " << where.second
+                                << " differs at byte " << at << " of " << bytes.size();
+  }
+}
+
 // An uninterrupted run of `n` steps: its digests.
 std::vector<uint64_t> Reference(bool v4, uint64_t n) {
   testing::TempDir dir("suspend_ref");
@@ -250,22 +274,8 @@ TEST_P(SuspendResume, ContinuesBitIdenticalAtBlockAndCompressionEdges) {
       EXPECT_EQ(res->lower_blocks, p / kBlockTokens);
     }
     EXPECT_EQ(s.manager->GetSequenceInfo(res->seq)->computed_tokens, p);
-    // Every page the suspended sequence held, byte for byte (and no more).
-    const Pages resumed = Snapshot(*s.manager, res->seq);
-    EXPECT_EQ(resumed.size(), r.pages.size());
-    for (const auto& [where, bytes] : r.pages) {
-      auto it = resumed.find(where);
-      ASSERT_NE(it, resumed.end()) << "block " << where.first << " pool " << where.second;
-      size_t at = 0;
-      while (at < bytes.size() && bytes[at] == it->second[at]) ++at;
-      EXPECT_EQ(at, bytes.size()) << "block " << where.first << " pool " << where.second
-                                  << " differs at byte " << at << " of " << bytes.size();
-    }
-    std::vector<uint64_t> after;
-    const Status st = Decode(s, res->seq, kContinue, &r.tokens, &after);
-    ASSERT_TRUE(st.ok()) << st.ToString();
-    EXPECT_EQ(after, std::vector<uint64_t>(ref.begin() + static_cast<long>(p),
-                                           ref.begin() + static_cast<long>(p + kContinue)));
+    ASSERT_NO_FATAL_FAILURE(ExpectSamePages(r.pages, Snapshot(*s.manager, res->seq)));
+    ASSERT_NO_FATAL_FAILURE(ExpectContinues(s, res->seq, &r.tokens, ref, p));
     ASSERT_TRUE(s.cache->Free(res->seq).ok());
     ASSERT_TRUE(s.manager->CheckInvariants().ok());
   }
@@ -308,10 +318,7 @@ TEST_P(SuspendResume, MissingWrongOrDamagedTailRecomputesFromTheBlockEdge) {
     std::vector<uint64_t> again;
     ASSERT_TRUE(Recompute(s, res->seq, r.tokens, 128, p, &again).ok());
     EXPECT_EQ(again, std::vector<uint64_t>(ref.begin() + 128, ref.begin() + static_cast<long>(p)));
-    std::vector<uint64_t> after;
-    ASSERT_TRUE(Decode(s, res->seq, kContinue, &r.tokens, &after).ok());
-    EXPECT_EQ(after, std::vector<uint64_t>(ref.begin() + static_cast<long>(p),
-                                           ref.begin() + static_cast<long>(p + kContinue)));
+    ASSERT_NO_FATAL_FAILURE(ExpectContinues(s, res->seq, &r.tokens, ref, p));
     ASSERT_TRUE(s.cache->Free(res->seq).ok());
   }
   if (!s.fs->Stats().flipped_bits) ADD_FAILURE() << "the damaged read was never made";
@@ -345,10 +352,7 @@ TEST_P(SuspendResume, PrefixBlockGoneFromEveryTierRecomputesFromIt) {
   std::vector<uint64_t> again;
   ASSERT_TRUE(Recompute(s, res->seq, r.tokens, exact, p, &again).ok());
   EXPECT_EQ(again, std::vector<uint64_t>(ref.begin() + static_cast<long>(exact), ref.begin() + static_cast<long>(p)));
-  std::vector<uint64_t> after;
-  ASSERT_TRUE(Decode(s, res->seq, kContinue, &r.tokens, &after).ok());
-  EXPECT_EQ(after, std::vector<uint64_t>(ref.begin() + static_cast<long>(p),
-                                         ref.begin() + static_cast<long>(p + kContinue)));
+  ASSERT_NO_FATAL_FAILURE(ExpectContinues(s, res->seq, &r.tokens, ref, p));
 }
 
 // Write-back: nothing reached the tiers before the suspend, and V4's window and snapshot pages
@@ -372,10 +376,7 @@ TEST_P(SuspendResume, WriteBackSuspendWritesEveryBlock) {
   ASSERT_TRUE(res.ok()) << res.status().ToString();
   EXPECT_EQ(res->recompute_tokens, 0u) << res->lost;
   EXPECT_EQ(res->lower_blocks, 3u);
-  std::vector<uint64_t> after;
-  ASSERT_TRUE(Decode(s, res->seq, kContinue, &r.tokens, &after).ok());
-  EXPECT_EQ(after, std::vector<uint64_t>(ref.begin() + static_cast<long>(p),
-                                         ref.begin() + static_cast<long>(p + kContinue)));
+  ASSERT_NO_FATAL_FAILURE(ExpectContinues(s, res->seq, &r.tokens, ref, p));
   ASSERT_TRUE(s.cache->Free(res->seq).ok());
   ASSERT_TRUE(s.manager->CheckInvariants().ok());
 }
@@ -439,18 +440,8 @@ TEST(Suspend, LongV4SequenceResumesFromHistoryIntoSmallBoundaryPools) {
   EXPECT_TRUE(res->tail_restored);
   EXPECT_EQ(s.cache->Stats().restore_no_room, 0u);
   ASSERT_TRUE(s.manager->CheckInvariants().ok()) << s.manager->CheckInvariants().ToString();
-  // Byte for byte, every page the suspended sequence held.
-  const Pages resumed = Snapshot(*s.manager, res->seq);
-  EXPECT_EQ(resumed.size(), r.pages.size());
-  for (const auto& [where, bytes] : r.pages) {
-    auto it = resumed.find(where);
-    ASSERT_NE(it, resumed.end()) << "block " << where.first << " pool " << where.second;
-    EXPECT_TRUE(it->second == bytes) << "block " << where.first << " pool " << where.second;
-  }
-  std::vector<uint64_t> after;
-  ASSERT_TRUE(Decode(s, res->seq, kContinue, &r.tokens, &after).ok());
-  EXPECT_EQ(after, std::vector<uint64_t>(ref.begin() + static_cast<long>(p),
-                                         ref.begin() + static_cast<long>(p + kContinue)));
+  ASSERT_NO_FATAL_FAILURE(ExpectSamePages(r.pages, Snapshot(*s.manager, res->seq)));
+  ASSERT_NO_FATAL_FAILURE(ExpectContinues(s, res->seq, &r.tokens, ref, p));
   ASSERT_TRUE(s.cache->Free(res->seq).ok());
   ASSERT_TRUE(s.manager->CheckInvariants().ok());
 }
@@ -508,10 +499,7 @@ TEST(Suspend, WriteBackEvictionKeepsTheHistoryOfBlocksWithoutTheirEdges) {
     ASSERT_TRUE(res.ok()) << res.status().ToString();
     EXPECT_EQ(res->recompute_tokens, 0u) << res->lost;
     EXPECT_EQ(res->lower_blocks, 6u);
-    std::vector<uint64_t> after;
-    ASSERT_TRUE(Decode(s, res->seq, kContinue, &r.tokens, &after).ok());
-    EXPECT_EQ(after, std::vector<uint64_t>(ref.begin() + static_cast<long>(p),
-                                           ref.begin() + static_cast<long>(p + kContinue)));
+    ASSERT_NO_FATAL_FAILURE(ExpectContinues(s, res->seq, &r.tokens, ref, p));
     ASSERT_TRUE(s.cache->Free(res->seq).ok());
   }
 }
@@ -611,10 +599,7 @@ TEST(Suspend, VersionOneTailStillResumes) {
   ASSERT_TRUE(res.ok()) << res.status().ToString();
   EXPECT_EQ(res->recompute_tokens, 0u) << res->lost;
   EXPECT_TRUE(res->tail_restored);
-  std::vector<uint64_t> after;
-  ASSERT_TRUE(Decode(s, res->seq, kContinue, &r.tokens, &after).ok());
-  EXPECT_EQ(after, std::vector<uint64_t>(ref.begin() + static_cast<long>(p),
-                                         ref.begin() + static_cast<long>(p + kContinue)));
+  ASSERT_NO_FATAL_FAILURE(ExpectContinues(s, res->seq, &r.tokens, ref, p));
 }
 
 // A version-2 tail whose header claims fewer window pages than the state needs (a foreign or
