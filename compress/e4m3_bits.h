@@ -29,10 +29,10 @@ inline __m256i E4m3FromBf16Lanes(__m256i x, __m256i bias) {
   return _mm256_srli_epi16(hi, 8);
 }
 
-// A kVector tile of n (a multiple of 16) bf16 values to e4m3 codes; inv is a power of two.
-inline void StoreE4m3FromBf16(const uint8_t* src, uint32_t n, float inv, uint8_t* dst) {
-  const int k = 127 - static_cast<int>(FloatBits(inv) >> 23);  // inv = 2^-k
-  const __m256i bias = _mm256_set1_epi16(static_cast<short>(static_cast<uint16_t>(7 - ((120 + k) << 7))));
+// A kVector tile of n (a multiple of 16) bf16 values to e4m3 codes, whose inv is 2^-k; bias16 is
+// 7 - ((120 + k) << 7), which the SIMD planners put in TilePlan::e4m3_bf16_bias.
+inline void StoreE4m3FromBf16(const uint8_t* src, uint32_t n, uint16_t bias16, uint8_t* dst) {
+  const __m256i bias = _mm256_set1_epi16(static_cast<short>(bias16));
   uint32_t i = 0;
   for (; i + 32 <= n; i += 32) {
     const __m256i a = E4m3FromBf16Lanes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * i)), bias);

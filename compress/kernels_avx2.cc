@@ -42,11 +42,12 @@ inline __m256 Load8(const uint8_t* p) {
 // of the fp32 bits) or 4 dwords (fp32 input). The min comes back complemented, so that both
 // finish with the same max tree (simd_plan.h). n is a multiple of 16.
 template <bool kBf16In, bool kWantMin>
-inline void TileRange(const uint8_t* src, uint32_t n, __m128i& max_acc, __m128i& nmin_acc) {
+[[gnu::always_inline]] inline void TileRange(const uint8_t* src, uint32_t n, __m128i& max_acc, __m128i& nmin_acc) {
   if constexpr (kBf16In) {
     const __m256i abs16 = _mm256_set1_epi16(0x7fff);
     __m256i mx = _mm256_setzero_si256();
     __m256i mn = _mm256_set1_epi16(-1);
+#pragma GCC unroll 8
     for (uint32_t i = 0; i < n; i += 16) {
       const __m256i a = _mm256_and_si256(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * i)), abs16);
@@ -141,6 +142,28 @@ inline void StoreBf16x8(uint8_t* dst, __m256 v) {
                    _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
 
+// 16 int8 values times a scale to bf16, Bf16FromFloatRef(float(q) * scale) for each, where
+// s16 = scale * 2^-16 exactly (scale zero or at least 2^-110) and scale is finite. Each 32-bit
+// lane of the sign-extended words holds an even value (low half) and an odd one (high half), and
+// both are taken from there without a shuffle: the odd one masked is q * 2^16, the even one
+// shifted up is q * 2^16 too, and times s16 each gives q * scale's own product (the same real
+// number, so the same rounding). The two products' high halves, blended, are the 16 truncated
+// bf16 in order, and their low halves the 16 remainders; rounding to nearest even is then done
+// in 16-bit lanes: up where remainder + 0x7fff + (bf16 & 1) carries out of 16 bits, which bit
+// 15 of the unsigned average (remainder + (0x7ffe | (bf16 & 1)) + 1) / 2 tells. 16 operations
+// (and the store) for 16 values, where widening each half to 32 bits and packing took 18.
+inline __m256i Int8x16ToBf16(const uint8_t* q, __m256 s16) {
+  const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const __m256 even = _mm256_cvtepi32_ps(_mm256_slli_epi32(w, 16));
+  const __m256 odd = _mm256_cvtepi32_ps(_mm256_and_si256(w, Set1(0xffff0000u)));
+  const __m256i pe = _mm256_castps_si256(_mm256_mul_ps(even, s16));
+  const __m256i po = _mm256_castps_si256(_mm256_mul_ps(odd, s16));
+  const __m256i top = _mm256_blend_epi16(_mm256_srli_epi32(pe, 16), po, 0xAA);
+  const __m256i rest = _mm256_blend_epi16(pe, _mm256_slli_epi32(po, 16), 0xAA);
+  const __m256i bias = _mm256_or_si256(_mm256_and_si256(top, _mm256_set1_epi16(1)), _mm256_set1_epi16(0x7ffe));
+  return _mm256_add_epi16(top, _mm256_srli_epi16(_mm256_avg_epu16(rest, bias), 15));
+}
+
 // Canonical quiet NaN with each code's sign, where a code (8 of them) is a NaN code.
 inline __m256 FixNaNLanes(__m256 v, __m128i codes8) {
   const __m256i c = _mm256_cvtepi8_epi32(codes8);
@@ -151,6 +174,7 @@ inline __m256 FixNaNLanes(__m256 v, __m128i codes8) {
 }
 
 #define SPARSEKV_INLINE [[gnu::always_inline]] inline
+#define SPARSEKV_LAMBDA_INLINE __attribute__((always_inline))
 
 template <bool kBf16In, class LanesFn>
 SPARSEKV_INLINE void StoreCodes(const uint8_t* src, uint32_t n, __m256 inv, uint8_t* dst,
@@ -284,8 +308,8 @@ struct Avx2Prims {
   SPARSEKV_INLINE static void PlanInt8(const uint8_t* src, size_t stride, uint32_t n, uint32_t count,
                                        TilePlan* plans) {
     PlanTileGroups<kBf16In, false>(
-        src, stride, count, [n](const uint8_t* t, __m128i& mx, __m128i& nmn) { TileRange<kBf16In, false>(t, n, mx, nmn); },
-        [&](uint32_t g, uint32_t m, __m128i amax, __m128i) {
+        src, stride, count, [n](const uint8_t* t, __m128i& mx, __m128i& nmn) SPARSEKV_LAMBDA_INLINE { TileRange<kBf16In, false>(t, n, mx, nmn); },
+        [&](uint32_t g, uint32_t m, __m128i amax, __m128i) SPARSEKV_LAMBDA_INLINE {
           PlanInt8Four(amax, m, plans + g, [&](uint32_t i) { return PlanInt8Ref<kBf16In>(src + (g + i) * stride, n); });
         });
   }
@@ -294,8 +318,8 @@ struct Avx2Prims {
   SPARSEKV_INLINE static void PlanE4m3(const uint8_t* src, size_t stride, uint32_t n,
                                        uint32_t count, ScaleRule rule, TilePlan* plans) {
     PlanTileGroups<kBf16In, true>(
-        src, stride, count, [n](const uint8_t* t, __m128i& mx, __m128i& nmn) { TileRange<kBf16In, true>(t, n, mx, nmn); },
-        [&](uint32_t g, uint32_t m, __m128i amax, __m128i amin) {
+        src, stride, count, [n](const uint8_t* t, __m128i& mx, __m128i& nmn) SPARSEKV_LAMBDA_INLINE { TileRange<kBf16In, true>(t, n, mx, nmn); },
+        [&](uint32_t g, uint32_t m, __m128i amax, __m128i amin) SPARSEKV_LAMBDA_INLINE {
           PlanFour(amax, amin, m, rule, plans + g,
                    [&](uint32_t i) { return PlanE4m3Ref<kBf16In>(src + (g + i) * stride, n, rule); });
         });
@@ -317,7 +341,7 @@ struct Avx2Prims {
     const __m256 inv = _mm256_set1_ps(plan.inv);
     if (plan.mode == TileMode::kVector) [[likely]] {
       if constexpr (kBf16In) {
-        StoreE4m3FromBf16(src, n, plan.inv, dst);
+        StoreE4m3FromBf16(src, n, plan.e4m3_bf16_bias, dst);
       } else {
         StoreCodes<kBf16In>(src, n, inv, dst, E4m3NormalFn{});
       }
@@ -361,7 +385,13 @@ struct Avx2Prims {
     };
     uint32_t i = 0;
     if constexpr (kBf16Out) {
-      if (__builtin_isfinite(scale)) [[likely]] {  // q * scale is finite or ±inf, never NaN
+      const uint32_t exponent = FloatBits(scale) >> 23 & 0xff;
+      if ((exponent >= 17 && exponent < 255) || (FloatBits(scale) & kAbsMask) == 0) [[likely]] {
+        const __m256 s16 = _mm256_set1_ps(scale * 0x1p-16f);  // exact: normal or zero
+        for (; i + 16 <= n; i += 16) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * i), Int8x16ToBf16(q + i, s16));
+        }
+      } else if (__builtin_isfinite(scale)) {  // q * scale is finite or ±inf, never NaN
         for (; i + 16 <= n; i += 16) StoreBf16x16<false>(dst + 2 * i, lanes(i), lanes(i + 8));
       } else {
         for (; i + 16 <= n; i += 16) StoreBf16x16(dst + 2 * i, lanes(i), lanes(i + 8));

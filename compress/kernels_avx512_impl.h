@@ -349,7 +349,7 @@ struct Avx512Prims {
     const __m512 inv = _mm512_set1_ps(plan.inv);
     if (plan.mode == TileMode::kVector) [[likely]] {
       if constexpr (kBf16In) {
-        StoreE4m3FromBf16(src, n, plan.inv, dst);  // e4m3_bits.h
+        StoreE4m3FromBf16(src, n, plan.e4m3_bf16_bias, dst);  // e4m3_bits.h
       } else {
         StoreCodes<kBf16In>(src, n, inv, dst, E4m3NormalFn{});
       }

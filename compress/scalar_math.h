@@ -250,10 +250,13 @@ struct alignas(16) TilePlan {
   float inv = 0;
   uint8_t ue8m0 = 127;
   TileMode mode = TileMode::kScalar;
-  // Named padding, so a copy moves all 16 bytes in aligned halves: with two unnamed bytes
-  // GCC copied 14, the second half as a load overlapping two stores, which cannot forward from
-  // them (21% of c8_mla's AVX2 encode time in perf).
-  uint8_t pad[2] = {0, 0};
+  // kVector e4m3 tiles planned by the SIMD planners (simd_plan.h, PlanFour): the 16-bit constant
+  // that E4m3FromBf16Lanes (e4m3_bits.h) adds, so the value loop of bf16 rows need not derive it
+  // from inv (eight scalar instructions a tile, a tenth of fp8_v4's AVX2 encode). Else unused.
+  // Named, too, so that a copy moves all 16 bytes in aligned halves: with two unnamed bytes of
+  // padding here GCC copied 14, the second half as a load overlapping two stores, which cannot
+  // forward from them (21% of c8_mla's AVX2 encode time in perf).
+  uint16_t e4m3_bf16_bias = 0;
 
   void Set(const TileQuant& q, TileMode m) {
     scale = q.scale;

@@ -37,12 +37,14 @@ inline __m128i MaxDwords4(__m128i a, __m128i b, __m128i c, __m128i d) {
   return _mm_max_epu32(_mm_unpacklo_epi64(ab, cd), _mm_unpackhi_epi64(ab, cd));
 }
 
-// Writes four plans at once: each lane's scale, prescale 1, inv and (ue8m0 | mode << 8) in the
+// Writes four plans at once: each lane's scale, prescale 1, inv and (ue8m0 | mode << 8 |
+// e4m3_bf16_bias << 16) in the
 // TilePlan layout (a 4 x 4 transpose, four 16-byte stores), where a field-by-field loop cost
 // about a dozen scalar instructions a tile. `plans` has room for four even when fewer are asked.
 [[gnu::always_inline]] inline void StorePlans4(TilePlan* plans, __m128 scale, __m128 inv, __m128i misc) {
   static_assert(sizeof(TilePlan) == 16 && offsetof(TilePlan, prescale) == 4 && offsetof(TilePlan, inv) == 8 &&
-                    offsetof(TilePlan, ue8m0) == 12 && offsetof(TilePlan, mode) == 13 && offsetof(TilePlan, pad) == 14,
+                    offsetof(TilePlan, ue8m0) == 12 && offsetof(TilePlan, mode) == 13 &&
+                    offsetof(TilePlan, e4m3_bf16_bias) == 14,
                 "StorePlans4 writes the TilePlan layout");
   const __m128 t0 = _mm_unpacklo_ps(scale, _mm_set1_ps(1.0f));  // s0 1 s1 1
   const __m128 t1 = _mm_unpackhi_ps(scale, _mm_set1_ps(1.0f));  // s2 1 s3 1
@@ -88,8 +90,10 @@ template <class PlanRefFn>
                                      _mm_set1_ps(0x1p-6f));  // all ones: kVector
   static_assert(static_cast<int>(TileMode::kVector) == 0 && static_cast<int>(TileMode::kVectorAny) == 1);
   const __m128i mode = _mm_andnot_si128(_mm_castps_si128(vector), _mm_set1_epi32(1 << 8));
+  // E4m3FromBf16Lanes' constant: 7 less the rebias (120 + k) << 7, in the top 16 bits.
+  const __m128i bias = _mm_slli_epi32(_mm_sub_epi32(_mm_set1_epi32(7), _mm_slli_epi32(_mm_add_epi32(k, _mm_set1_epi32(120)), 7)), 16);
   StorePlans4(plans, _mm_castsi128_ps(scale), _mm_castsi128_ps(inv),
-              _mm_or_si128(_mm_add_epi32(k, _mm_set1_epi32(127)), mode));
+              _mm_or_si128(_mm_or_si128(_mm_add_epi32(k, _mm_set1_epi32(127)), mode), bias));
   if (nonfinite & ((1 << count) - 1)) [[unlikely]] {
     for (uint32_t i = 0; i < count; ++i) {
       if (nonfinite >> i & 1) plans[i] = plan_ref(i);
