@@ -38,9 +38,8 @@ inline __m128i MaxDwords4(__m128i a, __m128i b, __m128i c, __m128i d) {
 }
 
 // Writes four plans at once: each lane's scale, prescale 1, inv and (ue8m0 | mode << 8 |
-// e4m3_bf16_bias << 16) in the
-// TilePlan layout (a 4 x 4 transpose, four 16-byte stores), where a field-by-field loop cost
-// about a dozen scalar instructions a tile. `plans` has room for four even when fewer are asked.
+// e4m3_bf16_bias << 16) in the TilePlan layout (a 4 x 4 transpose, four 16-byte stores), where a
+// field-by-field loop cost about a dozen scalar instructions a tile. `plans` has room for four even when fewer are asked.
 [[gnu::always_inline]] inline void StorePlans4(TilePlan* plans, __m128 scale, __m128 inv, __m128i misc) {
   static_assert(sizeof(TilePlan) == 16 && offsetof(TilePlan, prescale) == 4 && offsetof(TilePlan, inv) == 8 &&
                     offsetof(TilePlan, ue8m0) == 12 && offsetof(TilePlan, mode) == 13 &&
