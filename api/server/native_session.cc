@@ -342,6 +342,8 @@ class Session : public std::enable_shared_from_this<Session> {
   const Clock::time_point& created() const { return created_; }
   // Since when the connection has had nothing in flight (steady-clock ticks), 0 while busy.
   int64_t idle_since() const { return idle_since_.load(std::memory_order_relaxed); }
+  // Whether it has sent a request since its HELLO.
+  bool called() const { return called_.load(std::memory_order_relaxed); }
 
  private:
   enum class Resume { kNone, kHeader, kPayload };  // where a parked connection goes on
@@ -393,6 +395,7 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       rpos_ += wire::kHeaderBytes;
       header_ = *h;
+      if (authed_) called_.store(true, std::memory_order_relaxed);
       last_active_ = frame_start_ = Clock::now();
       in_frame_ = true;
       got_ = 0;
@@ -1896,6 +1899,7 @@ class Session : public std::enable_shared_from_this<Session> {
   const Clock::time_point created_;
   std::shared_ptr<Account> account_ = std::make_shared<Account>();  // this connection's share of the budget
   std::atomic<int64_t> idle_since_{0};
+  std::atomic<bool> called_{false};
   std::atomic<bool> in_park_list_{false};
   Resume parked_ = Resume::kNone;
   bool in_frame_ = false;           // a header was read and its payload is not all in
@@ -2022,8 +2026,8 @@ Status Server::Impl::AdmitAuthenticated(Session* s, uint32_t ns) {
             "namespace '{}' has its {} connections and none is idle; try again later", nc.name, nc.max_connections));
       }
       why = fmt::format("closed to admit a new connection: namespace '{}' has at most {} and this one was idle the "
-                        "longest",
-                        nc.name, nc.max_connections);
+                        "longest{}",
+                        nc.name, nc.max_connections, victim->called() ? "" : " of those that made no call since HELLO");
     } else if (authenticated_ + resp_conns_ >= options_.max_connections) {
       victim = LongestIdle(0, s);
       if (!victim) {
@@ -2031,8 +2035,8 @@ Status Server::Impl::AdmitAuthenticated(Session* s, uint32_t ns) {
             "sparsekvd serves at most {} connections and none is idle; try again later", options_.max_connections));
       }
       why = fmt::format("closed to admit a new connection: sparsekvd serves at most {} and this one was idle the "
-                        "longest",
-                        options_.max_connections);
+                        "longest{}",
+                        options_.max_connections, victim->called() ? "" : " of those that made no call since HELLO");
     }
     if (victim) {
       --authenticated_;
@@ -2054,16 +2058,23 @@ Status Server::Impl::AdmitAuthenticated(Session* s, uint32_t ns) {
 }
 
 std::shared_ptr<Session> Server::Impl::LongestIdle(uint32_t ns, const Session* except) {
+  // A connection that has made no call since its HELLO goes first: a flood of connections that
+  // only say HELLO then displaces its own, not a client at work whose thread was descheduled
+  // for a moment (under a flood of a connection every few milliseconds, a working client that
+  // waited 0.1 s between calls was once the idlest, and lost a call to a broken pipe).
   std::shared_ptr<Session> best;
   int64_t best_since = 0;
+  bool best_called = true;
   for (const auto& other : sessions_) {
     if (other.get() == except || other->counted_ != Session::Counted::kAuthenticated) continue;
     if (ns != 0 && other->counted_ns_ != ns) continue;
     const int64_t since = other->idle_since();
     if (since == 0) continue;  // busy
-    if (!best || since < best_since) {
+    const bool called = other->called();
+    if (!best || (!called && best_called) || (called == best_called && since < best_since)) {
       best = other;
       best_since = since;
+      best_called = called;
     }
   }
   return best;

@@ -63,7 +63,8 @@ struct ServerOptions {
   // Threads that run store calls. Default: 2.
   int worker_threads = 2;
   // Authenticated connections at once, native and RESP together. At the limit, a new native one
-  // that passes HELLO closes the longest-idle native connection (one with nothing in flight), or
+  // that passes HELLO closes the longest-idle native connection (one with nothing in flight;
+  // among those that have made no call since HELLO first, if there are any), or
   // is refused with an ERROR frame if none is idle; a new RESP one is refused as Redis refuses
   // it ("-ERR max number of clients reached"). Default: 256.
   uint32_t max_connections = 256;

@@ -77,8 +77,9 @@ class Server::Impl {
   // Called by a session whose HELLO checked out: counts it against the namespace's quota and
   // the server's limit, closing the longest-idle connection at either; an error refuses it.
   Status AdmitAuthenticated(Session* s, uint32_t ns);
-  // The authenticated session (of namespace `ns`, or any with 0) idle the longest; null if none
-  // is idle. Called with mu_ held.
+  // The authenticated session (of namespace `ns`, or any with 0) idle the longest among those
+  // that have made no call since HELLO, else among all; null if none is idle. Called with mu_
+  // held.
   std::shared_ptr<Session> LongestIdle(uint32_t ns, const Session* except);
   // Forgets `victim` in the counts (mu_ held) and closes it with `why`.
   void Evict(const std::shared_ptr<Session>& victim, const Status& why);

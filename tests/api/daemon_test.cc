@@ -1038,6 +1038,37 @@ TEST_F(DaemonLimitsTest, AtTheLimitTheLongestIdleConnectionMakesRoom) {
   EXPECT_NE(gone.ToString().find("idle the longest"), std::string::npos) << gone.ToString();
 }
 
+// A connection that has only said HELLO makes room before one that works, even one idle longer:
+// a flood of HELLO-only connections then displaces its own, not a client whose thread was
+// descheduled between calls (a hostile-stress run once lost a good client's call that way).
+TEST_F(DaemonLimitsTest, AConnectionThatOnlySaidHelloMakesRoomBeforeOneThatWorks) {
+  auto worker = Connect("alpha", "alpha-token", false);
+  ASSERT_NE(worker, nullptr);
+  ASSERT_TRUE(worker->Ping().ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto hello_only = Connect("alpha", "alpha-token", false);  // idle for less time, but no call
+  ASSERT_NE(hello_only, nullptr);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  auto third = Connect("alpha", "alpha-token", false);
+  ASSERT_NE(third, nullptr);
+  EXPECT_TRUE(third->Ping().ok());
+  EXPECT_TRUE(worker->Ping().ok());
+  const Status gone = hello_only->Ping();
+  EXPECT_FALSE(gone.ok());
+  EXPECT_NE(gone.ToString().find("no call since HELLO"), std::string::npos) << gone.ToString();
+  // With every connection at work, the longest idle goes, as before.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_TRUE(third->Ping().ok());
+  auto fourth = Connect("alpha", "alpha-token", false);
+  ASSERT_NE(fourth, nullptr);
+  EXPECT_TRUE(fourth->Ping().ok());
+  EXPECT_TRUE(third->Ping().ok());
+  const Status worker_gone = worker->Ping();
+  EXPECT_FALSE(worker_gone.ok());
+  EXPECT_NE(worker_gone.ToString().find("idle the longest"), std::string::npos) << worker_gone.ToString();
+  EXPECT_EQ(worker_gone.ToString().find("no call since HELLO"), std::string::npos) << worker_gone.ToString();
+}
+
 class DaemonSlowClientTest : public DaemonTest {
  protected:
   void Configure(TieredStoreOptions&, ServerOptions& opts) override { opts.max_inflight_bytes = 1 << 20; }
