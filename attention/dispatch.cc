@@ -14,6 +14,8 @@ const PathKernels* KernelsFor(SimdPath path) {
     case SimdPath::kAvx512:
     case SimdPath::kAvx512Bf16:
       return Avx512Kernels();
+    case SimdPath::kNeon:
+      return ScalarKernels();  // no NEON attention kernels: the codecs' path only
   }
   return nullptr;
 }

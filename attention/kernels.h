@@ -111,7 +111,7 @@ inline AlignedFloats AllocFloats(uint64_t n) {
 const PathKernels* ScalarKernels();
 const PathKernels* Avx2Kernels();
 const PathKernels* Avx512Kernels();
-// The table the kernels use for `path` (avx512_bf16 runs the avx512 table).
+// The table the kernels use for `path` (avx512_bf16 runs the avx512 table, neon the scalar one).
 const PathKernels* KernelsFor(SimdPath path);
 
 }  // namespace sparsekv::attention

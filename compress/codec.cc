@@ -22,6 +22,8 @@ const PathKernels* KernelsFor(SimdPath path) {
       return Avx512PathKernels();
     case SimdPath::kAvx512Bf16:
       return Avx512Bf16PathKernels();
+    case SimdPath::kNeon:
+      return NeonPathKernels();
   }
   return nullptr;
 }
@@ -197,8 +199,13 @@ Status ExportIdxC8(const PageCodec& codec, const void* page, uint32_t first_slot
   for (uint32_t i = 0; i < count; ++i) {
     float s;
     std::memcpy(&s, p + layout::IdxScaleOffset(dims, codec.entries(), first_slot + i), 4);
-    // GCC's _Float16 conversion is IEEE's: nearest even, overflow to infinity, NaN kept.
+    // GCC's half conversion is IEEE's: nearest even, overflow to infinity, NaN kept. GCC 12 has
+    // _Float16 in C++ on x86-64 only; AArch64's __fp16 is the same IEEE binary16.
+#if defined(__aarch64__)
+    scales_fp16[i] = std::bit_cast<uint16_t>(static_cast<__fp16>(s));
+#else
     scales_fp16[i] = std::bit_cast<uint16_t>(static_cast<_Float16>(s));
+#endif
   }
   return Status::OK();
 }

@@ -13,7 +13,7 @@ namespace sparsekv {
 namespace {
 
 constexpr std::array<std::string_view, kNumSimdPaths> kPathNames = {"scalar", "avx2", "avx512",
-                                                                    "avx512_bf16"};
+                                                                    "avx512_bf16", "neon"};
 
 CpuFeatures Detect() {
   CpuFeatures f;
@@ -71,7 +71,7 @@ Result<SimdPath> ParseSimdPath(std::string_view name) {
     if (kPathNames[i] == name) return static_cast<SimdPath>(i);
   }
   return Status::InvalidArgument(
-      fmt::format("unknown SIMD path '{}'; expected scalar, avx2, avx512 or avx512_bf16", name));
+      fmt::format("unknown SIMD path '{}'; expected scalar, avx2, avx512, avx512_bf16 or neon", name));
 }
 
 const CpuFeatures& DetectCpuFeatures() {
@@ -92,11 +92,16 @@ bool SimdPathSupported(SimdPath path) {
       return avx512;
     case SimdPath::kAvx512Bf16:
       return avx512 && f.avx512bf16;
+    case SimdPath::kNeon:
+      return false;
   }
   return false;
+#elif defined(__aarch64__)
+  (void)f;
+  return path == SimdPath::kScalar || path == SimdPath::kNeon;  // NEON is part of AArch64
 #else
   (void)f;
-  return path == SimdPath::kScalar;  // the SIMD paths are x86-64 code
+  return path == SimdPath::kScalar;  // the SIMD paths are x86-64 and AArch64 code
 #endif
 }
 

@@ -53,6 +53,7 @@ const PathKernels* ScalarPathKernels();
 const PathKernels* Avx2PathKernels();
 const PathKernels* Avx512PathKernels();
 const PathKernels* Avx512Bf16PathKernels();
+const PathKernels* NeonPathKernels();
 
 // The table of `path`; nullptr when unavailable in this build or not supported by this CPU.
 const PathKernels* KernelsFor(SimdPath path);

@@ -8,6 +8,7 @@ packages=(
   librocksdb-dev liburing-dev libboost-dev libboost-system-dev libxxhash-dev libssl-dev
   libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  g++-aarch64-linux-gnu qemu-user
   clang libclang-rt-14-dev
   fio redis-server redis-tools libhiredis-dev
   mkdocs mkdocs-material prometheus python3-matplotlib

@@ -38,7 +38,7 @@ SPARSEKV_BENCH_COMMAND(attention) {
   AddRoundOptions(cmd, o.rounds, o.round_seconds);
   cmd->add_option(
       "--path", args->path,
-      "SIMD path: scalar, avx2, avx512 or avx512_bf16 (default: SPARSEKV_SIMD or the best)");
+      "SIMD path: scalar, avx2, avx512, avx512_bf16 or neon (default: SPARSEKV_SIMD or the best)");
   cmd->add_flag("--json", args->json, "Print JSON");
   cmd->callback([args, &exit_code] {
     auto& o = args->options;

@@ -24,7 +24,7 @@ SPARSEKV_BENCH_COMMAND(codec) {
       ->capture_default_str();
   cmd->add_option(
       "--path", args->path,
-      "SIMD path: scalar, avx2, avx512 or avx512_bf16 (default: SPARSEKV_SIMD or the best)");
+      "SIMD path: scalar, avx2, avx512, avx512_bf16 or neon (default: SPARSEKV_SIMD or the best)");
   cmd->add_flag("--json", args->json, "Print JSON");
   cmd->callback([args, &exit_code] {
     if (!ParseSimdPathOption(args->path, args->options.path, exit_code)) return;

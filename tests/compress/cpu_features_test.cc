@@ -46,6 +46,18 @@ TEST(SimdPath, SupportIsConsistentWithFeatures) {
   RecordProperty("supported_paths", names);
 }
 
+// NEON is part of every AArch64 CPU, so there it is supported and the best path (the codec tests
+// then hold it to scalar: tests/neon/run.sh runs them under qemu-aarch64); elsewhere it is not.
+TEST(SimdPath, NeonIsTheBestPathExactlyOnAarch64) {
+#if defined(__aarch64__)
+  EXPECT_TRUE(SimdPathSupported(SimdPath::kNeon));
+  EXPECT_EQ(BestSimdPath(), SimdPath::kNeon);
+#else
+  EXPECT_FALSE(SimdPathSupported(SimdPath::kNeon));
+  EXPECT_NE(BestSimdPath(), SimdPath::kNeon);
+#endif
+}
+
 TEST(SimdPath, SetActiveAcceptsSupportedAndRefusesOthers) {
   const SimdPath before = ActiveSimdPath();
   for (int i = 0; i < kNumSimdPaths; ++i) {

@@ -1,11 +1,12 @@
 // SIMD paths: which ones this CPU can run, and which one the codecs use.
 //
 // Every codec has a portable scalar path and SIMD paths built into the same binary; the path is
-// chosen at run time from the CPU's features, so the library runs on any x86-64 CPU (and, with
-// the scalar path only, on any other). All paths produce bit-identical bytes and values.
+// chosen at run time from the CPU's features, so the library runs on any x86-64 CPU, and on
+// AArch64 with the NEON path (every AArch64 CPU has NEON; others get the scalar path only). All
+// paths produce bit-identical bytes and values.
 //
 // The active path is the best one the CPU supports, unless the environment variable
-// SPARSEKV_SIMD (scalar, avx2, avx512 or avx512_bf16) named another supported path when it was
+// SPARSEKV_SIMD (scalar, avx2, avx512, avx512_bf16 or neon) named another supported path when it was
 // first read, or SetActiveSimdPath chose one since. Thread safety: every function here is
 // thread-safe; a PageCodec keeps the path it was created with.
 #pragma once
@@ -23,11 +24,12 @@ enum class SimdPath : uint8_t {
   kAvx2,        // AVX2 + F16C (Haswell, Zen 1 and later)
   kAvx512,      // AVX-512 F/BW/VL/DQ + F16C (Skylake-SP, Ice Lake)
   kAvx512Bf16,  // kAvx512 + AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4)
+  kNeon,        // AArch64 Advanced SIMD (every AArch64 CPU): the codecs; attention runs scalar
 };
-inline constexpr int kNumSimdPaths = 4;
+inline constexpr int kNumSimdPaths = 5;
 
 std::string_view SimdPathName(SimdPath path);
-// "scalar", "avx2", "avx512" or "avx512_bf16".
+// "scalar", "avx2", "avx512", "avx512_bf16" or "neon".
 Result<SimdPath> ParseSimdPath(std::string_view name);
 
 // The instruction-set extensions that matter to sparsekv, as CPUID and the OS report them.
