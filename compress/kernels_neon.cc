@@ -136,7 +136,8 @@ inline bool AllNormalCodes(const uint8_t* codes, uint32_t n) {
 
 struct NeonPrims {
   template <bool kBf16In>
-  static void PlanInt8(const uint8_t* src, size_t stride, uint32_t n, uint32_t count, TilePlan* plans) {
+  static void PlanInt8(const uint8_t* src, size_t stride, uint32_t n, uint32_t count,
+                       TilePlan* plans) {
     for (uint32_t i = 0; i < count; ++i) {
       const uint8_t* tile = src + i * stride;
       uint32_t amax = 0, amin = 0;
@@ -151,8 +152,8 @@ struct NeonPrims {
   }
 
   template <bool kBf16In>
-  static void PlanE4m3(const uint8_t* src, size_t stride, uint32_t n, uint32_t count, ScaleRule rule,
-                       TilePlan* plans) {
+  static void PlanE4m3(const uint8_t* src, size_t stride, uint32_t n, uint32_t count,
+                       ScaleRule rule, TilePlan* plans) {
     for (uint32_t i = 0; i < count; ++i) {
       const uint8_t* tile = src + i * stride;
       uint32_t amax = 0, amin = 0;
@@ -204,7 +205,8 @@ struct NeonPrims {
     }
     if constexpr (kBf16In) {
       const uint16x8_t bias = vdupq_n_u16(plan.e4m3_bf16_bias);
-      for (uint32_t i = 0; i < n; i += 8) vst1_u8(dst + i, E4m3FromBf16x8(LoadU16x8(src + 2 * i), bias));
+      for (uint32_t i = 0; i < n; i += 8)
+        vst1_u8(dst + i, E4m3FromBf16x8(LoadU16x8(src + 2 * i), bias));
     } else {
       const float32x4_t inv = vdupq_n_f32(plan.inv);
       for (uint32_t i = 0; i < n; i += 8) {
@@ -224,7 +226,8 @@ struct NeonPrims {
     } else {
       uint32_t i = 0;
       for (; i + 8 <= n; i += 8) {
-        const uint16x8_t r = vcombine_u16(Bf16Any4(LoadU32x4(src + 4 * i)), Bf16Any4(LoadU32x4(src + 4 * i + 16)));
+        const uint16x8_t r =
+            vcombine_u16(Bf16Any4(LoadU32x4(src + 4 * i)), Bf16Any4(LoadU32x4(src + 4 * i + 16)));
         vst1q_u8(dst + 2 * i, vreinterpretq_u8_u16(r));
       }
       NarrowToBf16Ref(src + 4 * i, n - i, dst + 2 * i);
@@ -276,13 +279,15 @@ struct NeonPrims {
     if constexpr (kBf16Out) {
       // Normal codes under 2^k, -120 <= k <= 119, are exact bf16 numbers: the code's bits moved
       // into place plus the exponent rebias (e4m3_bits.h, DecodeNormalE4m3ToBf16).
-      if ((sb & 0x807fffffu) == 0 && sb >= (7u << 23) && sb <= (246u << 23) && AllNormalCodes(codes, n)) {
+      if ((sb & 0x807fffffu) == 0 && sb >= (7u << 23) && sb <= (246u << 23) &&
+          AllNormalCodes(codes, n)) {
         const int k = static_cast<int>(sb >> 23) - 127;
         const int16x8_t mask = vdupq_n_s16(static_cast<int16_t>(0x87f0));
         const int16x8_t bias = vdupq_n_s16(static_cast<int16_t>((120 + k) << 7));
         for (; i + 8 <= n; i += 8) {
           const int16x8_t c = vmovl_s8(vld1_s8(reinterpret_cast<const int8_t*>(codes + i)));
-          vst1q_u8(dst + 2 * i, vreinterpretq_u8_s16(vaddq_s16(vandq_s16(vshlq_n_s16(c, 4), mask), bias)));
+          vst1q_u8(dst + 2 * i,
+                   vreinterpretq_u8_s16(vaddq_s16(vandq_s16(vshlq_n_s16(c, 4), mask), bias)));
         }
       }
     } else {
@@ -296,7 +301,8 @@ struct NeonPrims {
         for (; i + 8 <= n; i += 8) {
           const int16x8_t c = vmovl_s8(vld1_s8(reinterpret_cast<const int8_t*>(codes + i)));
           const float16x8_t h = vreinterpretq_f16_s16(vandq_s16(vshlq_n_s16(c, 7), mask));
-          vst1q_f32(reinterpret_cast<float*>(dst + 4 * i), vmulq_f32(vcvt_f32_f16(vget_low_f16(h)), s));
+          vst1q_f32(reinterpret_cast<float*>(dst + 4 * i),
+                    vmulq_f32(vcvt_f32_f16(vget_low_f16(h)), s));
           vst1q_f32(reinterpret_cast<float*>(dst + 4 * i + 16), vmulq_f32(vcvt_high_f32_f16(h), s));
         }
       }

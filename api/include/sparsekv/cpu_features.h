@@ -6,8 +6,8 @@
 // paths produce bit-identical bytes and values.
 //
 // The active path is the best one the CPU supports, unless the environment variable
-// SPARSEKV_SIMD (scalar, avx2, avx512, avx512_bf16 or neon) named another supported path when it was
-// first read, or SetActiveSimdPath chose one since. Thread safety: every function here is
+// SPARSEKV_SIMD (scalar, avx2, avx512, avx512_bf16 or neon) named another supported path when it
+// was first read, or SetActiveSimdPath chose one since. Thread safety: every function here is
 // thread-safe; a PageCodec keeps the path it was created with.
 #pragma once
 
