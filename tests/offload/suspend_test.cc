@@ -98,6 +98,24 @@ Status Decode(Stack& s, SequenceId seq, uint64_t count, std::vector<TokenId>* to
       [&](SequenceId q, uint64_t n) { return s.cache->CommitComputed(q, n); });
 }
 
+// One turn of a conversation suspended after every turn: resumes `tokens` (suspended at their
+// last token) with nothing to recompute, decodes `count` more into them, suspends again into
+// `info` and drops the turn before's suspension (`previous`, then this turn's tail).
+void ConversationTurn(Stack& s, std::vector<TokenId>& tokens, uint64_t count,
+                      std::optional<BlockHash>& previous, SuspendInfo& info) {
+  auto res = s.cache->Resume({}, tokens, tokens.size() - 1);
+  ASSERT_TRUE(res.ok());
+  ASSERT_EQ(res->recompute_tokens, 0u) << res->lost;
+  ASSERT_TRUE(Decode(s, res->seq, count, &tokens, nullptr).ok());
+  auto suspended = s.cache->Suspend(res->seq);
+  ASSERT_TRUE(suspended.ok()) << suspended.status().ToString();
+  info = *suspended;
+  if (previous) {
+    ASSERT_TRUE(s.cache->DropSuspension(*previous).ok());
+  }
+  previous = info.tail;
+}
+
 // Computes tokens [from, to) of a resumed sequence again (they are appended already).
 Status Recompute(Stack& s, SequenceId seq, const std::vector<TokenId>& tokens, uint64_t from,
                  uint64_t to, std::vector<uint64_t>* digests) {
@@ -392,28 +410,21 @@ TEST(Suspend, ConversationCostsItsBlocksOncePlusOneTail) {
   testing::TempDir dir("suspend_conv");
   Stack s = Build(true, dir.path());
   std::vector<TokenId> tokens{11};
-  BlockHash previous;
+  std::optional<BlockHash> previous;
   uint64_t written = 0, tails = 0;
   for (int turn = 0; turn < 6; ++turn) {
-    auto res = s.cache->Resume({}, tokens, tokens.size() - 1);
-    ASSERT_TRUE(res.ok());
-    ASSERT_EQ(res->recompute_tokens, 0u) << res->lost;
-    ASSERT_TRUE(Decode(s, res->seq, 70, &tokens, nullptr).ok());
-    auto info = s.cache->Suspend(res->seq);
-    ASSERT_TRUE(info.ok()) << info.status().ToString();
-    written += info->written_bytes;
-    tails += info->tail_bytes;
-    if (turn > 0) {
-      ASSERT_TRUE(s.cache->DropSuspension(previous).ok());
-    }
-    previous = info->tail;
+    SuspendInfo info;
+    ASSERT_NO_FATAL_FAILURE(ConversationTurn(s, tokens, 70, previous, info));
+    written += info.written_bytes;
+    tails += info.tail_bytes;
   }
   // 421 tokens: 3 full blocks, each written once (write-through stored them as they filled, so
   // Suspend wrote none of them), and the tails.
   EXPECT_EQ(written, tails);
   auto key = s.cache->SuspensionKey({}, tokens, tokens.size() - 1);
   ASSERT_TRUE(key.ok());
-  EXPECT_EQ(*key, previous);
+  ASSERT_TRUE(previous.has_value());
+  EXPECT_EQ(*key, *previous);
 }
 
 // A V4 sequence far longer than L1's window and state pools (2 blocks each) suspends as history
@@ -550,21 +561,13 @@ TEST(Suspend, V4ConversationStoresHistoryOncePlusOneLiveTail) {
   uint64_t written = 0, tails = 0, last_tail = 0;
   uint32_t blocks = 0;
   for (int turn = 0; turn < 6; ++turn) {
-    auto res = s.cache->Resume({}, tokens, tokens.size() - 1);
-    ASSERT_TRUE(res.ok());
-    ASSERT_EQ(res->recompute_tokens, 0u) << res->lost;
-    ASSERT_TRUE(Decode(s, res->seq, 70, &tokens, nullptr).ok());
-    auto info = s.cache->Suspend(res->seq);
-    ASSERT_TRUE(info.ok()) << info.status().ToString();
-    EXPECT_EQ(info->history_blocks, info->written_blocks);
-    blocks += info->written_blocks;
-    written += info->written_bytes;
-    tails += info->tail_bytes;
-    last_tail = info->tail_bytes;
-    if (previous) {
-      ASSERT_TRUE(s.cache->DropSuspension(*previous).ok());
-    }
-    previous = info->tail;
+    SuspendInfo info;
+    ASSERT_NO_FATAL_FAILURE(ConversationTurn(s, tokens, 70, previous, info));
+    EXPECT_EQ(info.history_blocks, info.written_blocks);
+    blocks += info.written_blocks;
+    written += info.written_bytes;
+    tails += info.tail_bytes;
+    last_tail = info.tail_bytes;
   }
   EXPECT_EQ(blocks, (tokens.size() - 1) / kBlockTokens);
   EXPECT_EQ(written, blocks * history_bytes + tails);
