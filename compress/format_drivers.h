@@ -10,7 +10,6 @@
 //   ApplyE4m3<kBf16In>(src, n, plan, dst)
 //   ToBf16<kBf16In>(src, n, dst)                     ToFp32<kBf16In>(src, n, dst)
 //   DecodeInt8<kBf16Out>(q, scale, n, dst)           DecodeE4m3<kBf16Out>(codes, scale, n, dst)
-//   FromBf16<kBf16Out>(src, n, dst)                  FromFp32<kBf16Out>(src, n, dst)
 // Plan/Apply take n a multiple of 16; the others take any n. The Plan calls' `plans` have room
 // for `count` rounded up to a multiple of 4 (the SIMD planners write four at a time). The encode
 // loops plan the tiles of token r + 1 (the next four keys for the indexer) before applying those
@@ -77,6 +76,25 @@ struct TokenTiles {
   }
 };
 
+// Stored bf16 or fp32 values out as bf16 or fp32 rows: a copy, or the path's own widening or
+// narrowing (ToFp32 of bf16, ToBf16 of fp32).
+template <class P, bool kBf16Out>
+void FromBf16(const uint8_t* src, uint32_t n, uint8_t* dst) {
+  if constexpr (kBf16Out) {
+    __builtin_memcpy(dst, src, 2 * size_t{n});
+  } else {
+    P::template ToFp32<true>(src, n, dst);
+  }
+}
+template <class P, bool kBf16Out>
+void FromFp32(const uint8_t* src, uint32_t n, uint8_t* dst) {
+  if constexpr (kBf16Out) {
+    P::template ToBf16<false>(src, n, dst);
+  } else {
+    __builtin_memcpy(dst, src, 4 * size_t{n});
+  }
+}
+
 // ---- c8_mla and fp8_ds_mla: per token 512 8-bit values, 4 fp32 scales and 64 bf16 rope ----
 // fp8_ds_mla: nope | scales | rope (FlashMLA). c8_mla: nope | rope | scales (CANN).
 
@@ -121,7 +139,7 @@ void DecodeMla8(const DecodeJob& j) {
         P::template DecodeInt8<kBf16Out>(src, scale, layout::kMlaTile, dst);
       }
     }
-    P::template FromBf16<kBf16Out>(tok + kMlaRopeAt<kFp8>, layout::kMlaRopeDims,
+    FromBf16<P, kBf16Out>(tok + kMlaRopeAt<kFp8>, layout::kMlaRopeDims,
                                    y + layout::kMlaNopeDims * out);
   }
 }
@@ -159,7 +177,7 @@ void DecodeFp8V4(const DecodeJob& j) {
       P::template DecodeE4m3<kBf16Out>(data + t * layout::kV4Tile, Ue8m0ToFloatRef(scales[t]),
                                        layout::kV4Tile, y + t * layout::kV4Tile * out);
     }
-    P::template FromBf16<kBf16Out>(data + layout::kV4NopeDims, layout::kV4RopeDims,
+    FromBf16<P, kBf16Out>(data + layout::kV4NopeDims, layout::kV4RopeDims,
                                    y + layout::kV4NopeDims * out);
   }
 }
@@ -262,9 +280,9 @@ void DecodeRaw(const DecodeJob& j) {
     const uint8_t* src = j.page + (j.first_slot + r) * entry_bytes;
     uint8_t* y = j.rows + r * j.row_stride;
     if constexpr (kBf16Stored) {
-      P::template FromBf16<kBf16Out>(src, j.dims, y);
+      FromBf16<P, kBf16Out>(src, j.dims, y);
     } else {
-      P::template FromFp32<kBf16Out>(src, j.dims, y);
+      FromFp32<P, kBf16Out>(src, j.dims, y);
     }
   }
 }
@@ -291,12 +309,12 @@ void TileE4m3ToBf16(const uint8_t* c, float s, uint32_t n, uint16_t* out) {
 }
 template <class P>
 void TileBf16ToFp32(const uint16_t* v, uint32_t n, float* out) {
-  P::template FromBf16<false>(reinterpret_cast<const uint8_t*>(v), n,
+  FromBf16<P, false>(reinterpret_cast<const uint8_t*>(v), n,
                               reinterpret_cast<uint8_t*>(out));
 }
 template <class P>
 void TileFp32ToBf16(const float* v, uint32_t n, uint16_t* out) {
-  P::template FromFp32<true>(reinterpret_cast<const uint8_t*>(v), n,
+  FromFp32<P, true>(reinterpret_cast<const uint8_t*>(v), n,
                              reinterpret_cast<uint8_t*>(out));
 }
 

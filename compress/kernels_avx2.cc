@@ -450,24 +450,6 @@ struct Avx2Prims {
     }
     DecodeE4m3Ref<kBf16Out>(codes + i, scale, n - i, dst + out * i);
   }
-
-  template <bool kBf16Out>
-  SPARSEKV_INLINE static void FromBf16(const uint8_t* src, uint32_t n, uint8_t* dst) {
-    if constexpr (kBf16Out) {
-      __builtin_memcpy(dst, src, 2 * size_t{n});
-    } else {
-      ToFp32<true>(src, n, dst);
-    }
-  }
-
-  template <bool kBf16Out>
-  SPARSEKV_INLINE static void FromFp32(const uint8_t* src, uint32_t n, uint8_t* dst) {
-    if constexpr (kBf16Out) {
-      ToBf16<false>(src, n, dst);
-    } else {
-      __builtin_memcpy(dst, src, 4 * size_t{n});
-    }
-  }
 };
 
 constexpr PathKernels kAvx2Kernels = MakePathKernels<Avx2Prims>(SimdPath::kAvx2);

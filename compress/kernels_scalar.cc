@@ -49,22 +49,6 @@ struct ScalarPrims {
   static void DecodeE4m3(const uint8_t* codes, float scale, uint32_t n, uint8_t* dst) {
     DecodeE4m3Ref<kBf16Out>(codes, scale, n, dst);
   }
-  template <bool kBf16Out>
-  static void FromBf16(const uint8_t* src, uint32_t n, uint8_t* dst) {
-    if constexpr (kBf16Out) {
-      __builtin_memcpy(dst, src, 2 * size_t{n});
-    } else {
-      WidenBf16Ref(src, n, dst);
-    }
-  }
-  template <bool kBf16Out>
-  static void FromFp32(const uint8_t* src, uint32_t n, uint8_t* dst) {
-    if constexpr (kBf16Out) {
-      NarrowToBf16Ref(src, n, dst);
-    } else {
-      __builtin_memcpy(dst, src, 4 * size_t{n});
-    }
-  }
 };
 
 constexpr PathKernels kScalarKernels = MakePathKernels<ScalarPrims>(SimdPath::kScalar);
