@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <new>
@@ -22,7 +23,7 @@ constexpr uint64_t kVersionAt = 4;
 constexpr uint64_t kCountAt = 6;
 constexpr uint64_t kChecksumAt = 8;
 constexpr uint64_t kNamespaceAt = 16;
-constexpr uint64_t kFlagsAt = 20;
+constexpr uint64_t kPagesAt = 20;  // the pages tag; the flags word, always 0, before it
 constexpr uint64_t kHashLoAt = 24;
 constexpr uint64_t kHashHiAt = 32;
 constexpr uint64_t kPayloadAt = 40;
@@ -131,17 +132,19 @@ Status CheckSegments(std::span<const uint64_t> segment_bytes) {
   return Status::OK();
 }
 
+std::atomic<uint16_t> g_format_version{kBundleFormatVersion};
+
 // Everything of a record's header but its checksum.
 void WriteHeader(std::byte* p, const BundleKey& key, std::span<const uint64_t> segment_bytes,
-                 uint64_t total, uint64_t sequence) {
+                 uint64_t total, uint64_t sequence, uint32_t pages) {
   const auto count = static_cast<uint32_t>(segment_bytes.size());
   const uint64_t header = BundleHeaderBytes(count);
   std::memset(p, 0, header);
   Store<uint32_t>(p + kMagicAt, kBundleMagic);
-  Store<uint16_t>(p + kVersionAt, kBundleFormatVersion);
+  Store<uint16_t>(p + kVersionAt, g_format_version.load(std::memory_order_relaxed));
   Store<uint16_t>(p + kCountAt, static_cast<uint16_t>(count));
   Store<uint32_t>(p + kNamespaceAt, key.namespace_id);
-  Store<uint32_t>(p + kFlagsAt, 0);
+  Store<uint32_t>(p + kPagesAt, pages);
   Store<uint64_t>(p + kHashLoAt, key.hash.lo);
   Store<uint64_t>(p + kHashHiAt, key.hash.hi);
   Store<uint64_t>(p + kPayloadAt, total - header);
@@ -151,6 +154,12 @@ void WriteHeader(std::byte* p, const BundleKey& key, std::span<const uint64_t> s
 }
 
 }  // namespace
+
+uint16_t BundleFormatVersion() { return g_format_version.load(std::memory_order_relaxed); }
+
+uint16_t SetBundleFormatVersionForTesting(uint16_t version) { return g_format_version.exchange(version); }
+
+bool IsOtherBundleVersion(const Status& s) { return s.Is(StatusCode::kNotSupported); }
 
 std::string BundleKey::ToString() const {
   return fmt::format("ns {} / {:016x}{:016x}", namespace_id, hash.hi, hash.lo);
@@ -225,14 +234,15 @@ uint64_t RecordBuffer::SetReuseLimit(uint64_t bytes) {
 
 Result<BundlePtr> Bundle::MakeWith(
     const BundleKey& key, std::span<const uint64_t> segment_bytes,
-    const std::function<void(uint32_t, std::span<std::byte>)>& fill, uint64_t sequence) {
+    const std::function<void(uint32_t, std::span<std::byte>)>& fill, uint64_t sequence,
+    uint32_t pages) {
   SPARSEKV_RETURN_IF_ERROR(CheckSegments(segment_bytes));
   const auto count = static_cast<uint32_t>(segment_bytes.size());
   const uint64_t header = BundleHeaderBytes(count);
   const uint64_t total = BundleRecordBytes(segment_bytes);
   RecordBuffer buf = RecordBuffer::Allocate(total);
   std::byte* p = buf.data();
-  WriteHeader(p, key, segment_bytes, total, sequence);
+  WriteHeader(p, key, segment_bytes, total, sequence, pages);
   uint64_t at = header;
   for (uint32_t i = 0; i < count; ++i) {
     fill(i, std::span<std::byte>(p + at, segment_bytes[i]));
@@ -244,7 +254,7 @@ Result<BundlePtr> Bundle::MakeWith(
 
 Result<uint64_t> Bundle::WriteRecord(std::span<std::byte> out, const BundleKey& key,
                                      std::span<const std::span<const std::byte>> segments,
-                                     uint64_t sequence) {
+                                     uint64_t sequence, uint32_t pages) {
   uint64_t sizes[kMaxBundleSegments];
   if (segments.size() > kMaxBundleSegments) {
     return Status::InvalidArgument(fmt::format("a bundle holds at most {} segments, got {}",
@@ -261,7 +271,7 @@ Result<uint64_t> Bundle::WriteRecord(std::span<std::byte> out, const BundleKey& 
                     out.size()));
   }
   std::byte* p = out.data();
-  WriteHeader(p, key, segment_bytes, total, sequence);
+  WriteHeader(p, key, segment_bytes, total, sequence, pages);
   // One pass: each chunk is hashed right after its copy, while it is still in cache.
   XXH3_state_t state;
   XXH3_64bits_reset(&state);
@@ -282,7 +292,7 @@ Result<uint64_t> Bundle::WriteRecord(std::span<std::byte> out, const BundleKey& 
 
 Result<BundlePtr> Bundle::Make(const BundleKey& key,
                                std::span<const std::span<const std::byte>> segments,
-                               uint64_t sequence) {
+                               uint64_t sequence, uint32_t pages) {
   if (segments.size() > kMaxBundleSegments) {
     return Status::InvalidArgument(fmt::format("a bundle holds at most {} segments, got {}",
                                                kMaxBundleSegments, segments.size()));
@@ -293,7 +303,7 @@ Result<BundlePtr> Bundle::Make(const BundleKey& key,
   SPARSEKV_RETURN_IF_ERROR(CheckSegments(segment_bytes));  // before allocating
   const uint64_t total = BundleRecordBytes(segment_bytes);
   RecordBuffer buf = RecordBuffer::Allocate(total);
-  SPARSEKV_RETURN_IF_ERROR(WriteRecord({buf.data(), total}, key, segments, sequence).status());
+  SPARSEKV_RETURN_IF_ERROR(WriteRecord({buf.data(), total}, key, segments, sequence, pages).status());
   return FromVerified(std::move(buf), total);
 }
 
@@ -310,10 +320,12 @@ Status Bundle::VerifyRecordLayout(std::span<const std::byte> record, const Bundl
                                           expected.ToString(), Load<uint32_t>(p + kMagicAt),
                                           kBundleMagic));
   }
-  if (Load<uint16_t>(p + kVersionAt) != kBundleFormatVersion) {
-    return Status::Corruption(fmt::format("bundle {}: format version {}, expected {}",
-                                          expected.ToString(), Load<uint16_t>(p + kVersionAt),
-                                          kBundleFormatVersion));
+  if (const uint16_t version = Load<uint16_t>(p + kVersionAt); version != BundleFormatVersion()) {
+    // Not damage: another release's record. Its checksum and layout may follow rules this one
+    // does not know, so nothing past the version is judged, and the record is left in place.
+    return Status::NotSupported(fmt::format(
+        "bundle {}: a record of format version {}; this release reads {} (a miss: left in place)",
+        expected.ToString(), version, BundleFormatVersion()));
   }
   const uint32_t count = Load<uint16_t>(p + kCountAt);
   const uint64_t header = BundleHeaderBytes(count);
@@ -367,6 +379,8 @@ std::optional<Bundle::RecordHeader> Bundle::PeekHeader(std::span<const std::byte
   h.key.hash.lo = Load<uint64_t>(p + kHashLoAt);
   h.key.hash.hi = Load<uint64_t>(p + kHashHiAt);
   h.sequence = Load<uint64_t>(p + kSequenceAt);
+  h.version = Load<uint16_t>(p + kVersionAt);
+  h.pages = Load<uint32_t>(p + kPagesAt);
   return h;
 }
 
@@ -402,6 +416,7 @@ Result<BundlePtr> Bundle::FromVerified(RecordBuffer buffer, uint64_t record_byte
   b->header_bytes_ = BundleHeaderBytes(b->segment_count_);
   b->record_bytes_ = record_bytes;
   b->checksum_ = Load<uint64_t>(p + kChecksumAt);
+  b->pages_ = Load<uint32_t>(p + kPagesAt);
   b->record_ = std::move(buffer);
   return BundlePtr(std::move(b));
 }

@@ -97,7 +97,7 @@ class HostTierImpl final : public HostTier {
 
   Result<BundlePtr> PutGathered(const BundleKey& key,
                                 std::span<const std::span<const std::byte>> segments,
-                                uint64_t sequence) override {
+                                uint64_t sequence, uint32_t pages = 0) override {
     std::vector<uint64_t> sizes;
     for (const auto& seg : segments) sizes.push_back(seg.size());
     if (segments.size() > kMaxBundleSegments) {
@@ -140,7 +140,7 @@ class HostTierImpl final : public HostTier {
     }
     HandOver(std::move(evicted));
     if (!refused.ok()) return refused;
-    Result<uint64_t> sum = Bundle::WriteRecord({dst, record_bytes}, key, segments, sequence);
+    Result<uint64_t> sum = Bundle::WriteRecord({dst, record_bytes}, key, segments, sequence, pages);
     std::memset(dst + record_bytes, 0, units * kUnit - record_bytes);  // as PutOne's padding
     MutexLock lock(mu_);
     Entry& e = entries_[id];
@@ -254,6 +254,10 @@ class HostTierImpl final : public HostTier {
     Status v = Bundle::VerifyRecord(b->record(), key);
     if (v.ok()) return v;
     MutexLock lock(mu_);
+    if (IsOtherBundleVersion(v)) {  // another release's record: a miss, left in place
+      ++stats_.other_version;
+      return v.WithContext("host tier");
+    }
     ++stats_.corrupt;
     auto it = index_.find(key);  // not b->key(): that was read from the damaged record
     if (it != index_.end() && DataOf(entries_[it->second]) == b->record().data()) ForgetLocked(it);
@@ -321,8 +325,8 @@ class HostTierImpl final : public HostTier {
         if (b.ok()) {
           ++handing_over_[e.key];
           evicted->push_back(std::move(*b));
-        } else {
-          ++stats_.corrupt;
+        } else if (!IsOtherBundleVersion(b.status())) {
+          ++stats_.corrupt;  // another release's record leaves by eviction, not handed down
         }
       }
       ++stats_.evictions;
@@ -479,6 +483,13 @@ class HostTierImpl final : public HostTier {
     }
     Result<BundlePtr> b = Bundle::ParseRecord({data, bytes}, key);
     MutexLock lock(mu_);
+    if (!b.ok() && IsOtherBundleVersion(b.status())) {
+      // Another release's record: a miss, counted, left to its writer and to eviction.
+      ++stats_.other_version;
+      ++stats_.misses;
+      ReleaseReaderLocked(id);
+      return Status::NotFound(fmt::format("host tier: {}", b.status().message()));
+    }
     if (!b.ok()) {
       ++stats_.corrupt;
       auto it = index_.find(key);

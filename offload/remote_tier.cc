@@ -92,6 +92,14 @@ class RemoteTierImpl final : public RemoteTier {
     const std::string label = key.namespace_id >= 1 && key.namespace_id <= labels_.size()
                                   ? labels_[key.namespace_id - 1]
                                   : fmt::format("ns{}", key.namespace_id);
+    // Format 3 keeps the key it always had; any other bundle format puts its version in the key,
+    // so that daemons of two formats sharing a key_prefix (a rolling upgrade) never share a key:
+    // neither replaces nor even reads the other's values.
+    const uint16_t version = BundleFormatVersion();
+    if (version != 3) {
+      return fmt::format("{}:v{}:{}:{:016x}{:016x}", options_.key_prefix, version, label, key.hash.hi,
+                         key.hash.lo);
+    }
     return fmt::format("{}:{}:{:016x}{:016x}", options_.key_prefix, label, key.hash.hi, key.hash.lo);
   }
 
@@ -106,6 +114,7 @@ class RemoteTierImpl final : public RemoteTier {
     s.erased = erased_.load();
     s.superseded = superseded_.load();
     s.corrupt = corrupt_.load();
+    s.other_version = other_version_.load();
     s.io_errors = cluster_->Stats().failed_commands;
     s.bytes_written = bytes_written_.load();
     s.bytes_read = bytes_read_.load();
@@ -330,7 +339,16 @@ class RemoteTierImpl final : public RemoteTier {
     } else {
       st = Bundle::VerifyRecord(rec, key);
     }
+    if (IsOtherBundleVersion(st)) {
+      // Another release's record under this key: a miss, counted, never deleted (it is its
+      // writer's, and Redis's eviction decides when it goes).
+      ++other_version_;
+      ++misses_;
+      return Status::NotFound(fmt::format("remote tier: {}: {}", name, st.message()));
+    }
     if (!st.ok()) {
+      // Only a record that fails its checks is dropped, and only while it still holds the bytes
+      // that failed (a good copy written meanwhile stays).
       ++corrupt_;
       spdlog::warn("remote tier: {} failed its checks and is dropped: {}", name, st.message());
       const std::string head(v.substr(0, std::min<size_t>(16, v.size())));
@@ -347,6 +365,7 @@ class RemoteTierImpl final : public RemoteTier {
   std::vector<std::string> labels_;
   std::unique_ptr<offload::WorkerPool> writers_;
   std::atomic<uint64_t> hits_{0}, misses_{0}, puts_{0}, put_failures_{0}, erased_{0}, superseded_{0}, corrupt_{0};
+  std::atomic<uint64_t> other_version_{0};
   std::atomic<uint64_t> bytes_written_{0}, bytes_read_{0};
   std::atomic<uint64_t> pending_write_bytes_{0}, write_refusals_{0};
 };

@@ -34,12 +34,16 @@ using offload::EncodeBundleKey;
 using offload::FromRocksDb;
 
 constexpr char kMetaFamily[] = "meta";
-// In the data family, beside the fixed-size encoded bundle keys (key_codec.h): the record
-// format the tier holds. A database without it and with records predates it: bundle format 2,
-// whose c8_mla pages had their scales before the rope (README, "Storage formats").
+// In the data family, beside the fixed-size encoded bundle keys (key_codec.h): the directory's
+// mark. A database without it and with records predates it: bundle format 2, whose c8_mla pages
+// had their scales before the rope (README, "Storage formats"). The mark was the bundle format
+// until format 3; now that every record carries its own format version and a reader takes
+// another version for a miss (bundle.h), it names the layout of the tier's keys and metadata
+// only, and stays the value format 3 wrote, so that releases of different bundle formats open
+// each other's directories and delete none of each other's records.
 constexpr char kFormatKey[] = "sparsekv:format";
 const std::string& FormatValue() {
-  static const std::string v = fmt::format("sparsekv-bundle-{}", kBundleFormatVersion);
+  static const std::string v = "sparsekv-bundle-3";
   return v;
 }
 
@@ -58,10 +62,13 @@ std::string EncodeMeta(const MetaValue& m) {
   return out;
 }
 
+// A longer value is a later release's, which may only append fields: its first bytes are read
+// as this release's, so a downgrade keeps the entry. Shorter ones, or lengths between the two
+// known ones, are damage.
 bool DecodeMeta(std::string_view in, MetaValue* m) {
-  if (in.size() != sizeof *m && in.size() != kMetaV1Bytes) return false;
+  if (in.size() < sizeof *m && in.size() != kMetaV1Bytes) return false;
   *m = MetaValue{};
-  std::memcpy(m, in.data(), in.size());
+  std::memcpy(m, in.data(), std::min(in.size(), sizeof *m));
   return true;
 }
 
@@ -497,7 +504,7 @@ std::vector<Result<BundlePtr>> RocksDbTierImpl::DoGet(const std::vector<BundleKe
   std::vector<std::optional<Result<BundlePtr>>> results(n);
   std::vector<BundleKey> corrupt;
   std::vector<uint64_t> corrupt_checksums;
-  uint64_t hits = 0, corrupt_count = 0, io_errors = 0, bytes_read = 0;
+  uint64_t hits = 0, corrupt_count = 0, io_errors = 0, bytes_read = 0, other_version = 0;
   for (size_t j = 0; j < which.size(); ++j) {
     const size_t i = which[j];
     if (statuses[j].IsNotFound()) {
@@ -517,6 +524,13 @@ std::vector<Result<BundlePtr>> RocksDbTierImpl::DoGet(const std::vector<BundleKe
       b = Status::Corruption(
           fmt::format("rocksdb tier: bundle {} holds checksum {:016x}, its metadata says {:016x}",
                       keys[i].ToString(), (*b)->checksum(), expected_checksum[i]));
+    }
+    if (!b.ok() && IsOtherBundleVersion(b.status())) {
+      // Another release's record (a directory handed between releases): a miss, counted, left
+      // in place for its writer and for eviction.
+      ++other_version;
+      results[i] = Status::NotFound(fmt::format("rocksdb tier: {}", b.status().message()));
+      continue;
     }
     if (!b.ok()) {
       ++corrupt_count;
@@ -546,6 +560,8 @@ std::vector<Result<BundlePtr>> RocksDbTierImpl::DoGet(const std::vector<BundleKe
   }
   MutexLock lock(mu_);
   stats_.hits += hits;
+  stats_.misses += other_version;
+  stats_.other_version += other_version;
   stats_.corrupt += corrupt_count;
   stats_.io_errors += io_errors;
   stats_.bytes_read += bytes_read;

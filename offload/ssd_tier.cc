@@ -51,6 +51,10 @@ using offload::UringOp;
 using offload::UringQueue;
 
 constexpr char kFormatKey[] = "m:format";
+// The directory's mark. It followed the bundle format until format 3; records now carry their
+// own format version and a reader takes another version for a miss (bundle.h), so the mark
+// names the index's own layout and stays the value format 3 wrote: releases of different bundle
+// formats open each other's directories and delete none of each other's records.
 constexpr char kFormatValue[] = "sparsekv-ssd-index-3";
 // Written by releases of bundle format 2, whose c8_mla pages had their scales before the rope.
 constexpr char kBundle2FormatValue[] = "sparsekv-ssd-index-2";
@@ -500,7 +504,18 @@ Status SsdTierImpl::LoadIndex() {
       auto key = offload::DecodeBundleKey(k);
       IndexValue v;
       std::string why;
-      if (!key || !DecodeIndexValue(it->value().ToStringView(), &v)) {
+      const std::string_view raw = it->value().ToStringView();
+      if (!raw.empty() && static_cast<uint8_t>(raw[0]) > kIndexValueVersion) {
+        // A later release's entry: its extent is unknown to this one, so the tier can neither
+        // use it nor hand its bytes out as free space. Refused, nothing deleted.
+        return Status::FailedPrecondition(fmt::format(
+            "ssd tier {}: index entry {} is of index version {}, written by a later release; this "
+            "one reads {}: open the directory with that release, or remove it to start the tier "
+            "empty",
+            options_.path, key ? key->ToString() : std::string("(bad key)"),
+            static_cast<uint8_t>(raw[0]), kIndexValueVersion));
+      }
+      if (!key || !DecodeIndexValue(raw, &v)) {
         why = "undecodable entry";
       } else if (v.record_bytes < BundleHeaderBytes(0) || v.at >= file_units ||
                  UnitsOf(v.record_bytes) > file_units - v.at) {
@@ -1147,6 +1162,12 @@ std::vector<Result<BundlePtr>> SsdTierImpl::DoGet(UringQueue& q,
       ++stats_.hits;
       stats_.bytes_read += it.aligned;
       out.emplace_back(std::move(it.bundle));
+    } else if (IsOtherBundleVersion(it.st)) {
+      // Another release's record (a directory handed between releases): a miss, counted, its
+      // entry and bytes left in place for its writer and for eviction.
+      ++stats_.other_version;
+      ++stats_.misses;
+      out.emplace_back(Status::NotFound(std::string(it.st.message())));
     } else {
       if (it.st.Is(StatusCode::kCorruption)) ++stats_.corrupt;
       out.emplace_back(std::move(it.st));

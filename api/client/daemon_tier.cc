@@ -123,7 +123,7 @@ class DaemonTierImpl final : public DaemonTier {
     std::vector<Result<BundlePtr>> out(keys.size(), Status::NotFound(""));
     Result<std::vector<GetResult>> r = client_->Get(hashes);
     std::vector<WireBlockHash> bad;
-    uint64_t hits = 0, misses = 0, corrupt = 0, bytes = 0;
+    uint64_t hits = 0, misses = 0, corrupt = 0, bytes = 0, other_version = 0;
     for (size_t i = 0; i < keys.size(); ++i) {
       if (!r.ok()) {
         out[i] = r.status();
@@ -138,6 +138,14 @@ class DaemonTierImpl final : public DaemonTier {
         continue;
       }
       Result<BundlePtr> b = Bundle::ParseRecord(g.bytes, keys[i]);
+      if (!b.ok() && IsOtherBundleVersion(b.status())) {
+        // Another release's record (engines of two releases sharing a daemon): a miss, left in
+        // the daemon for its writer.
+        out[i] = Status::NotFound(fmt::format("{} tier: {}", o_.name, b.status().message()));
+        ++misses;
+        ++other_version;
+        continue;
+      }
       if (!b.ok()) {
         out[i] = b.status().WithContext(fmt::format("{} tier", o_.name));
         bad.push_back(hashes[i]);
@@ -153,6 +161,7 @@ class DaemonTierImpl final : public DaemonTier {
     stats_.hits += hits;
     stats_.misses += misses;
     stats_.corrupt += corrupt;
+    stats_.other_version += other_version;
     stats_.bytes_read += bytes;
     return out;
   }

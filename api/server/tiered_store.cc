@@ -944,6 +944,9 @@ void TieredStore::RenderMetrics(std::string& out) {
   series("sparsekv_tier_evictions_total", "Bundles the tier evicted for room.", "counter", [](const TierStats& s) { return s.evictions; });
   series("sparsekv_tier_corrupt_total", "Bundles that failed their checksum (erased, never served).", "counter",
          [](const TierStats& s) { return s.corrupt; });
+  series("sparsekv_tier_other_version_total",
+         "Reads that found another release's record (another bundle format): misses, the record left in place.",
+         "counter", [](const TierStats& s) { return s.other_version; });
   series("sparsekv_tier_io_errors_total", "Operations the device failed.", "counter", [](const TierStats& s) { return s.io_errors; });
   series("sparsekv_tier_superseded_total", "Puts skipped because the tier held a newer version of the key.",
          "counter", [](const TierStats& s) { return s.superseded; });

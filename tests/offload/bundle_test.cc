@@ -1,5 +1,6 @@
 #include "sparsekv/bundle.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 
@@ -51,8 +52,14 @@ TEST(Bundle, EveryFlippedBitIsDetected) {
     for (int bit = 0; bit < 8; bit += 3) {
       rec[byte] ^= std::byte(1u << bit);
       const Status s = Bundle::VerifyRecord(rec, KeyOf(3));
-      EXPECT_TRUE(s.Is(StatusCode::kCorruption)) << "byte " << byte << " bit " << bit;
-      EXPECT_TRUE(s.data_loss());
+      if (byte == 4 || byte == 5) {
+        // The version field: read as another release's record, never returned, never deleted.
+        EXPECT_TRUE(IsOtherBundleVersion(s)) << "byte " << byte << " bit " << bit << ": " << s.ToString();
+        EXPECT_FALSE(s.data_loss());
+      } else {
+        EXPECT_TRUE(s.Is(StatusCode::kCorruption)) << "byte " << byte << " bit " << bit;
+        EXPECT_TRUE(s.data_loss());
+      }
       rec[byte] ^= std::byte(1u << bit);
     }
   }
@@ -81,17 +88,65 @@ TEST(Bundle, WrongKeyTruncationAndGarbageAreCorruption) {
 }
 
 // Bundle format 2 held c8_mla pages with their scales before the rope: a record of it is
-// refused by its version, never parsed as today's pages.
-TEST(Bundle, ARecordOfFormat2IsRefusedByItsVersion) {
+// refused by its version, never parsed as today's pages; and so is one of a later format. Both
+// are another release's records, not damage: NotSupported, without data_loss, so that no tier
+// deletes them.
+TEST(Bundle, RecordsOfOtherFormatsAreRefusedByTheirVersionAsNotDamage) {
   const BundlePtr b = MakeBundleOfBytes(4, 5000);
-  std::vector<std::byte> old(b->record().begin(), b->record().end());
-  ASSERT_EQ(static_cast<uint8_t>(old[4]), kBundleFormatVersion);
-  old[4] = std::byte{2};
-  old[5] = std::byte{0};
-  const Status s = Bundle::VerifyRecord(old, KeyOf(4));
-  EXPECT_TRUE(s.Is(StatusCode::kCorruption)) << s.ToString();
-  EXPECT_NE(s.message().find("format version 2, expected 3"), std::string_view::npos)
-      << s.ToString();
+  for (const uint16_t version : {uint16_t{2}, uint16_t{4}, uint16_t{0x0103}}) {
+    std::vector<std::byte> old(b->record().begin(), b->record().end());
+    ASSERT_EQ(static_cast<uint8_t>(old[4]), kBundleFormatVersion);
+    std::memcpy(old.data() + 4, &version, 2);
+    const Status s = Bundle::VerifyRecord(old, KeyOf(4));
+    EXPECT_TRUE(IsOtherBundleVersion(s)) << s.ToString();
+    EXPECT_FALSE(s.data_loss());
+    EXPECT_NE(s.message().find(fmt::format("format version {}; this release reads 3", version)),
+              std::string_view::npos)
+        << s.ToString();
+    EXPECT_FALSE(Bundle::ParseRecord(old, KeyOf(4)).ok());
+  }
+}
+
+// The test hook makes a process write and read another format, as another release would; each
+// reads the other's records as NotSupported.
+TEST(Bundle, AProcessOfAnotherFormatVersionAndThisOneReadEachOthersRecordsAsOtherVersions) {
+  const BundlePtr ours = MakeBundleOfBytes(7, 3000);
+  ASSERT_EQ(BundleFormatVersion(), kBundleFormatVersion);
+  ASSERT_EQ(SetBundleFormatVersionForTesting(9), kBundleFormatVersion);
+  const BundlePtr theirs = MakeBundleOfBytes(8, 3000);
+  EXPECT_EQ(static_cast<uint8_t>(theirs->record()[4]), 9);
+  EXPECT_TRUE(IsOtherBundleVersion(Bundle::VerifyRecord(ours->record(), KeyOf(7))));
+  EXPECT_TRUE(Bundle::VerifyRecord(theirs->record(), KeyOf(8)).ok());
+  SetBundleFormatVersionForTesting(kBundleFormatVersion);
+  EXPECT_TRUE(IsOtherBundleVersion(Bundle::VerifyRecord(theirs->record(), KeyOf(8))));
+  EXPECT_TRUE(Bundle::VerifyRecord(ours->record(), KeyOf(7)).ok());
+}
+
+// The pages tag sits in the word that was the flags (always 0): covered by the checksum, read
+// back, and 0 when none is given, as every record before it had.
+TEST(Bundle, ThePagesTagIsRecordedCoveredAndZeroWhenNotGiven) {
+  const std::vector<std::byte> a(300, std::byte{1});
+  const std::span<const std::byte> segs[1] = {a};
+  auto tagged = Bundle::Make(KeyOf(9), segs, 5, 0xabcdef12u);
+  ASSERT_TRUE(tagged.ok());
+  EXPECT_EQ((*tagged)->pages(), 0xabcdef12u);
+  auto parsed = Bundle::ParseRecord((*tagged)->record(), KeyOf(9));
+  ASSERT_TRUE(parsed.ok());
+  EXPECT_EQ((*parsed)->pages(), 0xabcdef12u);
+  EXPECT_EQ(Bundle::PeekHeader((*tagged)->record())->pages, 0xabcdef12u);
+  auto plain = Bundle::Make(KeyOf(9), segs, 5);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ((*plain)->pages(), 0u);
+  // The only difference between the two records: the tag and the checksum over it.
+  std::vector<std::byte> t((*tagged)->record().begin(), (*tagged)->record().end());
+  std::vector<std::byte> p((*plain)->record().begin(), (*plain)->record().end());
+  ASSERT_EQ(t.size(), p.size());
+  for (size_t i = 0; i < t.size(); ++i) {
+    if ((i >= 8 && i < 16) || (i >= 20 && i < 24)) continue;
+    EXPECT_EQ(t[i], p[i]) << i;
+  }
+  t[21] ^= std::byte{1};
+  EXPECT_TRUE(Bundle::VerifyRecord(t, KeyOf(9)).Is(StatusCode::kCorruption));
 }
 
 // Make (copy and hash in one chunked pass), MakeWith (fill, then hash) and WriteRecord (into

@@ -200,6 +200,39 @@ TEST_F(RemoteTierTest, DamagedValuesAreReportedNeverReturnedAndDropped) {
   EXPECT_TRUE(SameBytes(**back[0], *good));
 }
 
+// A record of another bundle format under this release's key (another release wrote it, or it
+// sits where a rolling upgrade left it): a miss, counted, and never deleted; a put of this
+// release's own copy still lands. A process of another format files its values under keys of
+// their own (":v<N>:" in the key), so neither reaches the other's.
+TEST_F(RemoteTierTest, RecordsOfAnotherBundleFormatAreMissesAndStayInTheCluster) {
+  auto tier = OpenTier(TierOptions(*harness_));
+  ASSERT_NE(tier, nullptr);
+  const BundlePtr good = MakeBundleOfBytes(400, 8192, 0, 42);
+  std::string other(reinterpret_cast<const char*>(good->record().data()), good->record_bytes());
+  other[4] = static_cast<char>(kBundleFormatVersion + 1);  // intact, but of the next format
+  const std::string name = tier->RedisKey(KeyOf(400));
+  auto node = harness_->NodeOfSlot(offload::RedisKeySlot(name));
+  ASSERT_TRUE(node.ok());
+  ASSERT_EQ(*harness_->Command(*node, {"SET", name, other}), "+OK");
+  for (int i = 0; i < 3; ++i) {
+    const auto got = tier->Get({KeyOf(400)}).get();
+    EXPECT_TRUE(got[0].status().Is(StatusCode::kNotFound)) << got[0].status().ToString();
+  }
+  EXPECT_EQ(tier->Stats().other_version, 3u);
+  EXPECT_EQ(tier->Stats().corrupt, 0u);
+  EXPECT_EQ(*harness_->Command(*node, {"EXISTS", name}), ":1") << "the other format's record was deleted";
+  EXPECT_EQ(*harness_->Command(*node, {"STRLEN", name}), ":" + std::to_string(other.size()));
+  // The next format's process files the same block elsewhere.
+  {
+    const uint16_t was = SetBundleFormatVersionForTesting(kBundleFormatVersion + 1);
+    const std::string theirs = tier->RedisKey(KeyOf(400));
+    SetBundleFormatVersionForTesting(was);
+    EXPECT_NE(theirs, name);
+    EXPECT_NE(theirs.find(":v" + std::to_string(kBundleFormatVersion + 1) + ":"), std::string::npos) << theirs;
+  }
+  EXPECT_EQ(name.find(":v"), std::string::npos) << "format 3 keeps the key it always had: " << name;
+}
+
 TEST_F(RemoteTierTest, NamespacesAreSharedByNameAndKeptApart) {
   RemoteTierOptions a = TierOptions(*harness_), b = TierOptions(*harness_);
   a.namespace_labels = {"alpha", "beta", "we{ird}:name"};

@@ -9,7 +9,7 @@
 // Record layout (little-endian; the header is padded to a multiple of 8 bytes):
 //   0  u32 magic "SKVB"        4  u16 format version (3)     6  u16 segment count
 //   8  u64 XXH3-64 (seed 0) of every byte from offset 16 to the end of the payload
-//  16  u32 namespace id       20  u32 flags (0)
+//  16  u32 namespace id       20  u32 pages tag (0: not recorded)
 //  24  u64 hash.lo            32  u64 hash.hi                40  u64 payload bytes
 //  48  u64 sequence
 //  56  u32 segment bytes × segment count, then zero padding, then the payload
@@ -18,6 +18,17 @@
 // larger one (TierChain::NextSequence), every copy carries it, and no tier lets a copy replace
 // one with a larger sequence. It is covered by the checksum, so a damaged sequence is caught
 // like any damaged byte. Sequence 0 means "unversioned" (made outside a chain).
+//
+// The pages tag names what the segments' pages are: a 32-bit digest of the writer's model, block
+// layout and each pool's kind and storage format (OffloadedCache::PagesTag), so that a reader
+// configured otherwise takes the record for a miss instead of decoding pages of one format as
+// another (V3.2's c8 and fp8 pages have the same sizes). It was the header's flags word, always 0
+// before; readers of earlier releases ignore it, so records that carry one still read there. 0:
+// not recorded (records made before it, and values that are plain bytes, as the daemon's own).
+//
+// Versions: a record of another format version is not damage. VerifyRecord answers NotSupported
+// for it (no data_loss), and no tier deletes it on a read: it is a miss, left to its writer and to
+// eviction. Only a record that fails its checks (Corruption) is removed.
 //
 // Ownership: a Bundle owns its record (a RecordBuffer) and is immutable once made; tiers and
 // callers share it as a BundlePtr (shared_ptr<const Bundle>), so one bundle written to several
@@ -58,6 +69,14 @@ struct BundleKeyHasher {
 inline constexpr uint32_t kBundleMagic = 0x42564b53;  // "SKVB" read as little-endian bytes
 // 3: c8_mla pages in CANN's byte order (nope | rope | scales); 2 had scales before the rope.
 inline constexpr uint16_t kBundleFormatVersion = 3;
+// The format version this process writes and reads: kBundleFormatVersion, unless a test set
+// another (SetBundleFormatVersionForTesting).
+uint16_t BundleFormatVersion();
+// For tests only: makes this process write and read records of format `version` (the layout
+// stays this release's), as a release of another format would, so that two processes of
+// different formats can share a tier in a test. Returns the previous one. Thread-safe, but
+// bundles made before the call keep their version.
+uint16_t SetBundleFormatVersionForTesting(uint16_t version);
 inline constexpr uint32_t kMaxBundleSegments = 64;
 inline constexpr uint64_t kBundleFixedHeaderBytes = 56;
 
@@ -118,14 +137,16 @@ class Bundle {
   // Gathers `segments` (one per cache kind, in the model's pool order) under `key` as version
   // `sequence`: builds the header, copies the payload and computes the checksum. Errors: more
   // than kMaxBundleSegments segments, or a segment of 4 GiB or more.
+  // `pages`: the pages tag to record (see above; 0 for plain bytes).
   static Result<BundlePtr> Make(const BundleKey& key,
                                 std::span<const std::span<const std::byte>> segments,
-                                uint64_t sequence = 0);
+                                uint64_t sequence = 0, uint32_t pages = 0);
   // As Make, with segments of the given sizes filled in place by `fill(index, destination)`:
   // spares a copy when the caller gathers from pages itself.
   static Result<BundlePtr> MakeWith(
       const BundleKey& key, std::span<const uint64_t> segment_bytes,
-      const std::function<void(uint32_t, std::span<std::byte>)>& fill, uint64_t sequence = 0);
+      const std::function<void(uint32_t, std::span<std::byte>)>& fill, uint64_t sequence = 0,
+      uint32_t pages = 0);
 
   // Writes the record Make would build into `out` (at least BundleRecordBytes of the segments'
   // sizes; bytes past the record are left alone) and returns its checksum: header, then each
@@ -133,11 +154,12 @@ class Bundle {
   // memory (HostTier::PutGathered). Errors: as Make, and an `out` too small.
   static Result<uint64_t> WriteRecord(std::span<std::byte> out, const BundleKey& key,
                                       std::span<const std::span<const std::byte>> segments,
-                                      uint64_t sequence);
+                                      uint64_t sequence, uint32_t pages = 0);
 
   // Checks a record read back from storage: magic, version, sizes against `record.size()`, the
   // checksum, and that it is filed under `expected`. Returns Corruption (data_loss) naming what
-  // failed. `ParseRecord` copies; `AdoptRecord` takes over a buffer holding the record (its
+  // failed, or NotSupported for an intact-looking record of another format version (not damage:
+  // callers never delete it; IsOtherBundleVersion tells it apart). `ParseRecord` copies; `AdoptRecord` takes over a buffer holding the record (its
   // bytes past `record_bytes` must be zero, as RecordBuffer keeps them).
   static Result<BundlePtr> ParseRecord(std::span<const std::byte> record,
                                        const BundleKey& expected);
@@ -159,6 +181,8 @@ class Bundle {
   struct RecordHeader {
     BundleKey key;
     uint64_t sequence = 0;
+    uint16_t version = 0;  // the format version at byte 4
+    uint32_t pages = 0;    // the pages tag
   };
   static std::optional<RecordHeader> PeekHeader(std::span<const std::byte> record);
   // VerifyRecord's checks of the header (magic, version, sizes, key) without the checksum pass:
@@ -188,6 +212,8 @@ class Bundle {
   }
   uint64_t record_bytes() const { return record_bytes_; }
   uint64_t checksum() const { return checksum_; }
+  // The pages tag the writer recorded (0: none).
+  uint32_t pages() const { return pages_; }
 
   Bundle(const Bundle&) = delete;
   Bundle& operator=(const Bundle&) = delete;
@@ -202,7 +228,12 @@ class Bundle {
   uint64_t header_bytes_ = 0;
   uint64_t record_bytes_ = 0;
   uint64_t checksum_ = 0;
+  uint32_t pages_ = 0;
   RecordBuffer record_;
 };
+
+// True for VerifyRecord's answer to a record of another format version: a miss to count, never
+// a record to delete.
+bool IsOtherBundleVersion(const Status& s);
 
 }  // namespace sparsekv

@@ -68,10 +68,11 @@ class HostTier : public Tier {
   // chain, whose put of it here then changes only its recency, and the tiers below write from
   // this memory. Evictions it causes go to the eviction listener as a put's do. Errors: as
   // Bundle::Make, a record above max_record_bytes, no room (ResourceExhausted), a newer
-  // version of `key` already held (FailedPrecondition: nothing stored).
+  // version of `key` already held (FailedPrecondition: nothing stored). `pages`: the record's
+  // pages tag (bundle.h).
   virtual Result<BundlePtr> PutGathered(const BundleKey& key,
                                         std::span<const std::span<const std::byte>> segments,
-                                        uint64_t sequence) = 0;
+                                        uint64_t sequence, uint32_t pages = 0) = 0;
   // Checks a bundle GetPinned(key, false) returned; a damaged one is dropped from the tier and
   // Corruption returned.
   virtual Status CheckPinned(const BundlePtr& bundle, const BundleKey& key) = 0;

@@ -60,6 +60,9 @@ struct TierStats {
   uint64_t erased = 0;        // bundles erased on request
   uint64_t superseded = 0;    // puts skipped because the tier held a newer copy of the key
   uint64_t corrupt = 0;       // bundles that failed their checks on read (then erased)
+  // Reads that found a record of another bundle format version (another release's): misses,
+  // the record left in place for its writer and for eviction (bundle.h).
+  uint64_t other_version = 0;
   uint64_t io_errors = 0;     // operations the device failed
   uint64_t bytes_written = 0;
   uint64_t bytes_read = 0;
