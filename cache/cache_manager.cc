@@ -82,6 +82,7 @@ class CacheManager::Impl {
         hasher_(options.hash_mode, options.block_tokens),
         block_tokens_(options.block_tokens),
         window_tokens_(spec.window_tokens),
+        model_name_(spec.name),
         window_blocks_((spec.window_tokens + options.block_tokens - 1) / options.block_tokens) {}
 
   Status Init() SPARSEKV_EXCLUDES(mu_);
@@ -153,6 +154,7 @@ class CacheManager::Impl {
   const BlockGeometry geometry_;
   const BlockHasher hasher_;
   uint32_t window_tokens() const { return window_tokens_; }
+  const std::string& model_name() const { return model_name_; }
   std::vector<std::unique_ptr<PagePool>> pools_;  // set by Init, then fixed
 
  private:
@@ -237,6 +239,7 @@ class CacheManager::Impl {
 
   const uint32_t block_tokens_;
   const uint32_t window_tokens_;
+  const std::string model_name_;
   const uint32_t window_blocks_;
   // Set by Init, then fixed.
   std::vector<PoolRole> roles_;
@@ -1896,6 +1899,7 @@ const BlockHasher& CacheManager::hasher() const {
   return impl_->hasher_;
 }
 uint32_t CacheManager::window_tokens() const { return impl_->window_tokens(); }
+const std::string& CacheManager::model_name() const { return impl_->model_name(); }
 size_t CacheManager::num_pools() const {
   return impl_->pools_.size();
 }

@@ -11,10 +11,14 @@
 #include <future>
 #include <limits>
 #include <optional>
+#include <unordered_set>
+#include <utility>
 
 #include <xxhash.h>
 
 #include "sparsekv/host_tier.h"
+#include "sparsekv/model_spec.h"
+#include "sparsekv/storage_format.h"
 #include "worker_pool.h"
 
 namespace sparsekv {
@@ -116,6 +120,9 @@ struct OffloadedCache::Shared {
   bool evict_ahead_again SPARSEKV_GUARDED_BY(mu) = false;  // ... and was asked for meanwhile
   std::unordered_map<BundleKey, Pending, BundleKeyHasher> pending SPARSEKV_GUARDED_BY(mu);
   OffloadedCacheStats stats SPARSEKV_GUARDED_BY(mu);  // pending_demote_bytes: see the header
+  // Pages tags of other pages already reported in the log, and whether an untagged record was.
+  std::unordered_set<uint32_t> reported_tags SPARSEKV_GUARDED_BY(mu);
+  bool reported_untagged SPARSEKV_GUARDED_BY(mu) = false;
 };
 
 OffloadedCache::OffloadedCache(CacheManager& manager, TierChain& chain,
@@ -147,6 +154,28 @@ OffloadedCache::OffloadedCache(CacheManager& manager, TierChain& chain,
   }
   geometry_fingerprint_ = XXH3_64bits(sizes.data(), sizes.size() * sizeof(uint64_t)) ^
                           manager_.geometry().block_tokens;
+  pages_description_ = PagesDescription(manager_.model_name(), manager_.geometry());
+  pages_tag_ = PagesTag(pages_description_);
+  // The presets' pages at this block size, to name what another tag holds, and those an
+  // untagged record of these sizes could be.
+  for (const std::string& preset : ModelPresetNames()) {
+    for (KvPrecision precision : {KvPrecision::kBf16, KvPrecision::kC8, KvPrecision::kFp8}) {
+      Result<ModelSpec> spec = ModelPreset(preset, precision);
+      if (!spec.ok()) continue;
+      Result<BlockGeometry> geo = ComputeBlockGeometry(*spec, manager_.geometry().block_tokens);
+      if (!geo.ok()) continue;
+      const uint32_t tag = PagesTag(PagesDescription(spec->name, *geo));
+      const std::string label = fmt::format("{} {}", spec->name, KvPrecisionName(precision));
+      if (std::any_of(known_tags_.begin(), known_tags_.end(), [&](const auto& k) { return k.first == tag; }))
+        continue;
+      known_tags_.emplace_back(tag, label);
+      if (tag == pages_tag_ || geo->pools.size() != manager_.geometry().pools.size()) continue;
+      bool same = true;
+      for (size_t p = 0; p < geo->pools.size(); ++p)
+        same &= geo->pools[p].block_stride == manager_.geometry().pools[p].block_stride;
+      if (same) same_size_presets_ += (same_size_presets_.empty() ? "" : ", ") + label;
+    }
+  }
   for (uint64_t n : sizes) block_payload_bytes_ += n;
   // Spare staging buffers kept for reuse: what the backlog may hold, at most 64 MiB of them.
   spare_ = std::make_shared<SparePool>();
@@ -276,10 +305,10 @@ BundlePtr OffloadedCache::GatherPages(const BlockDigest& digest, std::span<const
   // goes to the chain, which decides as for any put.
   auto* host = into_host ? dynamic_cast<HostTier*>(&chain_.tier(0)) : nullptr;
   if (host != nullptr) {
-    Result<BundlePtr> b = host->PutGathered(key, segments, sequence);
+    Result<BundlePtr> b = host->PutGathered(key, segments, sequence, pages_tag_);
     if (b.ok()) return *b;
   }
-  auto b = Bundle::Make(key, segments, sequence);
+  auto b = Bundle::Make(key, segments, sequence, pages_tag_);
   return b.ok() ? *b : nullptr;
 }
 
@@ -492,7 +521,7 @@ BundlePtr OffloadedCache::BundleOf(const Staged& staged) const {
   }
   // The check from the digest, not the buffer: a history record's payload ends earlier.
   segments.emplace_back(reinterpret_cast<const std::byte*>(&staged.digest.check), sizeof staged.digest.check);
-  auto b = Bundle::Make(staged.key, segments, chain_.NextSequence());
+  auto b = Bundle::Make(staged.key, segments, chain_.NextSequence(), pages_tag_);
   return b.ok() ? *b : nullptr;
 }
 
@@ -610,8 +639,62 @@ size_t OffloadedCache::CountLower(std::span<const BundleKey> keys) const {
   return n;
 }
 
+std::string OffloadedCache::PagesDescription(std::string_view model, const BlockGeometry& geometry) {
+  // Everything that decides how a page's bytes are read. Block-major pages: a pool's page holds
+  // every layer of one block, layer_stride apart (DESIGN.md).
+  std::string out = fmt::format("sparsekv.pages.v1 model={} block_tokens={} layout=block-major", model,
+                                geometry.block_tokens);
+  for (const PoolGeometry& g : geometry.pools) {
+    out += fmt::format(" | {} {} dims={} ratio={} state_rows={} entries={} page={} layer_stride={} layers=",
+                       CacheKindName(g.spec.kind), StorageFormatName(g.spec.format), g.spec.dims, g.spec.ratio,
+                       g.spec.state_rows, g.entries_per_block, g.page_bytes, g.layer_stride);
+    for (size_t i = 0; i < g.layers.size(); ++i) out += fmt::format("{}{}", i ? "," : "", g.layers[i]);
+  }
+  return out;
+}
+
+uint32_t OffloadedCache::PagesTag(std::string_view description) {
+  const auto tag = static_cast<uint32_t>(XXH3_64bits(description.data(), description.size()));
+  return tag != 0 ? tag : 1;  // 0 means "not recorded"
+}
+
+Status OffloadedCache::OtherPages(const Bundle& b, std::string_view what) const {
+  std::string theirs = fmt::format("pages tag {:08x}", b.pages());
+  for (const auto& [tag, label] : known_tags_) {
+    if (tag == b.pages()) theirs = fmt::format("{} pages (tag {:08x})", label, tag);
+  }
+  std::string msg = fmt::format("{} {} holds {}; this cache reads {} (tag {:08x}): a miss, left in the tiers",
+                                what, b.key().ToString(), theirs, pages_description_, pages_tag_);
+  bool first = false;
+  {
+    MutexLock lock(shared_->mu);
+    first = shared_->reported_tags.insert(b.pages()).second;
+  }
+  if (first) spdlog::warn("offloaded cache: {} (said once per tag)", msg);
+  return Status::NotSupported(std::move(msg));
+}
+
+void OffloadedCache::NoteUntagged() const {
+  {
+    MutexLock lock(shared_->mu);
+    ++shared_->stats.restore_untagged;
+    if (std::exchange(shared_->reported_untagged, true)) return;
+  }
+  if (same_size_presets_.empty()) {
+    spdlog::info("offloaded cache: records without a pages tag (written before sparsekv recorded it) are read as "
+                 "this cache's pages by their sizes, which no other preset shares");
+  } else {
+    spdlog::warn("offloaded cache: records without a pages tag (written before sparsekv recorded it) are read as "
+                 "this cache's pages ({}) by their sizes, which {} share: if the tiers hold pages of one of "
+                 "those (a kv_format or model switch with the same namespace salt), empty them or change the salt",
+                 pages_description_, same_size_presets_);
+  }
+}
+
 Status OffloadedCache::CheckLayout(const Bundle& b, const BlockDigest& digest, bool history) const {
   const BlockGeometry& geo = manager_.geometry();
+  // Other pages are never decoded, whatever their sizes; untagged ones are judged by them.
+  if (b.pages() != 0 && b.pages() != pages_tag_) return OtherPages(b, history ? "history record" : "bundle");
   if (b.segment_count() != geo.pools.size() + 1) {
     return Status::Corruption(
         fmt::format("bundle {} has {} segments; this model's block has {} kinds + a digest",
@@ -635,6 +718,7 @@ Status OffloadedCache::CheckLayout(const Bundle& b, const BlockDigest& digest, b
     return Status::Corruption("bundle " + b.key().ToString() +
                               ": digest check differs (a hash collision)");
   }
+  if (b.pages() == 0) NoteUntagged();
   return Status::OK();
 }
 
@@ -796,7 +880,7 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
   const BlockGeometry& geo = manager_.geometry();
   std::vector<std::vector<PageId>> tables(geo.pools.size());
   std::vector<Status> checked(keys.size());
-  uint64_t rejected = 0, no_room = 0;
+  uint64_t rejected = 0, no_room = 0, other_pages = 0;
   uint32_t restored = 0;  // leading blocks copied into L1 and checked
   // Each block's pages are written and (from the host tier) checked on one thread; blocks are
   // split between the caller and the restorers.
@@ -848,6 +932,10 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
         break;
       }
       const Status layout = CheckLayout(**got[end], digests[end], plan != nullptr && plan->history[end]);
+      if (!layout.ok() && layout.Is(StatusCode::kNotSupported)) {
+        ++other_pages;  // reported once per tag by CheckLayout
+        break;
+      }
       if (!layout.ok()) {
         spdlog::warn("offloaded cache: not restoring: {}", layout.ToString());
         ++rejected;
@@ -894,6 +982,7 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
     MutexLock lock(shared_->mu);
     shared_->stats.restored_blocks += blocks;
     shared_->stats.restore_rejected += rejected;
+    shared_->stats.restore_other_pages += other_pages;
     shared_->stats.restore_no_room += no_room;
   };
   if (restored == 0 || plan != nullptr) {  // a plan's caller commits (at the tail's state) and counts
@@ -1162,7 +1251,7 @@ Result<SuspendInfo> OffloadedCache::Suspend(SequenceId seq) {
   }
   SPARSEKV_ASSIGN_OR_RETURN(BundlePtr tail,
                             Bundle::Make(BundleKey{options_.namespace_id, out.tail}, segments,
-                                         chain_.NextSequence()));
+                                         chain_.NextSequence(), pages_tag_));
   out.tail_bytes = tail->record().size();
   out.written_bytes += out.tail_bytes;
   // Acknowledged by the chain before the pages go: a crash after this returns finds it all.
@@ -1178,6 +1267,7 @@ Result<OffloadedCache::Tail> OffloadedCache::ParseTail(BundlePtr b, const BlockD
   const BlockGeometry& geo = manager_.geometry();
   const uint32_t bt = geo.block_tokens;
   const std::string name = "tail record " + b->key().ToString();
+  if (b->pages() != 0 && b->pages() != pages_tag_) return OtherPages(*b, "tail record");
   TailHeader h;
   const auto hs = b->segment(0);
   if (hs.size() < sizeof(TailHeaderV1)) return Status::Corruption(name + ": header size");
@@ -1325,6 +1415,10 @@ Result<ResumeInfo> OffloadedCache::Resume(const SequenceOptions& options,
       tail = *std::move(t);
     } else if (t.status().Is(StatusCode::kNotFound)) {
       tail_lost = "tail record " + key.ToString() + " not found";
+    } else if (t.status().Is(StatusCode::kNotSupported)) {
+      tail_lost = t.status().ToString();  // another cache's pages: logged once per tag
+      MutexLock lock(shared_->mu);
+      ++shared_->stats.restore_other_pages;
     } else {
       tail_lost = t.status().ToString();
       spdlog::warn("offloaded cache: resume: {}", tail_lost);

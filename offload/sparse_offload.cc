@@ -239,6 +239,15 @@ Status UnpackSparseRecord(const SparseRecordLayout& layout, const BundleKey& key
   return Status::OK();
 }
 
+uint32_t SparseRecordLayout::PagesTag() const {
+  // What decides how the sectors' bytes are read, as OffloadedCache::PagesDescription does for
+  // whole bundles.
+  const std::string d = fmt::format("sparsekv.sparse-record.v1 format={} dims={} entries={} layers={} page_stride={}",
+                                    StorageFormatName(format), dims, entries, layers, page_stride);
+  const auto tag = static_cast<uint32_t>(XXH3_64bits(d.data(), d.size()));
+  return tag != 0 ? tag : 1;
+}
+
 Result<BundlePtr> MakeSparseRecord(const BundleKey& key, const SparseRecordLayout& layout,
                                    std::span<const std::byte> pages, uint64_t sequence) {
   SPARSEKV_RETURN_IF_ERROR(layout.Validate());
@@ -246,7 +255,7 @@ Result<BundlePtr> MakeSparseRecord(const BundleKey& key, const SparseRecordLayou
   SPARSEKV_RETURN_IF_ERROR(PackSparseRecord(layout, key, pages, sectors));
   const std::vector<std::byte> pad(SparseRecordLayout::PadBytes());
   const std::span<const std::byte> segments[2] = {pad, sectors};
-  return Bundle::Make(key, segments, sequence);
+  return Bundle::Make(key, segments, sequence, layout.PagesTag());
 }
 
 Status StoreSparseRecord(HostTier& host, const BundleKey& key, const SparseRecordLayout& layout,
@@ -256,7 +265,7 @@ Status StoreSparseRecord(HostTier& host, const BundleKey& key, const SparseRecor
   SPARSEKV_RETURN_IF_ERROR(PackSparseRecord(layout, key, pages, sectors));
   const std::vector<std::byte> pad(SparseRecordLayout::PadBytes());
   const std::span<const std::byte> segments[2] = {pad, sectors};
-  SPARSEKV_ASSIGN_OR_RETURN(BundlePtr stored, host.PutGathered(key, segments, sequence));
+  SPARSEKV_ASSIGN_OR_RETURN(BundlePtr stored, host.PutGathered(key, segments, sequence, layout.PagesTag()));
   return Status::OK();
 }
 
@@ -481,6 +490,7 @@ Status HostEntryFetcher::Fetch(uint32_t layer, std::span<const SparseWorkingSet:
   sorted_.assign(misses.begin(), misses.end());
   std::sort(sorted_.begin(), sorted_.end(), [](const auto& a, const auto& b) { return a.entry < b.entry; });
   const uint64_t sectors_bytes = layout_.sectors_bytes();
+  const uint32_t pages_tag = layout_.PagesTag();
   std::vector<SparseWorkingSet::Miss> failed;
   auto fail = [&](Status why, std::span<const SparseWorkingSet::Miss> which) {
     if (st.ok()) st = std::move(why);
@@ -505,6 +515,14 @@ Status HostEntryFetcher::Fetch(uint32_t layer, std::span<const SparseWorkingSet:
     Result<BundlePtr> rec = host_.GetPinned(key, /*check=*/false);
     if (!rec.ok()) {
       fail(rec.status().WithContext(fmt::format("host entry fetch: block {} ({})", block, key.ToString())), group);
+      continue;
+    }
+    if ((*rec)->pages() != 0 && (*rec)->pages() != pages_tag) {
+      fail(Status::NotSupported(fmt::format(
+               "host entry fetch: {} holds the entries of another sparse layout or storage format (pages tag "
+               "{:08x}, this layout's {:08x})",
+               key.ToString(), (*rec)->pages(), pages_tag)),
+           group);
       continue;
     }
     if ((*rec)->segment_count() != 2 || (*rec)->segment_bytes(0) != SparseRecordLayout::PadBytes() ||

@@ -1372,6 +1372,8 @@ class PyOffloadedCache {
     d["pending_demote_bytes"] = s.pending_demote_bytes;
     d["restored_blocks"] = s.restored_blocks;
     d["restore_rejected"] = s.restore_rejected;
+    d["restore_other_pages"] = s.restore_other_pages;
+    d["restore_untagged"] = s.restore_untagged;
     d["restore_no_room"] = s.restore_no_room;
     py::list tiers;
     for (size_t t = 0; t < chain_->tier_count(); ++t) {
@@ -1388,6 +1390,7 @@ class PyOffloadedCache {
       td["put_failures"] = ts.put_failures;
       td["evictions"] = ts.evictions;
       td["corrupt"] = ts.corrupt;
+      td["other_version"] = ts.other_version;
       td["io_errors"] = ts.io_errors;
       tiers.append(td);
     }

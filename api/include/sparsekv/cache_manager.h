@@ -309,6 +309,8 @@ class CacheManager {
   const BlockHasher& hasher() const;
   // The model's sliding-window length in tokens (0 without one).
   uint32_t window_tokens() const;
+  // The model spec's name (ModelSpec::name).
+  const std::string& model_name() const;
   size_t num_pools() const;
   // Precondition: i < num_pools(). For page addresses only (see the contract above).
   const PagePool& pool(size_t i) const;

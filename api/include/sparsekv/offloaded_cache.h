@@ -87,6 +87,8 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "sparsekv/cache_manager.h"
 #include "sparsekv/thread_annotations.h"
@@ -165,6 +167,12 @@ struct OffloadedCacheStats {
   uint64_t restored_blocks = 0;       // blocks copied back into L1
   // Bundles found but unusable (corrupt, wrong layout, digest mismatch).
   uint64_t restore_rejected = 0;
+  // Bundles found that hold other pages than this cache's (another storage format, model or
+  // layout: their pages tag differs, bundle.h): misses, never decoded, left in the tiers.
+  uint64_t restore_other_pages = 0;
+  // Bundles read that carry no pages tag (written before it was recorded), taken for this
+  // cache's pages by their sizes alone.
+  uint64_t restore_untagged = 0;
   uint64_t restore_no_room = 0;  // restores given up for want of L1 pages
 };
 
@@ -250,6 +258,16 @@ class OffloadedCache {
   void WaitIdle();
   OffloadedCacheStats Stats() const SPARSEKV_EXCLUDES(mu_);
   CacheManager& manager() const { return manager_; }
+
+  // What a bundle's pages are (bundle.h, "pages tag"): the model's name, the block layout and,
+  // per pool, the cache kind, storage format, dims, ratio, layers and page strides, as one line
+  // of text. Two caches read each other's bundles only when these agree.
+  static std::string PagesDescription(std::string_view model, const BlockGeometry& geometry);
+  // The tag of a description: the low 32 bits of its XXH3-64, never 0.
+  static uint32_t PagesTag(std::string_view description);
+  // This cache's: every bundle, history and tail record it writes carries pages_tag().
+  uint32_t pages_tag() const { return pages_tag_; }
+  const std::string& pages_description() const { return pages_description_; }
   TierChain& chain() const { return chain_; }
 
  private:
@@ -324,6 +342,18 @@ class OffloadedCache {
   uint32_t window_blocks_ = 0;        // ceil(window_tokens / block_tokens)
   uint64_t geometry_fingerprint_ = 0;
   uint64_t max_tail_record_bytes_ = 0;
+  std::string pages_description_;
+  uint32_t pages_tag_ = 0;
+  // The presets (every precision, this block size) whose pages have this cache's sizes but
+  // another tag: what an untagged record might really hold, for the log.
+  std::string same_size_presets_;
+  // Pages tags of the presets (every precision, this block size) and what they are: names what
+  // a record of other pages holds, in the log.
+  std::vector<std::pair<uint32_t, std::string>> known_tags_;
+  // Reports a record of other pages (once per tag) or without a tag (once); returns the error
+  // for the former.
+  Status OtherPages(const Bundle& b, std::string_view what) const;
+  void NoteUntagged() const;
 
   CacheManager& manager_;
   TierChain& chain_;

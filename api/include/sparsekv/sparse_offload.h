@@ -77,6 +77,9 @@ struct SparseRecordLayout {
   static SparseRecordLayout ForPool(const PoolGeometry& pool);
   Status Validate() const;
   uint64_t pages_bytes() const { return uint64_t{layers} * page_stride; }
+  // The pages tag its records carry (bundle.h): a digest of the format, dims, entries, layers
+  // and page stride. A record of another tag is never unpacked.
+  uint32_t PagesTag() const;
 
   uint32_t entry_bytes() const;        // one packed entry
   uint32_t entries_per_sector() const;
