@@ -20,6 +20,7 @@
 #include "server/server.h"
 #include "server/tiered_store.h"
 #include "sparsekv/block_geometry.h"
+#include "sparsekv/bundle.h"
 #include "sparsekv/model_spec.h"
 #include "src/daemon_config.h"
 
@@ -221,7 +222,17 @@ int main(int argc, char** argv) {
   app.add_option("--resp-unix", resp_unix, "RESP (Redis protocol) Unix socket path (\"\" disables)");
   bool print_config = false;
   app.add_flag("--print-default-config", print_config, "Print the embedded configuration and exit");
+  // For tests only, hidden from --help: records of this bundle format version are written and
+  // read, as a release of another format would (SetBundleFormatVersionForTesting), so that a
+  // test runs two daemons of different formats over one tier (docs/guides/upgrades.md).
+  uint16_t testing_bundle_format = 0;
+  app.add_option("--testing-bundle-format", testing_bundle_format)->group("")->check(CLI::Range(1, 65535));
   CLI11_PARSE(app, argc, argv);
+  if (testing_bundle_format != 0) {
+    SetBundleFormatVersionForTesting(testing_bundle_format);
+    spdlog::warn("testing: bundle format version {} (this release's is {})", testing_bundle_format,
+                 kBundleFormatVersion);
+  }
   if (print_config) {
     std::puts(EmbeddedDefaultConfigJson());
     return 0;

@@ -20,7 +20,9 @@
 #include "cluster_stress.h"
 #include "redis_cluster_harness.h"
 #include "remote_bench.h"
+#include "sparsekv/bundle.h"
 #include "sparsekv/client.h"
+#include "tests/offload/test_util.h"
 #include "tests/support/metrics_scrape.h"
 #include "tests/support/process_reaper.h"
 
@@ -142,6 +144,192 @@ TEST(ClusterDaemons, TwoSparsekvdsShareAPrefixThroughTheClusterInTheirConfig) {
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   }
   reaper.pids.clear();
+}
+
+// A sparsekvd child over `data` with the given "offload" section, its stderr in <data>.log;
+// `args` are extra command-line arguments. Stopped with Stop (SIGTERM, exit 0 expected).
+struct Daemon {
+  pid_t pid = -1;
+  std::string socket;
+};
+
+Daemon SpawnDaemon(testing::ProcessReaper& reaper, const std::filesystem::path& data, const std::string& offload,
+                   std::vector<std::string> args = {}) {
+  std::filesystem::create_directories(data);
+  const auto config = data / "config.json";
+  std::ofstream(config) << R"({"listen": "127.0.0.1:0", "metrics_listen": "", "unix_socket": "sock", "data_dir": ")"
+                        << data.string() << R"(", "namespaces": [{"name": "default", "token": ""}], "offload": )"
+                        << offload << "}";
+  const pid_t pid = fork();
+  if (pid == 0) {
+    FILE* f = std::freopen((data.string() + ".log").c_str(), "a", stderr);
+    (void)f;
+    std::vector<char*> argv = {const_cast<char*>(SPARSEKVD_PATH), const_cast<char*>("--config"),
+                               const_cast<char*>(config.c_str())};
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(SPARSEKVD_PATH, argv.data());
+    _exit(127);
+  }
+  reaper.pids.push_back(pid);
+  return Daemon{pid, "unix:" + (data / "sock").string()};
+}
+
+void Stop(testing::ProcessReaper& reaper, const Daemon& d) {
+  kill(d.pid, SIGTERM);
+  int status = 0;
+  waitpid(d.pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  std::erase(reaper.pids, d.pid);
+}
+
+struct Blocks {
+  std::vector<WireBlockHash> hashes;
+  std::vector<std::vector<std::byte>> values;
+};
+
+Blocks MakeBlocks(int first, int n) {
+  Blocks b;
+  b.hashes.resize(n);
+  b.values.resize(n);
+  for (int i = 0; i < n; ++i) {
+    for (int k = 0; k < 16; ++k) b.hashes[i][k] = std::byte((first + i) * 29 + k * 11 + 3);
+    b.values[i].resize(70000 + first + i);
+    for (size_t k = 0; k < b.values[i].size(); ++k) b.values[i][k] = std::byte((k * 7 + first + i) & 0xff);
+  }
+  return b;
+}
+
+void PutAll(Client& c, const Blocks& b) {
+  std::vector<BundleRef> refs;
+  for (size_t i = 0; i < b.hashes.size(); ++i) refs.push_back({b.hashes[i], b.values[i]});
+  auto put = c.Put(refs);
+  ASSERT_TRUE(put.ok()) << put.status().ToString();
+  for (const Status& s : *put) ASSERT_TRUE(s.ok()) << s.ToString();
+}
+
+// Hits (byte for byte) of `b` through `c`; a miss must be NotFound, never another error.
+size_t Hits(Client& c, const Blocks& b) {
+  auto got = c.Get(b.hashes);
+  EXPECT_TRUE(got.ok()) << got.status().ToString();
+  if (!got.ok()) return 0;
+  size_t hits = 0;
+  for (size_t i = 0; i < b.hashes.size(); ++i) {
+    const auto& g = (*got)[i];
+    if (g.status.ok()) {
+      EXPECT_EQ(g.bytes, b.values[i]) << i;
+      ++hits;
+    } else {
+      EXPECT_TRUE(g.status.Is(StatusCode::kNotFound)) << g.status.ToString();
+    }
+  }
+  return hits;
+}
+
+uint64_t ClusterKeys(bench::RedisClusterHarness& h) {
+  uint64_t keys = 0;
+  for (size_t i = 0; i < h.nodes().size(); ++i) {
+    if (!h.nodes()[i].primary) continue;
+    auto r = h.Command(i, {"DBSIZE"});
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    if (r.ok() && !r->empty() && (*r)[0] == ':') keys += std::stoull(r->substr(1));
+  }
+  return keys;
+}
+
+// Daemons of two bundle formats (B plays the next format, --testing-bundle-format) share one
+// cluster key prefix: each writes its blocks and reads the other's; every record of both stays
+// in the cluster, and each still reads its own.
+TEST(ClusterDaemons, DaemonsOfTwoBundleFormatsSharingAPrefixDeleteNoneOfEachOthersRecords) {
+  auto cluster = bench::RedisClusterHarness::Start({});
+  ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
+  const std::filesystem::path dir = (*cluster)->dir();
+  std::string nodes;
+  for (const std::string& s : (*cluster)->Seeds()) nodes += (nodes.empty() ? "\"" : ", \"") + s + "\"";
+  const std::string offload = R"({"host": {"capacity_bytes": "64MiB"}, "remote": {"enabled": true, "nodes": [)" +
+                              nodes + R"(], "timeout_ms": 1000}})";
+  testing::ProcessReaper reaper;
+  const std::string next = std::to_string(kBundleFormatVersion + 1);
+  const Daemon a = SpawnDaemon(reaper, dir / "a", offload);
+  const Daemon b = SpawnDaemon(reaper, dir / "b", offload, {"--testing-bundle-format", next});
+  auto ca = ConnectWithin(a.socket, "default", 20);
+  ASSERT_TRUE(ca.ok()) << ca.status().ToString();
+  auto cb = ConnectWithin(b.socket, "default", 20);
+  ASSERT_TRUE(cb.ok()) << cb.status().ToString();
+  const Blocks of_a = MakeBlocks(0, 8), of_b = MakeBlocks(100, 8);
+  // The same blocks too: both formats keep a copy of their own under the same block hash.
+  const Blocks shared = MakeBlocks(200, 4);
+  PutAll(**ca, of_a);
+  PutAll(**cb, of_b);
+  PutAll(**ca, shared);
+  PutAll(**cb, shared);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (ClusterKeys(**cluster) < 24 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_EQ(ClusterKeys(**cluster), 24u) << "each format's writes behind reached the cluster";
+  // Each reads the other's: misses (its own local tier never held them).
+  EXPECT_EQ(Hits(**cb, of_a), 0u);
+  EXPECT_EQ(Hits(**ca, of_b), 0u);
+  EXPECT_EQ(ClusterKeys(**cluster), 24u);
+  EXPECT_EQ(Hits(**ca, of_a), of_a.hashes.size());
+  EXPECT_EQ(Hits(**cb, of_b), of_b.hashes.size());
+  EXPECT_EQ(Hits(**ca, shared), shared.hashes.size());
+  EXPECT_EQ(Hits(**cb, shared), shared.hashes.size());
+  ca->reset();
+  cb->reset();
+  Stop(reaper, a);
+  Stop(reaper, b);
+  // Restarted, their host tiers empty: everything comes from the cluster, still all there.
+  const Daemon a2 = SpawnDaemon(reaper, dir / "a", offload);
+  const Daemon b2 = SpawnDaemon(reaper, dir / "b", offload, {"--testing-bundle-format", next});
+  auto ca2 = ConnectWithin(a2.socket, "default", 20);
+  ASSERT_TRUE(ca2.ok()) << ca2.status().ToString();
+  auto cb2 = ConnectWithin(b2.socket, "default", 20);
+  ASSERT_TRUE(cb2.ok()) << cb2.status().ToString();
+  EXPECT_EQ(Hits(**cb2, of_a), 0u);
+  EXPECT_EQ(Hits(**ca2, of_b), 0u);
+  EXPECT_EQ(Hits(**ca2, of_a), of_a.hashes.size());
+  EXPECT_EQ(Hits(**cb2, of_b), of_b.hashes.size());
+  EXPECT_EQ(Hits(**cb2, shared), shared.hashes.size());
+  EXPECT_EQ(Hits(**ca2, shared), shared.hashes.size());
+  EXPECT_EQ(ClusterKeys(**cluster), 24u);
+  ca2->reset();
+  cb2->reset();
+  Stop(reaper, a2);
+  Stop(reaper, b2);
+}
+
+// One data directory handed between daemons of two bundle formats, with its SSD tier, then with
+// a RocksDB tier: each writes its blocks and reads the other's (misses), and after both have, the
+// first still reads every block it wrote, and so does the second.
+TEST(FormatHandover, ADataDirectoryHandedBetweenDaemonsOfTwoBundleFormatsLosesNoRecordOfEither) {
+  testing::TempDir tmp("handover");
+  const std::string next = std::to_string(kBundleFormatVersion + 1);
+  for (const char* tier : {"ssd", "rocksdb"}) {
+    SCOPED_TRACE(tier);
+    const std::filesystem::path data = std::filesystem::path(tmp.path()) / tier;
+    // Write-through: every put reaches the persistent tier at once; the host tier is small.
+    const std::string offload = std::string(R"({"write_policy": "write-through", "host": {"capacity_bytes": "1MiB"}, ")") +
+                                tier + R"(": {"enabled": true, "capacity_bytes": "64MiB", "durability": "none"})" +
+                                (std::string(tier) == "rocksdb" ? R"(, "ssd": {"enabled": false}})" : "}");
+    testing::ProcessReaper reaper;
+    const Blocks of_a = MakeBlocks(0, 6), of_b = MakeBlocks(50, 6);
+    auto round = [&](bool as_b, const Blocks* put, const Blocks& mine, const Blocks& theirs, size_t mine_hits) {
+      const Daemon d = as_b ? SpawnDaemon(reaper, data, offload, {"--testing-bundle-format", next})
+                            : SpawnDaemon(reaper, data, offload);
+      auto c = ConnectWithin(d.socket, "default", 20);
+      ASSERT_TRUE(c.ok()) << c.status().ToString();
+      EXPECT_EQ(Hits(**c, theirs), 0u) << (as_b ? "B" : "A") << " read the other format's records";
+      if (put != nullptr) PutAll(**c, *put);
+      EXPECT_EQ(Hits(**c, mine), mine_hits) << (as_b ? "B" : "A");
+      c->reset();
+      Stop(reaper, d);
+    };
+    round(false, &of_a, of_a, of_b, of_a.hashes.size());
+    round(true, &of_b, of_b, of_a, of_b.hashes.size());
+    round(false, nullptr, of_a, of_b, of_a.hashes.size());
+    round(true, nullptr, of_b, of_a, of_b.hashes.size());
+  }
 }
 
 TEST(ClusterStress, APrimaryKilledUnderEightClientsCostsNoErrorAndHitsComeBack) {
