@@ -1108,11 +1108,13 @@ class PyCacheManager {
 
 class PyRequestLog {
  public:
-  PyRequestLog(const std::string& path, const std::string& durability, uint64_t segment_bytes) {
+  PyRequestLog(const std::string& path, const std::string& durability, uint64_t segment_bytes,
+               const std::string& recovery) {
     RequestLogOptions o;
     o.path = path;
     o.durability = Take(ParseDurability(durability));
     o.segment_bytes = segment_bytes;
+    o.recovery = Take(ParseRequestLogRecovery(recovery));
     py::gil_scoped_release unlocked;
     log_ = Take(RequestLog::Open(o));
   }
@@ -1186,6 +1188,9 @@ class PyRequestLog {
     d["segments_deleted"] = s.segments_deleted;
     d["live_requests"] = s.live_requests;
     d["torn_bytes_cut"] = s.torn_bytes_cut;
+    d["damage_bytes_cut"] = s.damage_bytes_cut;
+    d["damage_records_cut"] = s.damage_records_cut;
+    d["damage_tokens_cut"] = s.damage_tokens_cut;
     return d;
   }
 
@@ -1643,8 +1648,8 @@ PYBIND11_MODULE(_sparsekv, m) {
       .def_property_readonly("pending", &PyEventQueue::pending)
       .def("close", &PyEventQueue::Close);
   py::class_<PyRequestLog>(m, "_RequestLog")
-      .def(py::init<const std::string&, const std::string&, uint64_t>(), py::arg("path"), py::arg("durability"),
-           py::arg("segment_bytes"))
+      .def(py::init<const std::string&, const std::string&, uint64_t, const std::string&>(), py::arg("path"),
+           py::arg("durability"), py::arg("segment_bytes"), py::arg("recovery") = "tolerate_torn_tail")
       .def("append", &PyRequestLog::Append)
       .def("suspended", &PyRequestLog::Suspended)
       .def("finish", &PyRequestLog::Finish)

@@ -656,13 +656,19 @@ class RequestLog:
     request's generated tokens as they come; an append returns once durable (group-committed with
     every other append waiting, one fdatasync for all under the default durability). After a
     crash, ``recover()`` lists every unfinished request with every acknowledged token and the last
-    state it was suspended at. A torn tail is cut at open; damage before it raises Corruption.
+    state it was suspended at. A torn tail (a last record cut short, nothing whole after it) is
+    cut at open; damage (a record that fails its check with whole records after it, or any in an
+    older segment) raises Corruption and a newer release's header or record NotSupported, naming
+    the file and offset, and nothing is changed.
 
-    ``RequestLog(path, durability="fdatasync", segment_bytes=64 << 20)``; durability is
-    "fdatasync", "dsync" or "none"."""
+    ``RequestLog(path, durability="fdatasync", segment_bytes=64 << 20,
+    recovery="tolerate_torn_tail")``; durability is "fdatasync", "dsync" or "none". recovery
+    "point_in_time" cuts the log at damage instead of refusing (every record from there on is
+    lost; ``stats()`` reports damage_bytes_cut, damage_records_cut and damage_tokens_cut): open
+    it so once, after copying the directory aside, to get past a refusal."""
 
-    def __init__(self, path, durability="fdatasync", segment_bytes=64 << 20):
-        self._l = _sparsekv._RequestLog(str(path), durability, int(segment_bytes))
+    def __init__(self, path, durability="fdatasync", segment_bytes=64 << 20, recovery="tolerate_torn_tail"):
+        self._l = _sparsekv._RequestLog(str(path), durability, int(segment_bytes), recovery)
 
     def append(self, request, first_token, tokens):
         """Appends `tokens` (ints) as tokens first_token.. of `request` (a new one starts at 0);
