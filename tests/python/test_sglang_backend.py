@@ -5,8 +5,11 @@ backup (batch_set_v2 for the side pools, then batch_set_v1 for the KV, in chunks
 prefetch (batch_exists_v2 with every pool's hit policy, then batch_get_v1 and batch_get_v2 into
 freshly allocated host pages), against a real sparsekvd. The host pools are stand-ins with the
 shapes and get_page_buffer_meta of SGLang's pool_host classes (MLA, the DSA indexer of DeepSeek
-V3.2, DeepSeek V4's paged and state pools), as torch tensors, in every layout."""
+V3.2, DeepSeek V4's paged and state pools), as torch tensors, in every layout. Also: the generic
+path SGLang takes without "interface_v1" (batch_set, batch_exists, batch_get with flat pages),
+pools that count only once registered, and extra config keys this backend does not know."""
 
+import logging
 import os
 import signal
 import sys
@@ -27,10 +30,13 @@ BATCH = 128  # STORAGE_BATCH_SIZE: the controller's chunk
 class MLAPool:
     """MLATokenToKVPoolHost's layouts: layer_first (L, size, 1, dim), page_first (size, L, 1, dim),
     page_first_direct (page_num, L, P, 1, dim); one buffer per page for page_first*, one per layer
-    per page for layer_first."""
+    per page for layer_first. `dim` is in bytes; the flat data pages of the generic path
+    (get_data_page, get_dummy_flat_data_page, set_from_flat_data_page) are handed out in `dtype`,
+    as a pool of that dtype hands them (bf16 for an unquantized MLA cache)."""
 
-    def __init__(self, layout, pages, page_size=64, layers=4, dim=656):
+    def __init__(self, layout, pages, page_size=64, layers=4, dim=656, dtype=torch.uint8):
         self.layout, self.page_size, self.layers, self.dim = layout, page_size, layers, dim
+        self.dtype = dtype
         self.size = pages * page_size
         shape = {"layer_first": (layers, self.size, 1, dim), "page_first": (self.size, layers, 1, dim),
                  "page_first_direct": (pages, layers, page_size, 1, dim)}[layout]
@@ -57,6 +63,25 @@ class MLAPool:
         if self.layout == "page_first":
             return self.kv_buffer[first:first + P].contiguous().view(-1)
         return self.kv_buffer[first // P].contiguous().view(-1)
+
+    def _slice(self, first):
+        P = self.page_size
+        if self.layout == "layer_first":
+            return self.kv_buffer[:, first:first + P]
+        if self.layout == "page_first":
+            return self.kv_buffer[first:first + P]
+        return self.kv_buffer[first // P:first // P + 1]
+
+    def get_data_page(self, index, flat=True):  # the page starting at token slot `index`
+        page = self._slice(int(index))
+        return page.flatten().view(self.dtype) if flat else page
+
+    def get_dummy_flat_data_page(self):
+        return torch.zeros(self.layers * self.page_size * self.dim, dtype=torch.uint8).view(self.dtype)
+
+    def set_from_flat_data_page(self, index, data_page):
+        target = self._slice(int(index))
+        target.copy_(data_page.view(torch.uint8).reshape(target.shape))
 
     def fill(self, first, seed):
         g = torch.Generator().manual_seed(seed)
@@ -126,17 +151,27 @@ def hashes(n, tag="p"):
     return [f"{tag}{i:063x}"[-64:] for i in range(n)]
 
 
+def numbered(n, base):
+    """n page hashes of their own (64 hex digits from `base` on), shared with no other test."""
+    return [f"{base + i:064x}" for i in range(n)]
+
+
 def slots(first_page, pages, page_size=64):
     return torch.arange(first_page * page_size, (first_page + pages) * page_size, dtype=torch.int64)
 
 
-def config(address, tp_rank=0, tp_size=1, mla=True, **extra):
+def config(address, tp_rank=0, tp_size=1, mla=True, v1=True, **extra):
+    """The storage config SGLang's controller builds; v1=False leaves "interface_v1" out of the
+    extra config, as a user who does not set it does (the controller then takes the generic
+    path)."""
+    extra_config = {"backend_name": "sparsekv", "module_path": "sparsekv.sglang", "class_name": "SparseKVStorage",
+                    "address": address, "namespace": "default", **extra}
+    if v1:
+        extra_config["interface_v1"] = 1
     return sk.HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                    attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
                                    is_page_first_layout=True, model_name="deepseek-ai/DeepSeek-V3.2",
-                                   extra_config={"backend_name": "sparsekv", "module_path": "sparsekv.sglang",
-                                                 "class_name": "SparseKVStorage", "interface_v1": 1,
-                                                 "address": address, "namespace": "default", **extra})
+                                   extra_config=extra_config)
 
 
 def attach(cfg, kv_pool, side_pools=()):
@@ -189,6 +224,42 @@ def prefetch(b, keys, first_page, transfers=(), page_size=64):
         if n_ok < len(batch):
             break
     return pages, got
+
+
+def generic_backup(b, pool, keys, first_page, page_size=64):
+    """_generic_page_set, batch by batch as _page_backup: one flat data page per key,
+    pool.get_data_page(first slot of the page), then batch_set; pages stored."""
+    idx = slots(first_page, len(keys), page_size)
+    for i in range(0, len(keys), BATCH):
+        batch = keys[i:i + BATCH]
+        data = [pool.get_data_page(idx[(i + j) * page_size]) for j in range(len(batch))]
+        if not b.batch_set(batch, data):
+            return i
+    return len(keys)
+
+
+def generic_prefetch(b, pool, keys, first_page, page_size=64):
+    """_storage_hit_query (batch_exists per chunk, stopping at the first short answer), then
+    _generic_page_get per chunk: batch_get into dummy flat pages, each hit copied into the pool
+    with set_from_flat_data_page, stopping at the first None. (pages found, pages read)."""
+    hit = 0
+    for start in range(0, len(keys), BATCH):
+        batch = keys[start:start + BATCH]
+        n = b.batch_exists(batch, None)
+        hit += n
+        if n < len(batch):
+            break
+    idx = slots(first_page, hit, page_size)
+    got = 0
+    for i in range(0, hit, BATCH):
+        batch = keys[i:min(hit, i + BATCH)]
+        page_data = b.batch_get(batch, [pool.get_dummy_flat_data_page() for _ in batch])
+        for j, data in enumerate(page_data):
+            if data is None:
+                return hit, got
+            pool.set_from_flat_data_page(idx[(i + j) * page_size], data)
+            got += 1
+    return hit, got
 
 
 @pytest.fixture(scope="module")
@@ -337,8 +408,6 @@ def test_bad_config_names_the_field(daemon):
         cfg.extra_config[field] = bad
         with pytest.raises(ValueError, match=f"'{field}'"):
             sk.SparseKVStorage(cfg, {})
-    with pytest.raises(ValueError, match="unknown extra config"):
-        sk.SparseKVStorage(config(daemon.unix, adress="typo"), {})
     with pytest.raises(ValueError, match="'transport'"):
         sk.SparseKVStorage(config(daemon.tcp, transport="shm"), {})
     assert issubclass(sk.SparseKVStorage, sk.HiCacheStorage)
@@ -402,3 +471,101 @@ def test_pages_found_for_a_prefetch_are_hinted_to_the_daemon(daemon):
     with pytest.raises(ValueError, match="hint_ttl"):
         sk.SparseKVStorage(config(daemon.unix, hint_ttl=-1), {})
     a.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_generic_path_without_interface_v1_round_trips(daemon, layout):
+    """Without "interface_v1" SGLang backs up with batch_set and prefetches with batch_exists then
+    batch_get: what batch_set stored is found and read back, byte for byte, by another worker
+    (bf16 flat pages, as an unquantized MLA pool hands them). batch_exists_v2 finds the KV there
+    too, with the side pools."""
+    n = 5
+    base = 0x6e0_0000 if layout == "page_first" else 0x6e1_0000
+    keys, absent = numbered(n, base), numbered(1, base + 0x8000)
+    kv_a = MLAPool(layout, 2 * n, dim=576 * 2, dtype=torch.bfloat16)
+    ix_a = BytesPerPagePool("page_first", 2 * n)
+    for p in range(n):
+        kv_a.fill(p * 64, 500 + p)
+        ix_a.fill(p * 64, 900 + p)
+    a = attach(config(daemon.unix, tp_rank=0, tp_size=2, v1=False), kv_a, [(sk.PoolName.INDEXER, ix_a)])
+    assert a.interface_v1 is False
+    assert generic_backup(a, kv_a, keys, 0) == n
+    kv_b = MLAPool(layout, 2 * n, dim=576 * 2, dtype=torch.bfloat16)
+    b = attach(config(daemon.tcp, tp_rank=1, tp_size=2, v1=False), kv_b, [(sk.PoolName.INDEXER,
+                                                                          BytesPerPagePool("page_first", 2 * n))])
+    assert b.batch_exists(keys + absent) == n
+    assert b.exists(keys[0]) is True and b.exists(absent[0]) is False
+    assert generic_prefetch(b, kv_b, keys + absent, n) == (n, n)
+    for p in range(n):
+        assert torch.equal(kv_b.page((n + p) * 64), kv_a.page(p * 64)), p
+    assert b.get_stats().sparsekv["bytes_read"] == n * kv_a.get_dummy_flat_data_page().numel() * 2
+    # Hybrid: the KV by the generic path, the indexer by batch_set_v2; the v2 hit covers both.
+    res = a.batch_set_v2([sk.PoolTransfer(name=sk.PoolName.INDEXER, host_indices=slots(0, n), keys=keys)])
+    assert res == {"indexer": [True] * n}
+    r = b.batch_exists_v2(keys + absent, [sk.PoolTransfer(name=sk.PoolName.INDEXER,
+                                                          hit_policy=sk.PoolHitPolicy.ALL_PAGES)])
+    assert (r.kv_hit_pages, r.extra_pool_hit_pages["indexer"]) == (n, n)
+    a.close()
+    b.close()
+
+
+def test_a_pool_counts_only_once_registered(daemon):
+    """Before register_mem_pool_host nothing is present (batch_exists 0, v1 reads and writes
+    fail); a side pool never registered is a miss for that pool whatever its hit policy, so
+    batch_exists_v2 reports no hit and batch_get_v2 is never asked for it."""
+    n = 4
+    keys = numbered(n, 0x6e2_0000)
+    kv, ix = MLAPool("page_first", n), BytesPerPagePool("page_first", n)
+    for p in range(n):
+        kv.fill(p * 64, 70 + p)
+        ix.fill(p * 64, 80 + p)
+    a = attach(config(daemon.unix), kv, [(sk.PoolName.INDEXER, ix)])
+    assert backup(a, keys, 0, side=[sk.PoolName.INDEXER]) == n
+    b = sk.SparseKVStorage(config(daemon.unix), {})  # constructed as the factory does, nothing registered
+    assert b.batch_exists(keys) == 0
+    assert b.exists(keys[0]) is False
+    assert b.batch_get_v1(keys, slots(0, n)) == [False] * n
+    assert b.batch_set_v1(keys, slots(0, n)) == [False] * n
+    assert b.batch_exists_v2(keys, [sk.PoolTransfer(name=sk.PoolName.INDEXER)]).kv_hit_pages == 0
+    b.register_mem_pool_host(MLAPool("page_first", n))
+    assert b.batch_exists(keys) == n
+    asked = []
+    get_v2 = b.batch_get_v2
+    b.batch_get_v2 = lambda transfers, extra_info=None: asked.append([t.name for t in transfers]) or get_v2(transfers)
+    for policy, window in ((sk.PoolHitPolicy.ALL_PAGES, None), (sk.PoolHitPolicy.TRAILING_PAGES, keys[-2:])):
+        r = b.batch_exists_v2(keys, [sk.PoolTransfer(name=sk.PoolName.INDEXER, keys=window, hit_policy=policy)])
+        assert r.kv_hit_pages == 0, policy
+        assert r.extra_pool_hit_pages.get("indexer", 0) == 0, policy
+    assert prefetch(b, keys, 0, [(sk.PoolName.INDEXER, None, sk.PoolHitPolicy.ALL_PAGES)]) == (0, 0)
+    assert asked == []
+    assert b.batch_get_v2([sk.PoolTransfer(name=sk.PoolName.INDEXER, host_indices=slots(0, 2), keys=keys[:2])]) == {
+        "indexer": [False, False]}
+    # Registered, it counts: the same prefetch now finds and reads every page.
+    asked.clear()
+    b.register_mem_host_pool_v2(BytesPerPagePool("page_first", n), sk.PoolName.INDEXER)
+    assert prefetch(b, keys, 0, [(sk.PoolName.INDEXER, None, sk.PoolHitPolicy.ALL_PAGES)]) == (n, n)
+    assert asked == [[sk.PoolName.INDEXER]]
+    a.close()
+    b.close()
+
+
+def test_an_unknown_extra_key_warns_naming_the_closest_known_one(daemon, caplog):
+    """A key this backend does not know (a newer SGLang's, or a typo) is warned about, naming the
+    closest known key, and the backend attaches; a bad value of a known key still refuses."""
+    with caplog.at_level(logging.WARNING, logger="sparsekv.sglang"):
+        b = attach(config(daemon.unix, adress="unix:/nowhere", hicache_future_knob=3), MLAPool("page_first", 2))
+    warned = [r.getMessage() for r in caplog.records if r.name == "sparsekv.sglang" and r.levelno == logging.WARNING]
+    assert any("'adress'" in m and "did you mean 'address'" in m for m in warned), warned
+    assert any("'hicache_future_knob'" in m for m in warned), warned
+    assert len(warned) == 2, warned
+    keys = numbered(2, 0x6e3_0000)
+    assert b.batch_set_v1(keys, slots(0, 2)) == [True, True]  # attached to the daemon of "address"
+    assert b.batch_exists(keys) == 2
+    b.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sparsekv.sglang"):
+        attach(config(daemon.unix, **{"interface_v1": 1, "prefetch_threshold": 256, "tp_lcm_size": 2}),
+               MLAPool("page_first", 2)).close()
+    assert [r for r in caplog.records if r.name == "sparsekv.sglang"] == []  # SGLang's own keys: no warning
+    with pytest.raises(ValueError, match="'hint_ttl'"):
+        sk.SparseKVStorage(config(daemon.unix, hint_ttl="soon", hicache_future_knob=3), {})
