@@ -169,7 +169,10 @@ class RocksDbTierImpl final : public RocksDbTier {
     std::vector<bool> out(keys.size());
     {
       MutexLock lock(mu_);
-      for (size_t i = 0; i < keys.size(); ++i) out[i] = entries_.count(keys[i]) != 0;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        auto it = entries_.find(keys[i]);
+        out[i] = it != entries_.end() && !it->second.other_version;
+      }
     }
     done(std::move(out));
   }
@@ -212,6 +215,9 @@ class RocksDbTierImpl final : public RocksDbTier {
     uint64_t checksum = 0;
     uint64_t version = 0;
     std::list<BundleKey>::iterator lru;
+    // A read found another release's record here (another bundle format): lookups answer
+    // absent, as reads do, until a put replaces it. Not persisted: a restart finds out again.
+    bool other_version = false;
   };
 
   // Marks a new database with the record format, and refuses one that holds another.
@@ -245,7 +251,7 @@ class RocksDbTierImpl final : public RocksDbTier {
 
   void InsertLocked(const BundleKey& key, uint64_t bytes, uint64_t checksum, uint64_t version)
       SPARSEKV_REQUIRES(mu_) {
-    Entry e{bytes, checksum, version, lru_.insert(lru_.end(), key)};
+    Entry e{bytes, checksum, version, lru_.insert(lru_.end(), key), false};
     entries_.emplace(key, e);
     stats_.bytes += bytes;
     max_version_ = std::max(max_version_, version);
@@ -505,6 +511,7 @@ std::vector<Result<BundlePtr>> RocksDbTierImpl::DoGet(const std::vector<BundleKe
   std::vector<BundleKey> corrupt;
   std::vector<uint64_t> corrupt_checksums;
   uint64_t hits = 0, corrupt_count = 0, io_errors = 0, bytes_read = 0, other_version = 0;
+  std::vector<size_t> foreign;  // reads that found another release's record
   for (size_t j = 0; j < which.size(); ++j) {
     const size_t i = which[j];
     if (statuses[j].IsNotFound()) {
@@ -529,6 +536,7 @@ std::vector<Result<BundlePtr>> RocksDbTierImpl::DoGet(const std::vector<BundleKe
       // Another release's record (a directory handed between releases): a miss, counted, left
       // in place for its writer and for eviction.
       ++other_version;
+      foreign.push_back(i);
       results[i] = Status::NotFound(fmt::format("rocksdb tier: {}", b.status().message()));
       continue;
     }
@@ -559,6 +567,10 @@ std::vector<Result<BundlePtr>> RocksDbTierImpl::DoGet(const std::vector<BundleKe
     }
   }
   MutexLock lock(mu_);
+  for (size_t i : foreign) {
+    auto e = entries_.find(keys[i]);
+    if (e != entries_.end() && e->second.checksum == expected_checksum[i]) e->second.other_version = true;
+  }
   stats_.hits += hits;
   stats_.misses += other_version;
   stats_.other_version += other_version;

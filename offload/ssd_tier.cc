@@ -227,7 +227,10 @@ class SsdTierImpl final : public SsdTier {
     std::vector<bool> out(keys.size());
     {
       MutexLock lock(mu_);
-      for (size_t i = 0; i < keys.size(); ++i) out[i] = entries_.count(keys[i]) != 0;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        auto it = entries_.find(keys[i]);
+        out[i] = it != entries_.end() && !it->second.other_version;
+      }
     }
     done(std::move(out));
   }
@@ -250,7 +253,8 @@ class SsdTierImpl final : public SsdTier {
     {
       MutexLock lock(mu_);
       auto it = entries_.find(key);
-      if (it == entries_.end()) return Status::NotFound("ssd tier: no bundle " + key.ToString());
+      if (it == entries_.end() || it->second.other_version)
+        return Status::NotFound("ssd tier: no bundle " + key.ToString());
       loc.file = data_path_;
       loc.offset = it->second.at * kUnit;
       loc.record_bytes = it->second.record_bytes;
@@ -287,6 +291,9 @@ class SsdTierImpl final : public SsdTier {
     uint64_t checksum = 0;
     uint64_t sequence = 0;
     uint32_t id = 0;  // its id in the eviction order (id_keys_[id] is its key)
+    // A read found another release's record here (another bundle format): lookups answer
+    // absent, as reads do, until a put replaces it. Not persisted: a restart finds out again.
+    bool other_version = false;
   };
   // Where a read found a bundle; a corrupt one is removed only if it is still there.
   struct Location {
@@ -1165,6 +1172,8 @@ std::vector<Result<BundlePtr>> SsdTierImpl::DoGet(UringQueue& q,
     } else if (IsOtherBundleVersion(it.st)) {
       // Another release's record (a directory handed between releases): a miss, counted, its
       // entry and bytes left in place for its writer and for eviction.
+      auto e = entries_.find(keys[i]);
+      if (e != entries_.end() && e->second.at == it.loc.at) e->second.other_version = true;
       ++stats_.other_version;
       ++stats_.misses;
       out.emplace_back(Status::NotFound(std::string(it.st.message())));
