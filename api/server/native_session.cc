@@ -576,7 +576,8 @@ class Session : public std::enable_shared_from_this<Session> {
     const size_t n = header_.payload_bytes;
     const size_t buffered = std::min<size_t>(rend_ - rpos_, n - got_);
     if (buffered > 0) {
-      if (!srv_.budget_.Allows(account_->held.load(std::memory_order_relaxed), buffered)) {
+      if (!srv_.budget_.Allows(account_->held.load(std::memory_order_relaxed), buffered) &&
+          !srv_.budget_.TakePass(this)) {
         Park(Resume::kPayload, buffered);
         return false;
       }
@@ -587,10 +588,12 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     if (got_ == n) {
       in_frame_ = false;
+      srv_.budget_.ReturnPass(this);  // the frame is whole: the next held-back one may finish
       return true;
     }
     const size_t chunk = std::min(n - got_, kReadChunk);
-    if (!srv_.budget_.Allows(account_->held.load(std::memory_order_relaxed), chunk)) {
+    if (!srv_.budget_.Allows(account_->held.load(std::memory_order_relaxed), chunk) &&
+        !srv_.budget_.TakePass(this)) {
       Park(Resume::kPayload, chunk);
       return false;
     }
@@ -607,6 +610,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // drain.
   void Park(Resume where, uint64_t need = 0) {
     parked_ = where;
+    parked_at_ = Clock::now();
     account_->parked.store(true, std::memory_order_release);
     srv_.metrics_.BackpressurePause();
     PublishIdle();
@@ -623,6 +627,8 @@ class Session : public std::enable_shared_from_this<Session> {
     const Resume where = parked_;
     parked_ = Resume::kNone;
     account_->parked.store(false, std::memory_order_release);
+    // The wait was the daemon's (its budget), not the client's: the frame's clock stood still.
+    if (in_frame_) frame_start_ += Clock::now() - parked_at_;
     if (closing_) return MaybeClose();
     if (where == Resume::kHeader) return ReadHeader();
     if (StepPayload() && HandleFrame()) ReadHeader();
@@ -671,9 +677,11 @@ class Session : public std::enable_shared_from_this<Session> {
       spdlog::info("session {}: no HELLO within {} ms, closing", id_, o.handshake_timeout_ms);
       return CloseNow(Status::Aborted(fmt::format("no HELLO within {} ms", o.handshake_timeout_ms)));
     }
-    // Parked time counts too: otherwise frames that never complete could hold the budget for
-    // good. The oldest go first, so a frame held back behind them resumes once they are gone.
-    if (in_frame_ && past(frame_start_, o.frame_timeout_ms)) {
+    // Time parked on the budget does not count (Unpark moves the frame's start by it): the
+    // budget's pass (BufferBudget::TakePass) lets one held-back frame at a time finish, so
+    // frames never wait on each other for good, and a client that stops sending meets this
+    // deadline whether it holds the pass or not.
+    if (in_frame_ && parked_ == Resume::kNone && past(frame_start_, o.frame_timeout_ms)) {
       srv_.metrics_.FrameTimedOut();
       spdlog::warn("session {}: a {}-byte frame not complete after {} ms ({} bytes came), closing", id_,
                    header_.payload_bytes, o.frame_timeout_ms, got_);
@@ -1877,6 +1885,7 @@ class Session : public std::enable_shared_from_this<Session> {
     closed_ = true;
     linger_.cancel();
     tick_.cancel();
+    srv_.budget_.ReturnPass(this);
     if (parked_ != Resume::kNone) {
       parked_ = Resume::kNone;
       account_->parked.store(false, std::memory_order_release);
@@ -1906,6 +1915,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool write_failed_ = false;       // a write failed, or the write timeout struck
   size_t got_ = 0;                  // payload bytes in so far
   Clock::time_point frame_start_{}, write_started_{};
+  Clock::time_point parked_at_{};  // when it last parked on the budget
 
   ReadBuffer rbuf_{&srv_.grown_rbuf_total_};  // received, not yet handled: [rpos_, rend_)
   size_t rpos_ = 0, rend_ = 0;

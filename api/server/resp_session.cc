@@ -295,7 +295,9 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
       if (cap == cap_) cap *= 2;
       // Bytes past the first kSmall are charged to the budget.
       const uint64_t more = cap - std::max<size_t>(cap_, kSmall);
-      if (more > 0 && !host_.budget->Allows(account_->held.load(std::memory_order_relaxed), more)) {
+      // A request under way may take the budget's pass (BufferBudget::TakePass) to finish.
+      if (more > 0 && !host_.budget->Allows(account_->held.load(std::memory_order_relaxed), more) &&
+          !(end_ > begin_ && host_.budget->TakePass(this))) {
         host_.metrics->BackpressurePause();
         Park();
         return;
@@ -340,6 +342,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
   }
 
   void Park() {
+    if (!parked_) parked_at_ = Clock::now();
     parked_ = true;
     account_->parked.store(true, std::memory_order_release);
   }
@@ -348,6 +351,8 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     if (!parked_) return;
     parked_ = false;
     account_->parked.store(false, std::memory_order_release);
+    // The wait was the daemon's (its budget), not the client's: the request's clock stood still.
+    if (request_started_ != Clock::time_point{}) request_started_ += Clock::now() - parked_at_;
     if (!busy_) Process();  // serves what is buffered, then reads
   }
 
@@ -358,7 +363,13 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     int served = 0;
     while (!busy_ && !closing_) {
       if (out_bytes_ >= host_.options->max_inflight_bytes) break;  // resumed once written
-      if (!host_.budget->Allows(account_->held.load(std::memory_order_relaxed), 0)) {
+      // An empty grown buffer is not kept while the budget is spent (as it is otherwise, for the
+      // client's next large value): held by every connection a large value went through, such
+      // buffers would keep the budget spent, and every connection parked, for good.
+      if (begin_ == end_ && buf_charged_ > 0 && !reading_ &&
+          !host_.budget->Allows(account_->held.load(std::memory_order_relaxed), 0))
+        FreeBuffer();
+      if (!host_.budget->Allows(account_->held.load(std::memory_order_relaxed), 0) && !host_.budget->HoldsPass(this)) {
         // The daemon's budget is spent: replies wait until some are written (or the tick).
         host_.metrics->BackpressurePause();
         Park();
@@ -415,6 +426,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
   void Done() {
     begin_ = request_begin_ + consumed_;
     consumed_ = 0;
+    host_.budget->ReturnPass(this);  // the request is served: the next held-back one may finish
     request_started_ = begin_ < end_ ? Clock::now() : Clock::time_point{};
     if (begin_ == end_) {
       begin_ = end_ = 0;
@@ -1754,8 +1766,9 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
       host_.metrics->HandshakeTimedOut();
       return CloseNow();
     }
-    if (end_ > begin_ && past(request_started_, o.frame_timeout_ms)) {
-      // A request that does not finish arriving (slowloris) holds its buffer: closed.
+    if (!parked_ && end_ > begin_ && past(request_started_, o.frame_timeout_ms)) {
+      // A request that does not finish arriving (slowloris) holds its buffer: closed. Time parked
+      // on the daemon's budget does not count (Resume moves the start by it).
       fe_.timeouts_.fetch_add(1, std::memory_order_relaxed);
       host_.metrics->FrameTimedOut();
       return CloseNow();
@@ -1777,6 +1790,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
   void CloseNow() {
     if (closed_) return;
     closed_ = true;
+    host_.budget->ReturnPass(this);
     boost::system::error_code ec;
     tick_.cancel();
     socket_.shutdown(GenericSocket::shutdown_both, ec);
@@ -1830,6 +1844,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
        eof_ = false;
   const Clock::time_point created_;
   Clock::time_point last_active_, request_started_{}, write_started_{};
+  Clock::time_point parked_at_{};  // when it last parked on the budget
 };
 
 // ---- the front end ----

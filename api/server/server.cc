@@ -247,6 +247,10 @@ std::string Server::Impl::ConnectionMetrics() {
   gauge("sparsekv_buffered_bytes_limit", "The daemon-wide budget for them (max_buffered_bytes).", budget_.limit());
   gauge("sparsekv_parked_connections", "Connections waiting for room in that budget.",
         static_cast<uint64_t>(std::max(0, budget_.waiters_.load())));
+  out += fmt::format(
+      "# HELP sparsekv_budget_passes_total Frames read past that budget, one at a time, to finish (BufferBudget::TakePass).\n"
+      "# TYPE sparsekv_budget_passes_total counter\nsparsekv_budget_passes_total {}\n",
+      budget_.passes());
   gauge("sparsekv_handshaking_connections", "Connections that have not finished HELLO.", handshaking);
   gauge("sparsekv_authenticated_connections", "Connections after HELLO.", authenticated);
   gauge("sparsekv_connections_limit", "max_connections.", options_.max_connections);

@@ -119,11 +119,41 @@ class BufferBudget {
   uint64_t used() const { return used_.load(std::memory_order_relaxed); }
   uint64_t limit() const { return limit_; }
 
+  // The pass: one connection at a time may read past the limit to finish the frame (or RESP
+  // request) it has started. Without it, connections held back in the middle of large frames
+  // could all wait on each other, each holding part of the budget, until their frame deadlines
+  // cut them off; with it, the holder's frame always completes, its bytes go back when it is
+  // served, and the next one takes the pass. So the time a connection waits on the budget is
+  // the daemon's, not the client's, and does not count against its frame deadline, while a
+  // client that stops sending (holding the pass or not) still meets it. The bytes past the limit
+  // are at most one frame's. `who` is the connection (any pointer unique to it).
+  // True when `who` holds the pass, now or already.
+  bool TakePass(const void* who) {
+    const void* held = nullptr;
+    if (pass_.compare_exchange_strong(held, who, std::memory_order_acq_rel)) {
+      passes_.fetch_add(1, std::memory_order_relaxed);
+      return true;
+    }
+    return held == who;
+  }
+  bool HoldsPass(const void* who) const { return pass_.load(std::memory_order_acquire) == who; }
+  // Gives the pass back if `who` holds it (its frame is whole, or it closed), and wakes the parked.
+  void ReturnPass(const void* who) {
+    const void* held = who;
+    if (pass_.compare_exchange_strong(held, nullptr, std::memory_order_acq_rel) &&
+        waiters_.load(std::memory_order_acquire) > 0 && wake_)
+      wake_();
+  }
+  // Passes taken since start (sparsekv_budget_passes_total).
+  uint64_t passes() const { return passes_.load(std::memory_order_relaxed); }
+
   std::atomic<int> waiters_{0};  // connections parked on the budget (set by the server)
   std::function<void()> wake_;   // set before any connection runs
 
  private:
   std::atomic<uint64_t> used_{0};
+  std::atomic<const void*> pass_{nullptr};
+  std::atomic<uint64_t> passes_{0};
   const uint64_t limit_;
 };
 

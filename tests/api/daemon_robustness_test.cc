@@ -1205,8 +1205,10 @@ TEST_F(ManyConnectionsTest, TheBudgetPushesBackInsteadOfAllocating) {
 
 // Frames that never complete cannot hold the budget for good: with 4 MiB frames, 6 connections
 // sending all but the last byte of one take the whole 16 MiB budget and are held back (parked),
-// so a well-behaved 3 MiB PUT waits; once their frames are frame_timeout_ms old (1.5 s here),
-// parked or not, they are dropped, the oldest first, and the PUT goes through.
+// so a well-behaved 3 MiB PUT waits. The time parked is the daemon's and does not count; but
+// each stalled frame that reads on (one past the budget with its pass, or in room the others
+// left) then waits for its last byte with its clock running, and is dropped at frame_timeout_ms
+// (1.5 s here), so the budget comes back and the PUT goes through.
 class BigFramesTest : public ClientCostTest {
   void Configure(TieredStoreOptions& so, ServerOptions& opts) override {
     so.offload.host.max_record_bytes = 4 << 20;
@@ -1257,6 +1259,105 @@ TEST_F(BigFramesTest, FramesThatNeverCompleteLoseTheBudgetAfterTheFrameTimeout) 
   auto got = good->Get(std::span<const WireBlockHash>(&h, 1));
   ASSERT_TRUE(got.ok());
   EXPECT_EQ((*got)[0].bytes, big);
+}
+
+// Many clients writing large values at once, more than the budget holds (LMCache's offload
+// pattern, scaled down): the daemon reads them in turns, and the time a frame waits on the
+// daemon's own budget does not count against its deadline. The budget's pass
+// (BufferBudget::TakePass) lets one held-back frame at a time finish, so frames parked half-read
+// never wait on each other until their deadlines cut them off, as they did before (there, 12 MiB
+// frames through a 16 MiB budget lost most of their connections to the frame timeout).
+class ManyLargeWritesTest : public ClientCostTest {
+  void Configure(TieredStoreOptions& so, ServerOptions& opts) override {
+    so.offload.host.capacity_bytes = 512ull << 20;
+    so.offload.host.max_record_bytes = 13 << 20;
+    opts.max_connections = 64;
+    opts.max_handshakes = 64;
+    opts.max_frame_bytes = 13 << 20;
+    opts.frame_timeout_ms = 3000;  // a sanitizer's slowness is the client's, and charged to it
+    opts.write_timeout_ms = 5000;
+  }
+};
+
+TEST_F(ManyLargeWritesTest, SixteenTwelveMiBPutsAtOnceThroughASixteenMiBBudgetAllLand) {
+  constexpr int kClients = 16;
+  constexpr size_t kBytes = 12 << 20;
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int i = 0; i < kClients; ++i) {
+    clients.push_back(Connect("beta"));
+    ASSERT_NE(clients.back(), nullptr);
+  }
+  std::vector<std::vector<std::byte>> values;
+  for (int i = 0; i < kClients; ++i) values.push_back(Value(100 + i, kBytes));
+  std::atomic<int> ready{0};
+  std::vector<Status> put(kClients);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      ready.fetch_add(1);
+      while (ready.load() < kClients) std::this_thread::yield();
+      BundleRef ref{H(100 + i), values[i]};
+      auto r = clients[i]->Put(std::span<const BundleRef>(&ref, 1));
+      put[i] = r.ok() ? (*r)[0] : r.status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kClients; ++i) EXPECT_TRUE(put[i].ok()) << i << ": " << put[i].ToString();
+  EXPECT_EQ(Metric("sparsekv_frame_timeouts_total"), 0) << "a wait on the daemon's budget was charged to a client";
+  EXPECT_GT(Metric("sparsekv_budget_passes_total"), 0) << "the budget never held a frame back: the test proves nothing";
+  for (int i = 0; i < kClients; ++i) {
+    const WireBlockHash h = H(100 + i);
+    auto got = clients[i]->Get(std::span<const WireBlockHash>(&h, 1));
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    ASSERT_TRUE((*got)[0].status.ok()) << i << ": " << (*got)[0].status.ToString();
+    EXPECT_TRUE((*got)[0].bytes == values[i]) << i;
+  }
+  EXPECT_EQ(BufferedSettlesTo(0), 0);
+}
+
+// A client that stops one byte short of its frame (a slowloris) is still cut off at the frame
+// deadline, and the writers that come while it holds most of the budget are not held back
+// until then: they finish in turns, one past the budget at a time.
+TEST_F(ManyLargeWritesTest, AStalledFrameIsStillCutOffAndDoesNotHoldTheOthersBack) {
+  // A frame that takes most of the budget, then waits for a byte that never comes.
+  const int stalled = RawAuthed("beta");
+  ASSERT_NO_FATAL_FAILURE(SendHeader(stalled, wire::Opcode::kPut, 12u << 20));
+  const auto part = Value(7, (12 << 20) - 1);
+  std::thread sender([&] {
+    size_t sent = 0;
+    while (sent < part.size()) {
+      const ssize_t k = send(stalled, part.data() + sent, part.size() - sent, MSG_NOSIGNAL);
+      if (k <= 0) break;
+      sent += static_cast<size_t>(k);
+    }
+  });
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (Metric("sparsekv_buffered_bytes") < 11.0 * (1 << 20) && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_GE(Metric("sparsekv_buffered_bytes"), 11.0 * (1 << 20)) << "the stalled frame did not take the budget";
+  // Two more writers: held back by the stalled frame's bytes, then through once it is cut.
+  std::vector<Status> put(2);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i) {
+    threads.emplace_back([&, i] {
+      auto c = Connect("beta");
+      if (c == nullptr) return;
+      const auto v = Value(200 + i, 10 << 20);
+      BundleRef ref{H(200 + i), v};
+      auto r = c->Put(std::span<const BundleRef>(&ref, 1));
+      put[i] = r.ok() ? (*r)[0] : r.status();
+    });
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto& t : threads) t.join();
+  sender.join();
+  for (const Status& s : put) EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_GT(Metric("sparsekv_budget_passes_total"), 0);
+  // The stalled frame meets its deadline all the same.
+  while (Metric("sparsekv_frame_timeouts_total") < 1 && std::chrono::steady_clock::now() < t0 + std::chrono::seconds(6))
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(Metric("sparsekv_frame_timeouts_total"), 1) << "the stalled frame was never cut off";
+  EXPECT_EQ(BufferedSettlesTo(0), 0);
 }
 
 // Case 3: idle connections do not starve a new one. At the limit (4) a new client is admitted in

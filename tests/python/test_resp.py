@@ -1277,6 +1277,51 @@ def test_namespace_quota_counts_resp_connections():
 
 
 @sparsekv_only
+@sparsekv_only
+def test_many_large_sets_at_once_through_a_small_budget_all_land():
+    """LMCache's offload pattern (kv_bytes then metadata, then read back) with 16 chunks of 12 MiB
+    stored at once through a 16 MiB budget and a 5 s request deadline: the daemon reads them in
+    turns, one past the budget at a time (its pass), and a wait on its own budget is not charged
+    to the client's deadline. Before, parked connections were closed by that deadline."""
+    import urllib.request
+    mport = _free_port()
+    d = Daemon(resp=True, host_bytes="512MiB", max_record_bytes=13 << 20,
+               extra_config={"metrics_listen": f"127.0.0.1:{mport}", "max_buffered_bytes": 16 << 20,
+                             "frame_timeout_ms": 5000, "max_frame_bytes": 13 << 20, "max_connections": 64})
+    tasks, kv_size = 16, 12 << 20
+    # Made before the clients start: the client's own slowness (one event loop sending 192 MiB)
+    # is charged to it, and must not be what the deadline measures here.
+    values = [random.Random(i).randbytes(kv_size) for i in range(tasks)]
+    try:
+        async def main():
+            pool = redis.asyncio.ConnectionPool(host="127.0.0.1", port=d.resp_port, max_connections=tasks)
+            client = redis.asyncio.Redis(connection_pool=pool)
+
+            async def one(i):
+                key = f"big:{RUN}:{i}@chunk"
+                kv = values[i]
+                assert await client.set(key + "kv_bytes", kv) is True
+                assert await client.set(key + "metadata", b"m%d" % i) is True
+                assert await client.exists(key + "metadata") == 1
+                got = await client.get(key + "kv_bytes")
+                assert got == kv, f"chunk {i} came back different"
+                return len(got)
+
+            results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(tasks))), timeout=120)
+            await client.close()
+            await pool.disconnect()
+            return results
+
+        assert asyncio.run(main()) == [kv_size] * tasks
+        text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
+        assert re.search(r"^sparsekv_resp_timeouts_total 0$", text, re.M), \
+            "a wait on the daemon's budget was charged to a client: " + \
+            "\n".join(l for l in text.splitlines() if "timeout" in l)
+        assert re.search(r"^sparsekv_budget_passes_total [1-9]", text, re.M), "the budget never held a request back"
+    finally:
+        assert d.stop() == 0
+
+
 def test_metrics_and_the_connection_limit():
     """/metrics counts RESP commands by name; past max_connections a RESP client gets Redis's
     refusal and the connection is closed, while the ones admitted go on being served."""
