@@ -36,6 +36,23 @@ class AsFormat {
 
 constexpr uint16_t kOther = kBundleFormatVersion + 1;
 
+SsdTierOptions SsdOptions(const std::string& path) {
+  SsdTierOptions o;
+  o.path = path;
+  o.capacity_bytes = 64ull << 20;
+  o.slab_grow_bytes = 1 << 20;
+  o.read_arena_bytes = 16 << 20;
+  return o;
+}
+
+RocksDbTierOptions RocksOptions(const std::string& path) {
+  RocksDbTierOptions o;
+  o.path = path;
+  o.capacity_bytes = 64ull << 20;
+  o.durability = Durability::kNone;
+  return o;
+}
+
 std::vector<BundlePtr> Records(uint64_t first, size_t n) {
   std::vector<BundlePtr> out;
   for (size_t i = 0; i < n; ++i) out.push_back(MakeBundleOfBytes(first + i, 9000 + i * 4100, 0, first + i));
@@ -106,11 +123,7 @@ void HandOver(Open open) {
 
 TEST(FormatVersions, AnSsdDirectoryHandedBetweenTwoBundleFormatsKeepsEveryRecordOfBoth) {
   testing::TempDir dir("fmtver");
-  SsdTierOptions o;
-  o.path = dir.path();
-  o.capacity_bytes = 64ull << 20;
-  o.slab_grow_bytes = 1 << 20;
-  o.read_arena_bytes = 16 << 20;
+  const SsdTierOptions o = SsdOptions(dir.path());
   HandOver([&]() -> std::unique_ptr<Tier> {
     auto t = SsdTier::Open(o);
     EXPECT_TRUE(t.ok()) << t.status().ToString();
@@ -120,10 +133,7 @@ TEST(FormatVersions, AnSsdDirectoryHandedBetweenTwoBundleFormatsKeepsEveryRecord
 
 TEST(FormatVersions, ARocksDbDirectoryHandedBetweenTwoBundleFormatsKeepsEveryRecordOfBoth) {
   testing::TempDir dir("fmtver");
-  RocksDbTierOptions o;
-  o.path = dir.path();
-  o.capacity_bytes = 64ull << 20;
-  o.durability = Durability::kNone;
+  const RocksDbTierOptions o = RocksOptions(dir.path());
   HandOver([&]() -> std::unique_ptr<Tier> {
     auto t = RocksDbTier::Open(o);
     EXPECT_TRUE(t.ok()) << t.status().ToString();
@@ -177,11 +187,7 @@ std::map<std::string, std::string> Files(const std::string& dir) {
 // Before, it was dropped as undecodable and its extent handed out as free space.
 TEST(FormatVersions, AnSsdIndexEntryOfALaterReleaseRefusesTheOpenAndDeletesNothing) {
   testing::TempDir dir("fmtver");
-  SsdTierOptions o;
-  o.path = dir.path();
-  o.capacity_bytes = 64ull << 20;
-  o.slab_grow_bytes = 1 << 20;
-  o.read_arena_bytes = 16 << 20;
+  const SsdTierOptions o = SsdOptions(dir.path());
   {
     auto tier = SsdTier::Open(o);
     ASSERT_TRUE(tier.ok());
@@ -232,10 +238,7 @@ TEST(FormatVersions, AnSsdIndexEntryOfALaterReleaseRefusesTheOpenAndDeletesNothi
 // its first fields and kept: the record still reads.
 TEST(FormatVersions, RocksDbMetadataWithFieldsOfALaterReleaseIsKept) {
   testing::TempDir dir("fmtver");
-  RocksDbTierOptions o;
-  o.path = dir.path();
-  o.capacity_bytes = 64ull << 20;
-  o.durability = Durability::kNone;
+  const RocksDbTierOptions o = RocksOptions(dir.path());
   const std::vector<BundlePtr> recs = Records(1, 2);
   {
     auto tier = RocksDbTier::Open(o);
