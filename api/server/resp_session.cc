@@ -216,6 +216,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
         socket_(std::move(socket)),
         strand_(asio::make_strand(*fe.host_.io)),
         tick_(*fe.host_.io),
+        retry_(*fe.host_.io),
         id_(id),
         start_ns_(fe.StartNamespace()),
         account_(std::make_shared<Account>()),
@@ -341,10 +342,22 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
         }));
   }
 
+  // Stops reading until the budget has room. Unlike a native connection, which the server wakes
+  // when bytes come back, a parked RESP connection looks again every kParkedRetry (and at its
+  // tick): cheap for the few that park, and soon enough that a held-back large SET follows the
+  // one finishing before it within milliseconds, not a tick later.
+  static constexpr std::chrono::milliseconds kParkedRetry{5};
   void Park() {
     if (!parked_) parked_at_ = Clock::now();
     parked_ = true;
     account_->parked.store(true, std::memory_order_release);
+    if (retry_armed_ || closed_) return;
+    retry_armed_ = true;
+    retry_.expires_after(kParkedRetry);
+    retry_.async_wait(asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
+      self->retry_armed_ = false;
+      if (!ec && !self->closed_ && self->parked_) self->Resume();
+    }));
   }
 
   void Resume() {
@@ -1793,6 +1806,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     host_.budget->ReturnPass(this);
     boost::system::error_code ec;
     tick_.cancel();
+    retry_.cancel();
     socket_.shutdown(GenericSocket::shutdown_both, ec);
     socket_.close(ec);
     closing_ = true;
@@ -1812,6 +1826,8 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
   GenericSocket socket_;
   asio::strand<asio::io_context::executor_type> strand_;
   asio::steady_timer tick_;
+  asio::steady_timer retry_;  // a parked connection looks at the budget again (Park)
+  bool retry_armed_ = false;
   const uint64_t id_;
   const uint32_t start_ns_;  // the namespace a connection starts in (0: it must AUTH)
   uint32_t ns_ = 0;          // 0 until in a namespace (holding one of its connections)
