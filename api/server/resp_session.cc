@@ -35,7 +35,7 @@ using Clock = std::chrono::steady_clock;
 enum Cmd : int {
   kPing, kEcho, kHello, kAuth, kClient, kSelect, kQuit, kGet, kSet, kMget, kMset, kExists, kDel, kUnlink,
   kStrlen, kGetrange, kDbsize, kScan, kType, kTtl, kPttl, kInfo, kConfig, kCommand, kFlushdb, kReset,
-  kUnknown, kCmdCount
+  kKeys, kFlushall, kUnknown, kCmdCount
 };
 struct CmdSpec {
   const char* name;
@@ -49,7 +49,8 @@ constexpr std::array<CmdSpec, kCmdCount> kSpecs = {{
     {"del", -2, false},     {"unlink", -2, false},  {"strlen", 2, false},  {"getrange", 4, false},
     {"dbsize", 1, false},   {"scan", -2, false},    {"type", 2, false},    {"ttl", 2, false},
     {"pttl", 2, false},     {"info", -1, false},    {"config", -2, false}, {"command", -1, false},
-    {"flushdb", -1, false}, {"reset", 1, true},     {"unknown", 0, true},
+    {"flushdb", -1, false}, {"reset", 1, true},     {"keys", 2, false},    {"flushall", -1, false},
+    {"unknown", 0, true},
 }};
 
 std::string Lower(std::string_view s) {
@@ -654,6 +655,8 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
       case kScan:
       case kInfo:
       case kFlushdb:
+      case kFlushall:
+      case kKeys:
         return OnWorker(std::move(r));
       default:
         return Answer(std::move(r), "ERR internal: command without a handler");
@@ -751,6 +754,11 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
       case kInfo:
         w.Verbatim(InfoText());
         return;
+      case kKeys:
+        return Keys(r);
+      // FLUSHALL empties the caller's namespace, as FLUSHDB: a namespace is a client's whole
+      // keyspace here, and no client empties another's.
+      case kFlushall:
       case kFlushdb: {
         if (args_.size() > 2 || (args_.size() == 2 && !EqualsNoCase(args_[1], "sync") && !EqualsNoCase(args_[1], "async"))) {
           error = "ERR syntax error";
@@ -988,6 +996,26 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     for (const std::string& n : names) {
       if (!have_match || resp::GlobMatch(match, n)) w.Bulk(n);
     }
+  }
+
+  // KEYS pattern: every key of the caller's namespace that matches (Redis's glob), in no set order.
+  // Like Redis's, one reply with the whole keyspace: SCAN is the way through a large one.
+  void Keys(Reply& r) {
+    const std::string_view pattern = args_[1];
+    const bool every = pattern.size() == 1 && pattern[0] == '*';
+    const std::vector<wire::WireHash> all = host_.store->ListHashes(ns_);
+    std::vector<std::string> matched;
+    constexpr size_t kPart = 1024;  // the records' headers are read a part at a time
+    for (size_t at = 0; at < all.size(); at += kPart) {
+      const std::vector<wire::WireHash> part(all.begin() + static_cast<std::ptrdiff_t>(at),
+                                             all.begin() + static_cast<std::ptrdiff_t>(std::min(all.size(), at + kPart)));
+      for (std::string& n : KeyNames(part)) {
+        if (every || resp::GlobMatch(pattern, n)) matched.push_back(std::move(n));
+      }
+    }
+    auto w = r.W();
+    w.Array(matched.size());
+    for (const std::string& n : matched) w.Bulk(n);
   }
 
   // The key each hash is filed under: its record's key, or the bridge key that names it.
@@ -1620,7 +1648,8 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
         const std::string_view n = s->name;
         const bool conn = n == "ping" || n == "echo" || n == "hello" || n == "auth" || n == "client" ||
                           n == "select" || n == "quit" || n == "reset";
-        const bool server = n == "dbsize" || n == "info" || n == "config" || n == "command" || n == "flushdb";
+        const bool server = n == "dbsize" || n == "info" || n == "config" || n == "command" || n == "flushdb" ||
+                            n == "flushall";
         w.Bulk(s->name);
         w.Map(3);
         w.Bulk("summary");
@@ -1629,7 +1658,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
         w.Bulk("1.0.0");
         w.Bulk("group");
         w.Bulk(conn ? "connection" : server ? "server" : n == "scan" || n == "del" || n == "unlink" || n == "exists" ||
-                                                                 n == "type" || n == "ttl" || n == "pttl"
+                                                                 n == "type" || n == "ttl" || n == "pttl" || n == "keys"
                                                              ? "generic"
                                                              : "string");
       }

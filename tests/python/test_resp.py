@@ -493,6 +493,49 @@ def test_dbsize_flushdb(r, server):
     raw.close()
 
 
+def test_keys_and_flushall():
+    """KEYS with Redis's globs, and FLUSHALL [ASYNC|SYNC], on a server of their own (FLUSHALL
+    would empty the shared one). On sparsekvd both act within the caller's namespace: FLUSHALL
+    from one namespace leaves another's keys; on Redis it empties every db."""
+    s = RedisServer() if REDIS_MODE else Daemon(resp=True, namespaces=(("default", ""), ("alpha", "alpha-token")))
+    try:
+        r = redis.Redis(host="127.0.0.1", port=s.resp_port, socket_timeout=30)
+        if REDIS_MODE:
+            other = redis.Redis(host="127.0.0.1", port=s.resp_port, db=1, socket_timeout=30)
+        else:
+            other = redis.Redis(host="127.0.0.1", port=s.resp_port, username="alpha", password="alpha-token",
+                                socket_timeout=30)
+        names = [b"user:1", b"user:2", b"user:10", b"item:1", b"u\x00bin", b"h?llo", b"hello", b"hallo"]
+        r.mset({n: b"v" for n in names})
+        other.set(b"user:other", b"x")
+        assert sorted(r.keys("*")) == sorted(names)
+        assert sorted(r.keys("user:*")) == [b"user:1", b"user:10", b"user:2"]
+        assert sorted(r.keys("user:?")) == [b"user:1", b"user:2"]
+        assert sorted(r.keys("h[ae]llo")) == [b"hallo", b"hello"]
+        assert r.keys("h\\?llo") == [b"h?llo"]
+        assert r.keys("nothing*") == []
+        assert sorted(other.keys("*")) == [b"user:other"], "KEYS showed another keyspace's keys"
+        raw = Raw(s.resp_port)
+        assert raw.cmd("KEYS") == Err("ERR wrong number of arguments for 'keys' command")
+        assert raw.cmd("KEYS", "a", "b") == Err("ERR wrong number of arguments for 'keys' command")
+        assert raw.cmd("FLUSHALL", "NOW") == Err("ERR syntax error")
+        raw.close()
+        assert r.flushall() is True
+        assert r.keys("*") == [] and r.dbsize() == 0 and r.get(b"user:1") is None
+        if REDIS_MODE:
+            assert other.dbsize() == 0
+        else:
+            assert other.get(b"user:other") == b"x", "FLUSHALL emptied another namespace"
+        r.set(b"again", b"1")
+        assert r.execute_command("FLUSHALL", "ASYNC") is True
+        assert r.execute_command("FLUSHALL", "SYNC") is True
+        assert r.dbsize() == 0
+        r.close()
+        other.close()
+    finally:
+        assert s.stop() == 0
+
+
 def test_type_ttl(r, server):
     k = f"t:{RUN}"
     r.set(k, b"v")
