@@ -56,6 +56,10 @@ end
 return 0
 )";
 
+// The bundle format whose values keep the key every release before the versioned keys wrote
+// (RedisKey); a later format, whatever kBundleFormatVersion becomes, puts "v<N>:" in its keys.
+constexpr uint16_t kUnversionedKeyFormat = 3;
+
 bool SafeLabel(std::string_view s) {
   return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) {
     return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-' ||
@@ -96,7 +100,7 @@ class RemoteTierImpl final : public RemoteTier {
     // so that daemons of two formats sharing a key_prefix (a rolling upgrade) never share a key:
     // neither replaces nor even reads the other's values.
     const uint16_t version = BundleFormatVersion();
-    if (version != 3) {
+    if (version != kUnversionedKeyFormat) {
       return fmt::format("{}:v{}:{}:{:016x}{:016x}", options_.key_prefix, version, label, key.hash.hi,
                          key.hash.lo);
     }

@@ -139,6 +139,9 @@ class BufferBudget {
   bool HoldsPass(const void* who) const { return pass_.load(std::memory_order_acquire) == who; }
   // Gives the pass back if `who` holds it (its frame is whole, or it closed), and wakes the parked.
   void ReturnPass(const void* who) {
+    // Called at the end of every frame and RESP request: a plain load answers the usual case
+    // (not the holder) without a read-modify-write on the shared word.
+    if (pass_.load(std::memory_order_acquire) != who) return;
     const void* held = who;
     if (pass_.compare_exchange_strong(held, nullptr, std::memory_order_acq_rel) &&
         waiters_.load(std::memory_order_acquire) > 0 && wake_)

@@ -475,16 +475,7 @@ class SparseKVStorage(HiCacheStorage):
             out.append(ok)
             if ok:
                 nbytes += sum(sizes)
-        hits = sum(out)
-        self.counters["hits"] += hits
-        self.counters["misses"] += n - hits
-        self.counters["bytes_read"] += nbytes
-        dt = _time.perf_counter() - t0
-        self.counters["get_seconds"] += dt
-        self._latency("get", dt)
-        self._metrics.prefetch_pgs.append(hits)
-        if dt > 0:
-            self._metrics.prefetch_bandwidth.append(nbytes / dt / 1e9)
+        self._count_get(n, sum(out), nbytes, t0)
         return out
 
     def _write(self, pool_name, pool, keys, host_indices):
@@ -521,13 +512,7 @@ class SparseKVStorage(HiCacheStorage):
             for p in range(n):
                 if out[p]:
                     self._written.update(keys_all[p * pieces:(p + 1) * pieces])
-        self.counters["bytes_written"] += nbytes
-        dt = _time.perf_counter() - t0
-        self.counters["set_seconds"] += dt
-        self._latency("set", dt)
-        self._metrics.backup_pgs.append(sum(out))
-        if dt > 0:
-            self._metrics.backup_bandwidth.append(nbytes / dt / 1e9)
+        self._count_set(sum(out), nbytes, t0)
         return out
 
     def _present(self, keys_all):
@@ -806,17 +791,8 @@ class SparseKVStorage(HiCacheStorage):
             self.counters["errors"] += 1
             return [None] * n
         out = [t if g == b else None for t, g, b in zip(target_locations, got, nbytes)]
-        hits = sum(o is not None for o in out)
         read = sum(b for o, b in zip(out, nbytes) if o is not None)
-        self.counters["hits"] += hits
-        self.counters["misses"] += n - hits
-        self.counters["bytes_read"] += read
-        dt = _time.perf_counter() - t0
-        self.counters["get_seconds"] += dt
-        self._latency("get", dt)
-        self._metrics.prefetch_pgs.append(hits)
-        if dt > 0:
-            self._metrics.prefetch_bandwidth.append(read / dt / 1e9)
+        self._count_get(n, sum(o is not None for o in out), read, t0)
         return out
 
     def set(self, key, value=None, target_location=None, target_sizes=None):
@@ -857,14 +833,7 @@ class SparseKVStorage(HiCacheStorage):
         ok = [e is None for e in errs]
         with self._lock:
             self._written.update(k for k, good in zip(ks, ok) if good)
-        written = sum(b for b, good in zip(sizes, ok) if good)
-        self.counters["bytes_written"] += written
-        dt = _time.perf_counter() - t0
-        self.counters["set_seconds"] += dt
-        self._latency("set", dt)
-        self._metrics.backup_pgs.append(sum(ok))
-        if dt > 0:
-            self._metrics.backup_bandwidth.append(written / dt / 1e9)
+        self._count_set(sum(ok), sum(b for b, good in zip(sizes, ok) if good), t0)
         return all(ok)
 
     # ---- the rest of the interface ----
@@ -890,6 +859,28 @@ class SparseKVStorage(HiCacheStorage):
             self._failed(c)
             return False
         return True
+
+    def _count_get(self, asked, hits, nbytes, t0):
+        """A prefetch batch begun at `t0`: counters, latency and SGLang's StorageMetrics."""
+        self.counters["hits"] += hits
+        self.counters["misses"] += asked - hits
+        self.counters["bytes_read"] += nbytes
+        dt = _time.perf_counter() - t0
+        self.counters["get_seconds"] += dt
+        self._latency("get", dt)
+        self._metrics.prefetch_pgs.append(hits)
+        if dt > 0:
+            self._metrics.prefetch_bandwidth.append(nbytes / dt / 1e9)
+
+    def _count_set(self, pages, nbytes, t0):
+        """A backup batch begun at `t0` that stored `pages` pages of `nbytes`."""
+        self.counters["bytes_written"] += nbytes
+        dt = _time.perf_counter() - t0
+        self.counters["set_seconds"] += dt
+        self._latency("set", dt)
+        self._metrics.backup_pgs.append(pages)
+        if dt > 0:
+            self._metrics.backup_bandwidth.append(nbytes / dt / 1e9)
 
     def _latency(self, op, seconds):
         with self._lock:
