@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <xxhash.h>
 
+#include <chrono>
 #include <cstring>
 
 namespace sparsekv::server::resp {
@@ -48,16 +49,23 @@ std::string BridgeKeyOf(const wire::WireHash& hash) {
   return fmt::format("{:016x}{:016x}", hi, lo);
 }
 
-size_t HeaderBytes(std::string_view key) { return IsBridgeKey(key) ? 0 : kFixedHeaderBytes + key.size(); }
+size_t HeaderBytes(std::string_view key, bool expiring) {
+  if (IsBridgeKey(key)) return 0;
+  return (expiring ? kExpiringHeaderBytes : kFixedHeaderBytes) + key.size();
+}
 
-void WriteHeader(std::string_view key, uint64_t value_bytes, std::byte* out) {
-  if (IsBridgeKey(key)) return;
-  const uint32_t magic = kRecordMagic;
+void WriteHeader(std::string_view key, uint64_t value_bytes, std::byte* out, int64_t deadline_ms) {
+  const uint32_t magic = deadline_ms != 0 ? kExpiringMagic : kRecordMagic;
   const auto key_bytes = static_cast<uint32_t>(key.size());
   std::memcpy(out, &magic, 4);
   std::memcpy(out + 4, &key_bytes, 4);
   std::memcpy(out + 8, &value_bytes, 8);
-  if (!key.empty()) std::memcpy(out + kFixedHeaderBytes, key.data(), key.size());
+  size_t at = kFixedHeaderBytes;
+  if (deadline_ms != 0) {
+    std::memcpy(out + at, &deadline_ms, 8);
+    at = kExpiringHeaderBytes;
+  }
+  if (!key.empty()) std::memcpy(out + at, key.data(), key.size());
 }
 
 std::optional<Header> ReadFixedHeader(std::span<const std::byte> first) {
@@ -67,18 +75,38 @@ std::optional<Header> ReadFixedHeader(std::span<const std::byte> first) {
   std::memcpy(&magic, first.data(), 4);
   std::memcpy(&h.key_bytes, first.data() + 4, 4);
   std::memcpy(&h.value_bytes, first.data() + 8, 8);
-  if (magic != kRecordMagic || h.key_bytes > kMaxKeyBytes) return std::nullopt;
+  if ((magic != kRecordMagic && magic != kExpiringMagic) || h.key_bytes > kMaxKeyBytes) return std::nullopt;
+  if (magic == kExpiringMagic) {
+    h.fixed_bytes = kExpiringHeaderBytes;
+    h.deadline_known = first.size() >= kExpiringHeaderBytes;
+    if (h.deadline_known) {
+      std::memcpy(&h.deadline_ms, first.data() + kFixedHeaderBytes, 8);
+      if (h.deadline_ms == 0) return std::nullopt;  // never written so: damaged
+    }
+  }
   return h;
 }
 
-std::optional<std::span<const std::byte>> ValueOf(std::span<const std::byte> stored, std::string_view key) {
-  if (IsBridgeKey(key)) return stored;
+std::optional<Stored> Parse(std::span<const std::byte> stored, std::string_view key) {
+  if (IsBridgeKey(key)) return Stored{stored, 0};
   const std::optional<Header> h = ReadFixedHeader(stored);
-  if (!h || h->key_bytes != key.size()) return std::nullopt;
-  const uint64_t header = kFixedHeaderBytes + key.size();
+  if (!h || !h->deadline_known || h->key_bytes != key.size()) return std::nullopt;
+  const uint64_t header = h->header_bytes();
   if (stored.size() < header || stored.size() - header != h->value_bytes) return std::nullopt;
-  if (!key.empty() && std::memcmp(stored.data() + kFixedHeaderBytes, key.data(), key.size()) != 0) return std::nullopt;
-  return stored.subspan(header);
+  if (!key.empty() && std::memcmp(stored.data() + h->fixed_bytes, key.data(), key.size()) != 0) return std::nullopt;
+  return Stored{stored.subspan(header), h->deadline_ms};
+}
+
+std::optional<std::span<const std::byte>> ValueOf(std::span<const std::byte> stored, std::string_view key,
+                                                  int64_t now_ms) {
+  const std::optional<Stored> s = Parse(stored, key);
+  if (!s || Expired(s->deadline_ms, now_ms)) return std::nullopt;
+  return s->value;
+}
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
 }
 
 }  // namespace sparsekv::server::resp

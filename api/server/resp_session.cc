@@ -3,6 +3,10 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +14,7 @@
 #include <atomic>
 #include <cctype>
 #include <charconv>
+#include <climits>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -20,75 +25,46 @@
 #include <string_view>
 #include <vector>
 
+#include "server/resp_commands.h"
 #include "server/resp_keys.h"
+#include "server/resp_keyspace.h"
 #include "server/resp_protocol.h"
 
 namespace sparsekv::server {
+
+using namespace resp;  // NOLINT(google-build-using-namespace): the commands' table and helpers
+
 namespace {
 
 namespace asio = boost::asio;
 using GenericSocket = asio::generic::stream_protocol::socket;
 using Clock = std::chrono::steady_clock;
 
-// The commands sparsekvd serves, with Redis's arity (n: exactly n words with the name; -n: at
-// least n). kUnknown counts everything else in the metrics.
-enum Cmd : int {
-  kPing, kEcho, kHello, kAuth, kClient, kSelect, kQuit, kGet, kSet, kMget, kMset, kExists, kDel, kUnlink,
-  kStrlen, kGetrange, kDbsize, kScan, kType, kTtl, kPttl, kInfo, kConfig, kCommand, kFlushdb, kReset,
-  kKeys, kFlushall, kUnknown, kCmdCount
-};
-struct CmdSpec {
-  const char* name;
-  int arity;
-  bool before_auth;  // allowed before AUTH
-};
-constexpr std::array<CmdSpec, kCmdCount> kSpecs = {{
-    {"ping", -1, false},    {"echo", 2, false},     {"hello", -1, true},   {"auth", -2, true},
-    {"client", -2, false},  {"select", 2, false},   {"quit", -1, true},    {"get", 2, false},
-    {"set", -3, false},     {"mget", -2, false},    {"mset", -3, false},   {"exists", -2, false},
-    {"del", -2, false},     {"unlink", -2, false},  {"strlen", 2, false},  {"getrange", 4, false},
-    {"dbsize", 1, false},   {"scan", -2, false},    {"type", 2, false},    {"ttl", 2, false},
-    {"pttl", 2, false},     {"info", -1, false},    {"config", -2, false}, {"command", -1, false},
-    {"flushdb", -1, false}, {"reset", 1, true},     {"keys", 2, false},    {"flushall", -1, false},
-    {"unknown", 0, true},
-}};
-
-std::string Lower(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return out;
-}
-
-bool EqualsNoCase(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (std::tolower(static_cast<unsigned char>(a[i])) != std::tolower(static_cast<unsigned char>(b[i]))) return false;
+// A socket's address as Redis's CLIENT LIST shows it: "ip:port", "[ipv6]:port", or for a Unix
+// socket its path and ":0" (`is_unix` set then).
+std::string AddressOf(int fd, bool peer, bool& is_unix) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  auto* sa = reinterpret_cast<sockaddr*>(&ss);
+  if ((peer ? ::getpeername(fd, sa, &len) : ::getsockname(fd, sa, &len)) != 0) return "?:0";
+  char ip[INET6_ADDRSTRLEN] = {};
+  if (ss.ss_family == AF_INET) {
+    const auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
+    ::inet_ntop(AF_INET, &a->sin_addr, ip, sizeof ip);
+    return fmt::format("{}:{}", ip, ntohs(a->sin_port));
   }
-  return true;
-}
-
-Cmd Lookup(std::string_view name) {
-  if (name.size() > 16) return kUnknown;
-  for (int i = 0; i < kUnknown; ++i) {
-    if (EqualsNoCase(name, kSpecs[i].name)) return static_cast<Cmd>(i);
+  if (ss.ss_family == AF_INET6) {
+    const auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
+    ::inet_ntop(AF_INET6, &a->sin6_addr, ip, sizeof ip);
+    return fmt::format("[{}]:{}", ip, ntohs(a->sin6_port));
   }
-  return kUnknown;
-}
-
-bool ParseI64(std::string_view s, int64_t& out) {
-  if (s.empty() || s.size() > 20 || s[0] == '+') return false;
-  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
-  return ec == std::errc() && p == s.data() + s.size();
-}
-
-std::string_view AsChars(std::span<const std::byte> b) { return {reinterpret_cast<const char*>(b.data()), b.size()}; }
-
-std::string Printable(std::string_view s, size_t max) {
-  std::string out(s.substr(0, max));
-  for (char& c : out) {
-    if (c == '\r' || c == '\n') c = ' ';
+  if (ss.ss_family == AF_UNIX) {
+    is_unix = true;
+    const auto* a = reinterpret_cast<const sockaddr_un*>(&ss);
+    const size_t n = len > offsetof(sockaddr_un, sun_path) ? len - offsetof(sockaddr_un, sun_path) : 0;
+    return fmt::format("{}:0", std::string_view(a->sun_path, strnlen(a->sun_path, n)));
   }
-  return out;
+  return "?:0";
 }
 
 // The reply to one or more requests: text built here, and values sent from the store's memory
@@ -136,10 +112,12 @@ class RespConnection;
 
 class RespFrontEnd::Impl {
  public:
-  explicit Impl(RespHost host) : host_(std::move(host)) {
+  explicit Impl(RespHost host) : host_(std::move(host)), keyspace_(host_.store, host_.metrics), expiry_timer_(*host_.io) {
     const ServerOptions& o = *host_.options;
     // Redis's proto-max-bulk-len: a value no tier could take is refused from its length alone.
     limits_.max_bulk_bytes = std::min<uint64_t>(o.max_frame_bytes, host_.store->MaxValueBytes());
+    max_bulk_.store(limits_.max_bulk_bytes);
+    idle_timeout_ms_.store(o.idle_timeout_ms);
     unauth_limits_.max_args = 10;
     unauth_limits_.max_bulk_bytes = 16384;
     unauth_limits_.unauthenticated = true;
@@ -156,6 +134,8 @@ class RespFrontEnd::Impl {
   void AcceptUnix();
   void Admit(GenericSocket socket, bool is_unix);
   void Closed(RespConnection* c);
+  // The connections open in namespace `ns` (CLIENT LIST, CLIENT KILL).
+  std::vector<std::shared_ptr<RespConnection>> Connections(uint32_t ns);
 
   // The namespace id a fresh connection starts in (0: it must AUTH first).
   uint32_t StartNamespace() const {
@@ -172,14 +152,25 @@ class RespFrontEnd::Impl {
     }
     return 0;
   }
-  std::mutex& Stripe(const wire::WireHash& h) {
-    uint64_t lo;
-    std::memcpy(&lo, h.data(), 8);
-    return stripes_[lo % stripes_.size()];
-  }
+  std::mutex& Stripe(const wire::WireHash& h) { return keyspace_.Stripe(h); }
 
   Clock::time_point started_at() const { return started_; }
   uint16_t tcp_port() const { return tcp_port_; }
+  // The parser's limits for an authenticated connection (CONFIG SET proto-max-bulk-len).
+  resp::Limits limits() const {
+    resp::Limits l = limits_;
+    l.max_bulk_bytes = max_bulk_.load(std::memory_order_relaxed);
+    return l;
+  }
+
+  // ---- active expiry ----
+  // Every kExpiryPeriod (Redis's hz 10) the keys whose deadline has come are deleted on a worker;
+  // after a start, the deadlines already in the records are learnt a part at a time.
+  static constexpr std::chrono::milliseconds kExpiryPeriod{100};
+  static constexpr size_t kExpiryBatch = 1000, kLearnPart = 1024;
+  void StartExpiry();
+  void ExpiryTick();
+  void LearnNext();
 
   RespHost host_;
   const Clock::time_point started_ = Clock::now();
@@ -190,8 +181,20 @@ class RespFrontEnd::Impl {
   std::unique_ptr<asio::ip::tcp::acceptor> tcp_;
   UnixListener unix_;
   std::string tcp_address_;
-  std::array<std::mutex, 64> stripes_;
+  resp::Keyspace keyspace_;
   LogLimiter log_;
+  // Run-time settings (CONFIG SET): the largest bulk string, the idle timeout.
+  std::atomic<uint64_t> max_bulk_{0};
+  std::atomic<uint32_t> idle_timeout_ms_{0};
+
+  // Active expiry (ExpiryTick), on the io_context; its worker jobs run in turn as one session.
+  asio::steady_timer expiry_timer_;
+  uint64_t expiry_session_ = 0;
+  std::atomic<bool> expiry_busy_{false}, expiry_stopped_{false};
+  // What is left to learn after a start: namespace, and its hashes from `learn_at_` on.
+  uint32_t learn_ns_ = 0;
+  std::vector<wire::WireHash> learn_hashes_;
+  size_t learn_at_ = 0;
 
   std::mutex mu_;
   std::set<std::shared_ptr<RespConnection>> conns_;
@@ -222,7 +225,13 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
         start_ns_(fe.StartNamespace()),
         account_(std::make_shared<Account>()),
         created_(Clock::now()),
-        last_active_(Clock::now()) {}
+        last_active_(Clock::now()) {
+    fd_ = static_cast<int>(socket_.native_handle());
+    bool peer_unix = false;
+    laddr_ = AddressOf(fd_, /*peer=*/false, is_unix_);
+    addr_ = is_unix_ ? laddr_ : AddressOf(fd_, /*peer=*/true, peer_unix);
+    last_cmd_at_.store(created_.time_since_epoch().count(), std::memory_order_relaxed);
+  }
   ~RespConnection() { std::free(buf_); }
 
   void Start() {
@@ -266,6 +275,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
   }
 
   bool counted_ = false;  // holds a connection slot (RespFrontEnd::Impl::mu_)
+  uint32_t shared_ns() const { return shared_ns_.load(std::memory_order_relaxed); }
 
  private:
   static constexpr size_t kSmall = 16u << 10;
@@ -313,6 +323,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
       TakeBudget(more);
       buf_charged_ += more;
       cap_ = cap;
+      cap_shared_.store(cap, std::memory_order_relaxed);
     }
     const size_t room = std::min(cap_ - end_, std::max(kReadChunk, need_ > end_ ? need_ - end_ : 0));
     reading_ = true;
@@ -403,7 +414,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
         if (eof_) closing_ = true;
         break;
       }
-      resp::Parsed p = resp::ParseRequest(in, ns_ != 0 ? fe_.limits_ : fe_.unauth_limits_, args_, inline_);
+      resp::Parsed p = resp::ParseRequest(in, ns_ != 0 ? fe_.limits() : fe_.unauth_limits_, args_, inline_);
       if (p.outcome == resp::Outcome::kNeedMore) {
         need_ = p.need;
         if (eof_) closing_ = true;  // a request cut off by the peer's close is dropped
@@ -465,9 +476,10 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     batch_values_.clear();
     if (cmd == kSet) batch_values_.push_back(args_[2]);
     size_t total = consumed_;
+    const resp::Limits batch_limits = fe_.limits();
     while (batch_keys_.size() < kMaxBatch && begin_ + total < end_) {
       const std::string_view rest(buf_ + begin_ + total, end_ - begin_ - total);
-      const resp::Parsed p = resp::ParseRequest(rest, fe_.limits_, batch_args_, batch_storage_);
+      const resp::Parsed p = resp::ParseRequest(rest, batch_limits, batch_args_, batch_storage_);
       if (p.outcome != resp::Outcome::kCommand || batch_args_.size() != words || !batch_storage_.empty() ||
           Lookup(batch_args_[0]) != cmd || batch_args_[1].size() > resp::kMaxKeyBytes) {
         break;
@@ -540,6 +552,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     std::free(buf_);
     buf_ = nullptr;
     cap_ = begin_ = end_ = 0;
+    cap_shared_.store(0, std::memory_order_relaxed);
     GiveBudget(std::exchange(buf_charged_, 0));
   }
 
@@ -548,6 +561,13 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
   void Serve() {
     const Cmd cmd = Lookup(args_[0]);
     cmd_ = cmd;
+    last_cmd_at_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+    if ((cmd == kClient || cmd == kConfig || cmd == kCommand) && args_.size() > 1) {
+      // Shown with its subcommand, as Redis's fullname ("client|list").
+      std::lock_guard<std::mutex> l(info_mu_);
+      shared_fullname_ = fmt::format("{}|{}", kSpecs[cmd].name, Lower(args_[1].substr(0, 32)));
+    }
+    last_cmd_.store(cmd, std::memory_order_relaxed);
     fe_.calls_[cmd].fetch_add(1, std::memory_order_relaxed);
     fe_.commands_total_.fetch_add(1, std::memory_order_relaxed);
     Reply r(protocol_, TakeSpare());
@@ -565,35 +585,18 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     }
     const auto argc = static_cast<int>(args_.size());
     if ((spec.arity > 0 && argc != spec.arity) || (spec.arity < 0 && argc < -spec.arity) ||
-        (cmd == kMset && argc % 2 == 0)) {
+        ((cmd == kMset || cmd == kMsetnx) && argc % 2 == 0)) {
       return Answer(std::move(r), fmt::format("ERR wrong number of arguments for '{}' command", spec.name));
     }
     if (ns_ == 0 && !spec.before_auth) return Answer(std::move(r), "NOAUTH Authentication required.");
     // Keys longer than kMaxKeyBytes are refused before anything is read or stored.
-    {
-      size_t first = 0, step = 1, last = 0;
-      switch (cmd) {
-        case kGet: case kSet: case kStrlen: case kGetrange: case kType: case kTtl: case kPttl:
-          first = last = 1;
-          break;
-        case kMget: case kExists: case kDel: case kUnlink:
-          first = 1;
-          last = args_.size() - 1;
-          break;
-        case kMset:
-          first = 1;
-          step = 2;
-          last = args_.size() - 1;
-          break;
-        default:
-          break;
-      }
-      for (size_t i = first; first != 0 && i <= last; i += step) {
-        if (args_[i].size() > resp::kMaxKeyBytes) {
-          return Answer(std::move(r), fmt::format("ERR key too long: {} bytes, sparsekv takes at most {}",
-                                                  args_[i].size(), resp::kMaxKeyBytes));
-        }
-      }
+    size_t long_key = 0;
+    ForEachKey(cmd, args_.size(), [&](size_t i) {
+      if (long_key == 0 && args_[i].size() > resp::kMaxKeyBytes) long_key = i;
+    });
+    if (long_key != 0) {
+      return Answer(std::move(r), fmt::format("ERR key too long: {} bytes, sparsekv takes at most {}",
+                                              args_[long_key].size(), resp::kMaxKeyBytes));
     }
     switch (cmd) {
       case kPing:
@@ -626,7 +629,8 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
         return Answer(std::move(r));
       case kReset:
         protocol_ = 2;
-        name_.clear();
+        shared_protocol_.store(2, std::memory_order_relaxed);
+        SetName({});
         if (const uint32_t start = fe_.StartNamespace(); start == 0 || !EnterNamespace(start)) LeaveNamespace();
         r.set_protocol(2);
         r.W().Simple("RESET");
@@ -638,27 +642,21 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
       case kSet:
         return Set(std::move(r));
       case kMset:
+      case kMsetnx:
         return Mset(std::move(r));
       case kConfig:
         return Config(std::move(r));
       case kCommand:
         return CommandCmd(std::move(r));
-      case kTtl:
-      case kPttl:
-      case kType:
-      case kExists:
-      case kDel:
-      case kUnlink:
-      case kStrlen:
-      case kGetrange:
-      case kDbsize:
-      case kScan:
       case kInfo:
-      case kFlushdb:
-      case kFlushall:
-      case kKeys:
         return OnWorker(std::move(r));
       default:
+        // The keyspace's commands (resp_string_family.cc, resp_generic_family.cc) may block on
+        // tier I/O: served on a worker.
+        if (kSpecs[cmd].group == Group::kString || kSpecs[cmd].group == Group::kGeneric || cmd == kDbsize ||
+            cmd == kFlushdb || cmd == kFlushall) {
+          return OnWorker(std::move(r));
+        }
         return Answer(std::move(r), "ERR internal: command without a handler");
     }
   }
@@ -697,361 +695,21 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
 
   // Runs on a worker thread: a store call that may block on tier I/O.
   void RunOnWorker(Reply& r, std::string& error) {
-    DaemonStore& store = *host_.store;
     auto w = r.W();
     switch (cmd_) {
-      case kTtl:
-      case kPttl:
-      case kType: {
-        const bool present = Present(args_[1]);
-        if (cmd_ == kType) {
-          w.Simple(present ? "string" : "none");
-        } else {
-          w.Integer(present ? -1 : -2);
-        }
-        return;
-      }
-      case kExists: {
-        int64_t n = 0;
-        for (size_t i = 1; i < args_.size(); ++i) n += Present(args_[i]) ? 1 : 0;
-        w.Integer(n);
-        return;
-      }
-      case kDel:
-      case kUnlink: {
-        int64_t n = 0;
-        for (size_t i = 1; i < args_.size(); ++i) {
-          const wire::WireHash h = resp::KeyHash(args_[i]);
-          std::lock_guard<std::mutex> l(fe_.Stripe(h));
-          if (!Present(args_[i])) continue;
-          auto st = store.Delete(ns_, std::span<const wire::WireHash>(&h, 1));
-          if (st[0].code != StatusCode::kOk) {
-            error = fmt::format("ERR deleting a key failed: {}", st[0].message);
-            return;
-          }
-          ++n;
-        }
-        w.Integer(n);
-        return;
-      }
-      case kStrlen: {
-        std::optional<uint64_t> len;
-        Status st = ValueLength(args_[1], len);
-        if (!st.ok()) {
-          error = fmt::format("ERR reading the key failed: {}", st.message());
-          return;
-        }
-        w.Integer(static_cast<int64_t>(len.value_or(0)));
-        return;
-      }
-      case kGetrange:
-        return GetRange(r, error);
-      case kDbsize:
-        w.Integer(static_cast<int64_t>(store.ListHashes(ns_).size()));
-        return;
-      case kScan:
-        return Scan(r, error);
-      case kInfo:
-        w.Verbatim(InfoText());
-        return;
-      case kKeys:
-        return Keys(r);
-      // FLUSHALL empties the caller's namespace, as FLUSHDB: a namespace is a client's whole
-      // keyspace here, and no client empties another's.
-      case kFlushall:
-      case kFlushdb: {
-        if (args_.size() > 2 || (args_.size() == 2 && !EqualsNoCase(args_[1], "sync") && !EqualsNoCase(args_[1], "async"))) {
-          error = "ERR syntax error";
-          return;
-        }
-        std::vector<wire::WireHash> all = store.ListHashes(ns_);
-        for (size_t at = 0; at < all.size(); at += 4096) {
-          const size_t n = std::min<size_t>(4096, all.size() - at);
-          auto st = store.Delete(ns_, std::span<const wire::WireHash>(all.data() + at, n));
-          for (const auto& s : st) {
-            if (s.code != StatusCode::kOk) {
-              error = fmt::format("ERR flushing failed: {}", s.message);
-              return;
-            }
-          }
-        }
-        w.Simple("OK");
-        return;
-      }
       case kGet:
       case kMget:
         return GetOnWorker(r);
-      case kSet:
-        return SetOnWorker(r, error);
-      case kMset:
-        return MsetOnWorker(r, error);
+      case kInfo:
+        w.Verbatim(InfoText());
+        return;
       default:
-        error = "ERR internal: no worker handler";
+        break;
     }
-  }
-
-  // Whether `key` holds a value (its record is this key's, not a colliding one's).
-  bool Present(std::string_view key) {
-    std::optional<uint64_t> len;
-    return ValueLength(key, len).ok() && len.has_value();
-  }
-
-  // The length of `key`'s value, read from its header alone (a bridge key: its whole value).
-  Status ValueLength(std::string_view key, std::optional<uint64_t>& len) {
-    len.reset();
-    const wire::WireHash h = resp::KeyHash(key);
-    DaemonStore& store = *host_.store;
-    Status out;
-    if (resp::IsBridgeKey(key)) {
-      store.Get(ns_, std::span<const wire::WireHash>(&h, 1),
-                [&](size_t, const Status& st, std::span<const std::byte> bytes, const DaemonStore::Keep&) {
-                  if (st.ok()) {
-                    len = bytes.size();
-                  } else if (!(st.code() == StatusCode::kNotFound) && !st.data_loss()) {
-                    out = st;
-                  }
-                });
-      return out;
-    }
-    const std::string header = ReadHeader(key, h, out);
-    if (!header.empty()) {
-      len = resp::ReadFixedHeader(std::as_bytes(std::span<const char>(header.data(), header.size())))->value_bytes;
-    }
-    return out;
-  }
-
-  // The header of `key`'s record (fixed part and key), or "" when the key holds no value of its
-  // own. Reads only those bytes.
-  std::string ReadHeader(std::string_view key, const wire::WireHash& h, Status& error) {
-    const uint64_t bytes = resp::kFixedHeaderBytes + key.size();
-    std::vector<wire::RangeItem> items(1);
-    items[0].hash = h;
-    items[0].ranges.push_back({0, static_cast<uint32_t>(bytes)});
-    std::string header;
-    host_.store->GetRanges(ns_, items, [&](size_t, const Status& st, std::span<const std::byte> b) {
-      if (st.ok()) {
-        const auto fixed = resp::ReadFixedHeader(b);
-        if (fixed && fixed->key_bytes == key.size() &&
-            std::memcmp(b.data() + resp::kFixedHeaderBytes, key.data(), key.size()) == 0) {
-          header.assign(reinterpret_cast<const char*>(b.data()), b.size());
-        }
-      } else if (!(st.code() == StatusCode::kNotFound) && !st.data_loss() && st.code() != StatusCode::kInvalidArgument) {
-        error = st;
-      }
-    });
-    return header;
-  }
-
-  void GetRange(Reply& r, std::string& error) {
-    int64_t start = 0, end = 0;
-    if (!ParseI64(args_[2], start) || !ParseI64(args_[3], end)) {
-      error = "ERR value is not an integer or out of range";
-      return;
-    }
-    const std::string_view key = args_[1];
-    const wire::WireHash h = resp::KeyHash(key);
-    auto clamp = [&](uint64_t len, uint64_t& from, uint64_t& n) {
-      const auto l = static_cast<int64_t>(len);
-      int64_t s = start < 0 ? l + start : start;
-      int64_t e = end < 0 ? l + end : end;
-      if (s < 0) s = 0;
-      if (e < 0) e = 0;
-      if (e >= l) e = l - 1;
-      if (l == 0 || s > e || (start < 0 && end < 0 && start > end)) {
-        n = 0;
-        return;
-      }
-      from = static_cast<uint64_t>(s);
-      n = static_cast<uint64_t>(e - s + 1);
-    };
-    auto w = r.W();
-    if (resp::IsBridgeKey(key)) {
-      bool answered = false;
-      host_.store->Get(ns_, std::span<const wire::WireHash>(&h, 1),
-                       [&](size_t, const Status& st, std::span<const std::byte> b, const DaemonStore::Keep&) {
-                         uint64_t from = 0, n = 0;
-                         if (st.ok()) clamp(b.size(), from, n);
-                         if (!st.ok() && !(st.code() == StatusCode::kNotFound) && !st.data_loss()) {
-                           error = fmt::format("ERR reading the key failed: {}", st.message());
-                           return;
-                         }
-                         w.Bulk(AsChars(b.subspan(from, n)));
-                         answered = true;
-                       });
-      if (!answered && error.empty()) w.Bulk("");
-      return;
-    }
-    // The header first (its length), then header and range in one read of one version: a SET
-    // in between that changed the length is read again.
-    for (int attempt = 0; attempt < 4; ++attempt) {
-      Status st;
-      const std::string header = ReadHeader(key, h, st);
-      if (!st.ok()) {
-        error = fmt::format("ERR reading the key failed: {}", st.message());
-        return;
-      }
-      if (header.empty()) {
-        w.Bulk("");
-        return;
-      }
-      const uint64_t len = resp::ReadFixedHeader(std::as_bytes(std::span<const char>(header)))->value_bytes;
-      uint64_t from = 0, n = 0;
-      clamp(len, from, n);
-      if (n == 0) {
-        w.Bulk("");
-        return;
-      }
-      if (n > fe_.limits_.max_bulk_bytes) {
-        error = "ERR the range asked for is larger than the largest reply (max_frame_bytes)";
-        return;
-      }
-      std::vector<wire::RangeItem> items(1);
-      items[0].hash = h;
-      items[0].ranges.push_back({0, static_cast<uint32_t>(header.size())});
-      // Ranges are at most 4 GiB - 1 each: a longer one is split.
-      for (uint64_t at = 0; at < n;) {
-        const uint64_t part = std::min<uint64_t>(n - at, 1u << 30);
-        items[0].ranges.push_back({header.size() + from + at, static_cast<uint32_t>(part)});
-        at += part;
-      }
-      bool same = false, gone = false;
-      host_.store->GetRanges(ns_, items, [&](size_t, const Status& s, std::span<const std::byte> b) {
-        if (!s.ok()) {
-          gone = true;
-          if (!(s.code() == StatusCode::kNotFound) && !s.data_loss() && s.code() != StatusCode::kInvalidArgument) {
-            error = fmt::format("ERR reading the key failed: {}", s.message());
-          }
-          return;
-        }
-        if (b.size() == header.size() + n && std::memcmp(b.data(), header.data(), header.size()) == 0) {
-          same = true;
-          w.Bulk(AsChars(b.subspan(header.size())));
-        }
-      });
-      if (!error.empty() || same) return;
-      if (gone) continue;  // deleted or replaced meanwhile: look again
-    }
-    if (error.empty()) w.Bulk("");
-  }
-
-  void Scan(Reply& r, std::string& error) {
-    uint64_t cursor = 0;
-    {
-      const std::string_view c = args_[1];
-      auto [p, ec] = std::from_chars(c.data(), c.data() + c.size(), cursor);
-      if (ec != std::errc() || p != c.data() + c.size()) {
-        error = "ERR invalid cursor";
-        return;
-      }
-    }
-    std::string_view match;
-    bool have_match = false;
-    int64_t count = 10;
-    for (size_t i = 2; i < args_.size(); i += 2) {
-      if (i + 1 >= args_.size()) {
-        error = "ERR syntax error";
-        return;
-      }
-      if (EqualsNoCase(args_[i], "match")) {
-        match = args_[i + 1];
-        have_match = !(match.size() == 1 && match[0] == '*');
-      } else if (EqualsNoCase(args_[i], "count")) {
-        if (!ParseI64(args_[i + 1], count)) {
-          error = "ERR value is not an integer or out of range";
-          return;
-        }
-        if (count < 1) {
-          error = "ERR syntax error";
-          return;
-        }
-      } else if (EqualsNoCase(args_[i], "type")) {
-        if (!EqualsNoCase(args_[i + 1], "string")) count = -1;  // only strings here: nothing matches
-      } else {
-        error = "ERR syntax error";
-        return;
-      }
-    }
-    // The cursor is the high 64 bits of the hash to go on from: hashes are listed in order, so
-    // a key present from the first call to the last is returned, whatever else changes.
-    std::vector<wire::WireHash> all = host_.store->ListHashes(ns_);
-    auto hi_of = [](const wire::WireHash& h) {
-      uint64_t hi;
-      std::memcpy(&hi, h.data() + 8, 8);
-      return hi;
-    };
-    auto it = std::lower_bound(all.begin(), all.end(), cursor,
-                               [&](const wire::WireHash& h, uint64_t c) { return hi_of(h) < c; });
-    std::vector<wire::WireHash> batch;
-    const size_t want = count < 0 ? 10 : static_cast<size_t>(std::min<int64_t>(count, 1 << 20));
-    while (it != all.end() && (batch.size() < want || hi_of(*it) == hi_of(batch.back()))) batch.push_back(*it++);
-    uint64_t next = 0;
-    if (it != all.end()) next = hi_of(batch.back()) + 1;  // hi of the last < hi of *it, so no overflow
-    std::vector<std::string> names = count < 0 ? std::vector<std::string>{} : KeyNames(batch);
-    auto w = r.W();
-    w.Array(2);
-    w.Bulk(std::to_string(next));
-    size_t shown = 0;
-    for (const std::string& n : names) shown += (!have_match || resp::GlobMatch(match, n)) ? 1 : 0;
-    w.Array(shown);
-    for (const std::string& n : names) {
-      if (!have_match || resp::GlobMatch(match, n)) w.Bulk(n);
-    }
-  }
-
-  // KEYS pattern: every key of the caller's namespace that matches (Redis's glob), in no set order.
-  // Like Redis's, one reply with the whole keyspace: SCAN is the way through a large one.
-  void Keys(Reply& r) {
-    const std::string_view pattern = args_[1];
-    const bool every = pattern.size() == 1 && pattern[0] == '*';
-    const std::vector<wire::WireHash> all = host_.store->ListHashes(ns_);
-    std::vector<std::string> matched;
-    constexpr size_t kPart = 1024;  // the records' headers are read a part at a time
-    for (size_t at = 0; at < all.size(); at += kPart) {
-      const std::vector<wire::WireHash> part(all.begin() + static_cast<std::ptrdiff_t>(at),
-                                             all.begin() + static_cast<std::ptrdiff_t>(std::min(all.size(), at + kPart)));
-      for (std::string& n : KeyNames(part)) {
-        if (every || resp::GlobMatch(pattern, n)) matched.push_back(std::move(n));
-      }
-    }
-    auto w = r.W();
-    w.Array(matched.size());
-    for (const std::string& n : matched) w.Bulk(n);
-  }
-
-  // The key each hash is filed under: its record's key, or the bridge key that names it.
-  std::vector<std::string> KeyNames(const std::vector<wire::WireHash>& hashes) {
-    std::vector<std::string> out(hashes.size());
-    std::vector<wire::RangeItem> items(hashes.size());
-    for (size_t i = 0; i < hashes.size(); ++i) {
-      out[i] = resp::BridgeKeyOf(hashes[i]);
-      items[i].hash = hashes[i];
-      items[i].ranges.push_back({0, static_cast<uint32_t>(resp::kFixedHeaderBytes)});
-    }
-    std::vector<uint32_t> key_bytes(hashes.size(), 0);
-    std::vector<size_t> second;
-    host_.store->GetRanges(ns_, items, [&](size_t i, const Status& st, std::span<const std::byte> b) {
-      if (!st.ok()) return;
-      if (auto h = resp::ReadFixedHeader(b)) {
-        key_bytes[i] = h->key_bytes;
-        second.push_back(i);
-      }
-    });
-    if (second.empty()) return out;
-    std::vector<wire::RangeItem> keys;
-    for (size_t i : second) {
-      wire::RangeItem item;
-      item.hash = hashes[i];
-      item.ranges.push_back({0, static_cast<uint32_t>(resp::kFixedHeaderBytes + key_bytes[i])});
-      keys.push_back(std::move(item));
-    }
-    host_.store->GetRanges(ns_, keys, [&](size_t k, const Status& st, std::span<const std::byte> b) {
-      if (!st.ok() || b.size() < resp::kFixedHeaderBytes) return;
-      std::string_view key = AsChars(b.subspan(resp::kFixedHeaderBytes));
-      // A record whose key does not hash to where it lies is a native block that starts like
-      // one of ours: shown by its bridge key.
-      if (!resp::IsBridgeKey(key) && resp::KeyHash(key) == hashes[second[k]]) out[second[k]] = std::string(key);
-    });
-    return out;
+    resp::Command c{cmd_, ns_, std::span<const std::string_view>(args_), w, error, fe_.keyspace_,
+                    fe_.max_bulk_.load(std::memory_order_relaxed)};
+    if (ServeStringCommand(c) || ServeGenericCommand(c)) return;
+    error = "ERR internal: no worker handler";
   }
 
   std::string InfoText() {
@@ -1097,14 +755,15 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
       for (const auto& t : tiers) evicted += t.remote ? 0 : t.evictions;
       out += fmt::format(
           "# Stats\r\ntotal_connections_received:{}\r\ntotal_commands_processed:{}\r\nrejected_connections:{}\r\n"
-          "keyspace_hits:{}\r\nkeyspace_misses:{}\r\nevicted_keys:{}\r\nexpired_keys:0\r\n\r\n",
+          "keyspace_hits:{}\r\nkeyspace_misses:{}\r\nevicted_keys:{}\r\nexpired_keys:{}\r\n\r\n",
           fe_.accepted_.load(), fe_.commands_total_.load(), fe_.rejected_.load(), fe_.keyspace_hits_.load(),
-          fe_.keyspace_misses_.load(), evicted);
+          fe_.keyspace_misses_.load(), evicted, fe_.keyspace_.expired_keys());
     }
     if (want("keyspace")) {
       const size_t keys = host_.store->ListHashes(ns_).size();
       out += "# Keyspace\r\n";
-      if (keys > 0) out += fmt::format("db0:keys={},expires=0,avg_ttl=0\r\n", keys);
+      const auto [expires, avg_ttl] = fe_.keyspace_.Expiring(ns_, NowMs());
+      if (keys > 0) out += fmt::format("db0:keys={},expires={},avg_ttl={}\r\n", keys, expires, avg_ttl);
       out += "\r\n";
     }
     if (want("sparsekv")) {
@@ -1152,7 +811,16 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
   void AppendValue(Reply& r, std::string_view key, const Status& st, std::span<const std::byte> bytes,
                    const DaemonStore::Keep& keep) {
     std::optional<std::span<const std::byte>> value;
-    if (st.ok()) value = resp::ValueOf(bytes, key);
+    if (st.ok()) {
+      if (auto stored = resp::Parse(bytes, key)) {
+        // A key is never returned after its deadline; it is queued to be deleted.
+        if (stored->deadline_ms != 0 && Expired(stored->deadline_ms, NowMs())) {
+          fe_.keyspace_.QueueExpired(ns_, key, stored->deadline_ms);
+        } else {
+          value = stored->value;
+        }
+      }
+    }
     if (!value) {
       fe_.keyspace_misses_.fetch_add(1, std::memory_order_relaxed);
       host_.metrics->Misses(1);
@@ -1176,31 +844,6 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
   }
 
   // ---- SET and MSET ----
-
-  struct SetOptions {
-    bool nx = false, xx = false, get = false;
-  };
-
-  // Parses SET's options; an error text when they are wrong.
-  std::string ParseSetOptions(SetOptions& o) {
-    for (size_t i = 3; i < args_.size(); ++i) {
-      const std::string_view a = args_[i];
-      if (EqualsNoCase(a, "nx") && !o.xx) {
-        o.nx = true;
-      } else if (EqualsNoCase(a, "xx") && !o.nx) {
-        o.xx = true;
-      } else if (EqualsNoCase(a, "get")) {
-        o.get = true;
-      } else if (EqualsNoCase(a, "ex") || EqualsNoCase(a, "px") || EqualsNoCase(a, "exat") ||
-                 EqualsNoCase(a, "pxat") || EqualsNoCase(a, "keepttl")) {
-        return fmt::format("ERR SET {}: sparsekv keeps no expiry (values leave by eviction); send SET without it",
-                           Lower(a));
-      } else {
-        return "ERR syntax error";
-      }
-    }
-    return {};
-  }
 
   // The bytes stored for `key` = `value`: its header, then the value. When the value lies in
   // the receive buffer with room before it that the request no longer needs (SET: the command
@@ -1231,11 +874,11 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     return scratch;
   }
 
+  // A plain SET is stored from this thread when the store takes it at once; SET with options
+  // (and the rest) goes to a worker (resp_string_family.cc).
   void Set(Reply r) {
-    SetOptions o;
-    if (std::string e = ParseSetOptions(o); !e.empty()) return Answer(std::move(r), e);
     if (std::string e = TooLarge(args_[1], args_[2]); !e.empty()) return Answer(std::move(r), e);
-    if (o.nx || o.xx || o.get || !host_.store->PutsWithoutBlocking()) return OnWorker(std::move(r));
+    if (args_.size() > 3 || !host_.store->PutsWithoutBlocking()) return OnWorker(std::move(r));
     const wire::WireHash h = resp::KeyHash(args_[1]);
     std::unique_lock<std::mutex> stripe(fe_.Stripe(h), std::try_to_lock);
     if (!stripe.owns_lock()) return OnWorker(std::move(r));
@@ -1320,51 +963,6 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     return fmt::format("ERR storing the value failed: {}", s.message);
   }
 
-  void SetOnWorker(Reply& r, std::string& error) {
-    SetOptions o;
-    ParseSetOptions(o);
-    DaemonStore& store = *host_.store;
-    const wire::WireHash h = resp::KeyHash(args_[1]);
-    std::lock_guard<std::mutex> stripe(fe_.Stripe(h));
-    std::optional<std::string> old;
-    bool present = false;
-    if (o.get) {
-      store.Get(ns_, std::span<const wire::WireHash>(&h, 1),
-                [&](size_t, const Status& st, std::span<const std::byte> b, const DaemonStore::Keep&) {
-                  if (!st.ok()) return;
-                  if (auto v = resp::ValueOf(b, args_[1])) old = std::string(AsChars(*v));
-                });
-      present = old.has_value();
-    } else if (o.nx || o.xx) {
-      present = Present(args_[1]);
-    }
-    auto w = r.W();
-    const bool store_it = !(o.nx && present) && !(o.xx && !present);
-    if (store_it) {
-      if (args_[1].data() != key_copy_.data()) key_copy_.assign(args_[1]);
-      std::vector<std::byte> scratch;
-      // On a worker the buffer is as it was parsed: the header may go in place too.
-      const wire::PutItem item{h, Record(key_copy_, args_[2], inline_.empty(), scratch)};
-      host_.metrics->BytesIn(item.bundle.size());
-      auto st = store.Put(ns_, std::span<const wire::PutItem>(&item, 1));
-      if (st[0].code != StatusCode::kOk) {
-        error = PutError(st[0]);
-        return;
-      }
-    }
-    if (o.get) {
-      if (old) {
-        w.Bulk(*old);
-      } else {
-        w.Null();
-      }
-    } else if (store_it) {
-      w.Simple("OK");
-    } else {
-      w.Null();
-    }
-  }
-
   // An error when `key` = `value` is larger than the store can take: refused before anything
   // stored changes (a PUT the tiers refuse would still drop the key's older version).
   std::string TooLarge(std::string_view key, std::string_view value) const {
@@ -1383,32 +981,6 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     OnWorker(std::move(r));
   }
 
-  void MsetOnWorker(Reply& r, std::string& error) {
-    const size_t n = (args_.size() - 1) / 2;
-    std::vector<std::vector<std::byte>> scratch(n);
-    std::vector<wire::PutItem> items(n);
-    std::vector<std::mutex*> stripes;
-    for (size_t k = 0; k < n; ++k) {
-      const std::string_view key = args_[1 + 2 * k];
-      items[k].hash = resp::KeyHash(key);
-      items[k].bundle = Record(key, args_[2 + 2 * k], /*in_place=*/false, scratch[k]);
-      stripes.push_back(&fe_.Stripe(items[k].hash));
-    }
-    // Stripes locked in address order, each once: no two MSETs deadlock.
-    std::sort(stripes.begin(), stripes.end());
-    stripes.erase(std::unique(stripes.begin(), stripes.end()), stripes.end());
-    for (auto* m : stripes) m->lock();
-    auto st = host_.store->Put(ns_, items);
-    for (auto it = stripes.rbegin(); it != stripes.rend(); ++it) (*it)->unlock();
-    for (const auto& s : st) {
-      if (s.code != StatusCode::kOk) {
-        error = PutError(s);
-        return;
-      }
-    }
-    r.W().Simple("OK");
-  }
-
   // ---- namespaces ----
 
   // Moves the connection into namespace `ns`, holding one of its connections (its quota counts
@@ -1418,11 +990,13 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     if (!host_.take_namespace(ns)) return false;
     LeaveNamespace();
     ns_ = ns;
+    shared_ns_.store(ns, std::memory_order_relaxed);
     return true;
   }
   void LeaveNamespace() {
     if (ns_ != 0) host_.give_namespace(ns_);
     ns_ = 0;
+    shared_ns_.store(0, std::memory_order_relaxed);
   }
   std::string QuotaError(uint32_t ns) const {
     const NamespaceConfig& nc = host_.options->namespaces[ns - 1];
@@ -1466,6 +1040,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     if (!EnterNamespace(ns)) return Answer(std::move(r), QuotaError(ns));
     name_ = std::move(name);
     protocol_ = proto;
+    shared_protocol_.store(proto, std::memory_order_relaxed);
     r.set_protocol(proto);
     auto w = r.W();
     w.Map(7);
@@ -1521,6 +1096,8 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
     Answer(std::move(r), fmt::format("ERR unknown subcommand '{}'. Try {} HELP.", Printable(args_[1], 128), upper));
   }
 
+  // CLIENT SETNAME, GETNAME, ID, SETINFO, INFO, LIST, KILL. LIST and KILL see only the caller's
+  // namespace's connections: no client learns of, or closes, another namespace's.
   void ClientCmd(Reply r) {
     const std::string sub = Lower(args_[1]);
     auto w = r.W();
@@ -1530,7 +1107,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
           return Answer(std::move(r), "ERR Client names cannot contain spaces, newlines or special characters.");
         }
       }
-      name_ = std::string(args_[2]);
+      SetName(std::string(args_[2]));
       w.Simple("OK");
     } else if (sub == "getname" && args_.size() == 2) {
       if (name_.empty()) {
@@ -1547,12 +1124,166 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
       }
       w.Simple("OK");
     } else if (sub == "info" && args_.size() == 2) {
-      w.Verbatim(fmt::format("id={} name={} db=0 resp={} sparsekv-namespace={}\n", id_, name_, protocol_,
-                             ns_ ? host_.options->namespaces[ns_ - 1].name : ""));
+      w.Verbatim(InfoLine(/*caller=*/true, "client|info") + "\n");
+    } else if (sub == "list") {
+      return ClientList(std::move(r));
+    } else if (sub == "kill" && args_.size() >= 3) {
+      return ClientKill(std::move(r));
     } else {
-      return SubcommandError(std::move(r), "client", {{"setname", 3}, {"getname", 2}, {"id", 2}, {"setinfo", 4}, {"info", 2}});
+      return SubcommandError(std::move(r), "client",
+                             {{"setname", 3}, {"getname", 2}, {"id", 2}, {"setinfo", 4}, {"info", 2}, {"kill", -3}});
     }
     Answer(std::move(r));
+  }
+
+  // Redis's client types: every RESP connection here is "normal".
+  static bool KnownClientType(std::string_view t, bool& normal) {
+    normal = EqualsNoCase(t, "normal");
+    return normal || EqualsNoCase(t, "master") || EqualsNoCase(t, "replica") || EqualsNoCase(t, "slave") ||
+           EqualsNoCase(t, "pubsub");
+  }
+
+  void ClientList(Reply r) {
+    std::optional<std::vector<uint64_t>> ids;
+    bool all = true;
+    if (args_.size() == 4 && EqualsNoCase(args_[2], "type")) {
+      if (!KnownClientType(args_[3], all)) {
+        return Answer(std::move(r), fmt::format("ERR Unknown client type '{}'", Printable(args_[3], 128)));
+      }
+    } else if (args_.size() > 3 && EqualsNoCase(args_[2], "id")) {
+      ids.emplace();
+      for (size_t i = 3; i < args_.size(); ++i) {
+        int64_t id = 0;
+        if (!ParseI64(args_[i], id)) return Answer(std::move(r), "ERR Invalid client ID");
+        ids->push_back(static_cast<uint64_t>(id));
+      }
+    } else if (args_.size() != 2) {
+      return Answer(std::move(r), kSyntaxError);
+    }
+    std::string out;
+    if (all) {
+      for (const auto& c : fe_.Connections(ns_)) {
+        if (ids && std::find(ids->begin(), ids->end(), c->id_) == ids->end()) continue;
+        out += c.get() == this ? InfoLine(true, "client|list") : c->InfoLine(false, {});
+        out += '\n';
+      }
+    }
+    r.W().Verbatim(out);
+    Answer(std::move(r));
+  }
+
+  // CLIENT KILL addr:port, or CLIENT KILL [ID id] [TYPE type] [ADDR a] [LADDR a] [USER u]
+  // [SKIPME yes|no] (USER: a namespace's name).
+  void ClientKill(Reply r) {
+    std::optional<std::string_view> addr, laddr, user;
+    uint64_t id = 0;
+    bool skipme = true, any_type = true;
+    const bool old_form = args_.size() == 3;
+    if (old_form) {
+      addr = args_[2];
+      skipme = false;  // the old form may close the caller itself
+    } else {
+      for (size_t i = 2; i < args_.size(); i += 2) {
+        const bool more = i + 1 < args_.size();
+        const std::string_view opt = args_[i];
+        if (!more) return Answer(std::move(r), kSyntaxError);
+        const std::string_view v = args_[i + 1];
+        if (EqualsNoCase(opt, "id")) {
+          int64_t n = 0;
+          if (!ParseI64(v, n) || n < 1) return Answer(std::move(r), "ERR client-id should be greater than 0");
+          id = static_cast<uint64_t>(n);
+        } else if (EqualsNoCase(opt, "type")) {
+          if (!KnownClientType(v, any_type)) {
+            return Answer(std::move(r), fmt::format("ERR Unknown client type '{}'", Printable(v, 128)));
+          }
+        } else if (EqualsNoCase(opt, "addr")) {
+          addr = v;
+        } else if (EqualsNoCase(opt, "laddr")) {
+          laddr = v;
+        } else if (EqualsNoCase(opt, "user")) {
+          bool known = false;
+          for (const auto& n : host_.options->namespaces) known = known || n.name == v;
+          if (!known) return Answer(std::move(r), fmt::format("ERR No such user '{}'", Printable(v, 128)));
+          user = v;
+        } else if (EqualsNoCase(opt, "skipme")) {
+          if (EqualsNoCase(v, "yes")) {
+            skipme = true;
+          } else if (EqualsNoCase(v, "no")) {
+            skipme = false;
+          } else {
+            return Answer(std::move(r), kSyntaxError);
+          }
+        } else {
+          return Answer(std::move(r), kSyntaxError);
+        }
+      }
+    }
+    int64_t killed = 0;
+    if (any_type) {
+      const std::string my_ns = host_.options->namespaces[ns_ - 1].name;
+      for (const auto& c : fe_.Connections(ns_)) {
+        if (addr && c->addr_ != *addr) continue;
+        if (laddr && c->laddr_ != *laddr) continue;
+        if (id != 0 && c->id_ != id) continue;
+        if (user && *user != my_ns) continue;
+        if (c.get() == this) {
+          if (skipme) continue;
+          r.close_after = true;  // after this reply
+        } else {
+          c->Kill();
+        }
+        ++killed;
+      }
+    }
+    if (old_form) {
+      if (killed == 0) return Answer(std::move(r), "ERR No such client");
+      r.W().Simple("OK");
+    } else {
+      r.W().Integer(killed);
+    }
+    Answer(std::move(r));
+  }
+
+  // The connection as CLIENT LIST shows it, in Redis 7.0's fields (networking.c,
+  // catClientInfoString); `user` is its namespace. Read from other connections' threads: only
+  // what is constant or shared (info_mu_, atomics).
+  std::string InfoLine(bool caller, std::string_view current) const {
+    const auto now = Clock::now();
+    const auto secs = [&](Clock::time_point t) {
+      return std::chrono::duration_cast<std::chrono::seconds>(now - t).count();
+    };
+    const int last = last_cmd_.load(std::memory_order_relaxed);
+    std::string name, cmd;
+    {
+      std::lock_guard<std::mutex> l(info_mu_);
+      name = shared_name_;
+      if (last == kClient || last == kConfig || last == kCommand) cmd = shared_fullname_;
+    }
+    const uint32_t ns = shared_ns_.load(std::memory_order_relaxed);
+    if (caller) {
+      cmd = current;
+    } else if (cmd.empty()) {
+      cmd = last < 0 ? "NULL" : kSpecs[last].name;
+    }
+    const Clock::time_point active{Clock::duration(last_cmd_at_.load(std::memory_order_relaxed))};
+    return fmt::format(
+        "id={} addr={} laddr={} fd={} name={} age={} idle={} flags={} db=0 sub=0 psub=0 ssub=0 multi=-1 qbuf=0 "
+        "qbuf-free=0 argv-mem=0 multi-mem=0 rbs={} rbp=0 obl=0 oll=0 omem=0 tot-mem={} events=r cmd={} user={} "
+        "redir=-1 resp={}",
+        id_, addr_, laddr_, fd_, name, secs(created_), secs(active), is_unix_ ? "U" : "N",
+        cap_shared_.load(std::memory_order_relaxed), cap_shared_.load(std::memory_order_relaxed) + 1024, cmd,
+        ns == 0 ? "(none)" : host_.options->namespaces[ns - 1].name, shared_protocol_.load(std::memory_order_relaxed));
+  }
+
+  // CLIENT KILL from another connection: closed on its own thread.
+  void Kill() {
+    asio::post(strand_, [self = shared_from_this()] { self->CloseNow(); });
+  }
+
+  void SetName(std::string name) {
+    name_ = name;
+    std::lock_guard<std::mutex> l(info_mu_);
+    shared_name_ = std::move(name);
   }
 
   void Config(Reply r) {
@@ -1570,8 +1301,8 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
           {"maxclients", std::to_string(o.max_connections)},
           {"maxmemory", std::to_string(host_capacity)},
           {"maxmemory-policy", "allkeys-lru"},
-          {"proto-max-bulk-len", std::to_string(fe_.limits_.max_bulk_bytes)},
-          {"timeout", std::to_string(o.idle_timeout_ms / 1000)},
+          {"proto-max-bulk-len", std::to_string(fe_.max_bulk_.load(std::memory_order_relaxed))},
+          {"timeout", std::to_string(fe_.idle_timeout_ms_.load(std::memory_order_relaxed) / 1000)},
           {"port", std::to_string(fe_.tcp_port())},
       };
       std::vector<const std::pair<std::string, std::string>*> hits;
@@ -1595,29 +1326,77 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
       r.W().Simple("OK");
       return Answer(std::move(r));
     }
-    if (sub == "set" && args_.size() >= 4) {
-      return Answer(std::move(r), "ERR CONFIG SET is not supported: sparsekvd is configured by its JSON file and "
-                                  "command line");
-    }
+    if (sub == "set" && args_.size() >= 4) return ConfigSet(std::move(r));
     return SubcommandError(std::move(r), "config", {{"get", -3}, {"set", -4}, {"resetstat", 2}});
+  }
+
+  // CONFIG SET name value [name value ...], all or nothing, as Redis 7.0 (config.c). What can
+  // change while sparsekvd runs: timeout (the RESP idle timeout, 0: none) and proto-max-bulk-len
+  // (at most what the tiers take). save and appendonly take only what sparsekvd does (no RDB, no
+  // AOF: its tiers persist); the other parameters CONFIG GET shows are set in its configuration
+  // file and refused by name.
+  void ConfigSet(Reply r) {
+    if (args_.size() % 2 == 1) return Answer(std::move(r), kSyntaxError);
+    const uint64_t most = fe_.limits_.max_bulk_bytes;
+    std::optional<uint32_t> timeout;
+    std::optional<uint64_t> bulk;
+    std::vector<std::string> seen;
+    auto failed = [&](std::string_view name, std::string_view why) {
+      return fmt::format("ERR CONFIG SET failed (possibly related to argument '{}') - {}", Printable(name, 128), why);
+    };
+    std::string error;
+    for (size_t i = 2; i + 1 < args_.size() && error.empty(); i += 2) {
+      const std::string name = Lower(args_[i]);
+      const std::string_view v = args_[i + 1];
+      if (std::find(seen.begin(), seen.end(), name) != seen.end()) {
+        error = failed(args_[i], "duplicate parameter");
+        break;
+      }
+      seen.push_back(name);
+      int64_t n = 0;
+      if (name == "timeout") {
+        if (!ParseI64(v, n) || n < 0 || n > INT32_MAX / 1000) {
+          error = failed(args_[i], "argument couldn't be parsed into an integer");
+        } else {
+          timeout = static_cast<uint32_t>(n * 1000);
+        }
+      } else if (name == "proto-max-bulk-len") {
+        if (!ParseI64(v, n) || n < (1 << 20)) {
+          error = failed(args_[i], "argument must be a memory value of at least 1mb");
+        } else if (static_cast<uint64_t>(n) > most) {
+          error = failed(args_[i], fmt::format("sparsekvd's tiers and max_frame_bytes take at most {}", most));
+        } else {
+          bulk = static_cast<uint64_t>(n);
+        }
+      } else if (name == "save") {
+        if (!v.empty()) error = failed(args_[i], "sparsekvd writes no RDB snapshots: its tiers persist values");
+      } else if (name == "appendonly") {
+        if (!EqualsNoCase(v, "no")) error = failed(args_[i], "sparsekvd keeps no append-only file: its tiers persist values");
+      } else if (name == "maxclients" || name == "maxmemory" || name == "maxmemory-policy" || name == "databases" ||
+                 name == "port") {
+        error = failed(args_[i], "sparsekvd sets it in its configuration file, not at run time");
+      } else {
+        error = fmt::format("ERR Unknown option or number of arguments for CONFIG SET - '{}'", Printable(args_[i], 128));
+      }
+    }
+    if (!error.empty()) return Answer(std::move(r), error);
+    if (timeout) fe_.idle_timeout_ms_.store(*timeout, std::memory_order_relaxed);
+    if (bulk) fe_.max_bulk_.store(*bulk, std::memory_order_relaxed);
+    r.W().Simple("OK");
+    Answer(std::move(r));
   }
 
   void CommandCmd(Reply r) {
     auto w = r.W();
     auto info = [&](const CmdSpec& s) {
       // name, arity, flags, first key, last key, step, ACL categories, tips, key specs, subcommands
-      const std::string_view n = s.name;
-      const bool keyed = n == "get" || n == "set" || n == "strlen" || n == "getrange" || n == "type" ||
-                         n == "ttl" || n == "pttl" || n == "mget" || n == "exists" || n == "del" || n == "unlink" ||
-                         n == "mset";
-      const bool many = n == "mget" || n == "exists" || n == "del" || n == "unlink" || n == "mset";
       w.Array(10);
       w.Bulk(s.name);
       w.Integer(s.arity);
       w.Set(0);
-      w.Integer(keyed ? 1 : 0);
-      w.Integer(keyed ? (many ? -1 : 1) : 0);
-      w.Integer(keyed ? (n == "mset" ? 2 : 1) : 0);
+      w.Integer(s.first_key);
+      w.Integer(s.last_key);
+      w.Integer(s.key_step);
       w.Set(0);
       w.Array(0);
       w.Array(0);
@@ -1645,11 +1424,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
       }
       w.Map(asked.size());
       for (const CmdSpec* s : asked) {
-        const std::string_view n = s->name;
-        const bool conn = n == "ping" || n == "echo" || n == "hello" || n == "auth" || n == "client" ||
-                          n == "select" || n == "quit" || n == "reset";
-        const bool server = n == "dbsize" || n == "info" || n == "config" || n == "command" || n == "flushdb" ||
-                            n == "flushall";
+        static constexpr const char* kGroups[] = {"connection", "server", "generic", "string"};
         w.Bulk(s->name);
         w.Map(3);
         w.Bulk("summary");
@@ -1657,10 +1432,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
         w.Bulk("since");
         w.Bulk("1.0.0");
         w.Bulk("group");
-        w.Bulk(conn ? "connection" : server ? "server" : n == "scan" || n == "del" || n == "unlink" || n == "exists" ||
-                                                                 n == "type" || n == "ttl" || n == "pttl" || n == "keys"
-                                                             ? "generic"
-                                                             : "string");
+        w.Bulk(kGroups[static_cast<int>(s->group)]);
       }
     } else if (sub == "info") {
       w.Array(args_.size() - 2);
@@ -1815,7 +1587,8 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
       host_.metrics->FrameTimedOut();
       return CloseNow();
     }
-    if (end_ == begin_ && past(last_active_, o.idle_timeout_ms)) return CloseNow();
+    const uint32_t idle = fe_.idle_timeout_ms_.load(std::memory_order_relaxed);  // 0: none (CONFIG SET timeout 0)
+    if (end_ == begin_ && idle != 0 && past(last_active_, idle)) return CloseNow();
     if (end_ == begin_ && cap_ > kSmall && reading_ && !shrinking_ && past(last_active_, 2 * fe_.tick_.count())) {
       shrinking_ = true;
       boost::system::error_code ec;
@@ -1889,6 +1662,16 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
        eof_ = false;
   const Clock::time_point created_;
   Clock::time_point last_active_, request_started_{}, write_started_{};
+  // What CLIENT LIST shows of the connection to others (set once, or shared).
+  std::string addr_, laddr_;
+  int fd_ = -1;
+  bool is_unix_ = false;
+  mutable std::mutex info_mu_;
+  std::string shared_name_, shared_fullname_;  // guarded by info_mu_
+  std::atomic<uint32_t> shared_ns_{0};
+  std::atomic<int> shared_protocol_{2}, last_cmd_{-1};
+  std::atomic<Clock::rep> last_cmd_at_{0};
+  std::atomic<uint64_t> cap_shared_{0};
   Clock::time_point parked_at_{};  // when it last parked on the budget
 };
 
@@ -1979,6 +1762,65 @@ void RespFrontEnd::Impl::Closed(RespConnection* c) {
   if (drained) host_.on_drained();
 }
 
+std::vector<std::shared_ptr<RespConnection>> RespFrontEnd::Impl::Connections(uint32_t ns) {
+  std::vector<std::shared_ptr<RespConnection>> out;
+  std::lock_guard<std::mutex> l(mu_);
+  for (const auto& c : conns_) {
+    if (ns != 0 && c->shared_ns() == ns) out.push_back(c);
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.get() < b.get(); });
+  return out;
+}
+
+void RespFrontEnd::Impl::StartExpiry() {
+  expiry_session_ = host_.next_id();
+  // Deadlines written before this start: learnt from the records, namespace by namespace.
+  learn_ns_ = 1;
+  ExpiryTick();
+}
+
+void RespFrontEnd::Impl::ExpiryTick() {
+  if (expiry_stopped_.load()) return;
+  if (!expiry_busy_.exchange(true)) {
+    std::vector<resp::Keyspace::Due> due = keyspace_.TakeDue(resp::NowMs(), kExpiryBatch);
+    const bool learn = learn_ns_ != 0;
+    if (due.empty() && !learn) {
+      expiry_busy_.store(false);
+    } else {
+      host_.begin_async();
+      host_.submit(expiry_session_, [this, due = std::move(due), learn] {
+        if (!due.empty()) keyspace_.ExpireDue(due);
+        if (learn) LearnNext();
+        expiry_busy_.store(false);
+        host_.end_async();
+      });
+    }
+  }
+  expiry_timer_.expires_after(kExpiryPeriod);
+  expiry_timer_.async_wait([this](boost::system::error_code ec) {
+    if (!ec) ExpiryTick();
+  });
+}
+
+// On a worker: one part of the keyspace's headers read for their deadlines.
+void RespFrontEnd::Impl::LearnNext() {
+  const size_t namespaces = host_.options->namespaces.size();
+  while (learn_ns_ != 0 && learn_ns_ <= namespaces) {
+    if (learn_at_ == 0 && learn_hashes_.empty()) learn_hashes_ = host_.store->ListHashes(learn_ns_);
+    if (learn_at_ < learn_hashes_.size()) {
+      const size_t end = std::min(learn_hashes_.size(), learn_at_ + kLearnPart);
+      keyspace_.LearnDeadlines(learn_ns_, std::vector<wire::WireHash>(learn_hashes_.begin() + static_cast<std::ptrdiff_t>(learn_at_),
+                                                                      learn_hashes_.begin() + static_cast<std::ptrdiff_t>(end)));
+      learn_at_ = end;
+      return;
+    }
+    learn_hashes_.clear();
+    learn_at_ = 0;
+    ++learn_ns_;
+  }
+  learn_ns_ = 0;  // done
+}
+
 Result<std::unique_ptr<RespFrontEnd>> RespFrontEnd::Bind(RespHost host, const std::string& tcp_listen,
                                                          const std::string& unix_path) {
   auto impl = std::make_unique<Impl>(std::move(host));
@@ -1990,6 +1832,7 @@ RespFrontEnd::RespFrontEnd(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 RespFrontEnd::~RespFrontEnd() = default;
 
 void RespFrontEnd::Start() {
+  impl_->StartExpiry();
   if (impl_->tcp_) impl_->Accept();
   if (impl_->unix_.acceptor()) impl_->AcceptUnix();
 }
@@ -2001,8 +1844,10 @@ void RespFrontEnd::BeginDrain() {
     impl_->draining_ = true;
     conns.assign(impl_->conns_.begin(), impl_->conns_.end());
   }
+  impl_->expiry_stopped_.store(true);
   asio::post(*impl_->host_.io, [impl = impl_.get()] {
     boost::system::error_code ignored;
+    impl->expiry_timer_.cancel();
     if (impl->tcp_) impl->tcp_->close(ignored);
     impl->unix_.Release();
     if (impl->unix_.acceptor()) impl->unix_.acceptor()->close(ignored);

@@ -142,19 +142,50 @@ TEST(RespKeys, AnotherKeysRecordIsAMiss) {
   std::vector<std::byte> rec(resp::HeaderBytes("alpha") + value.size());
   resp::WriteHeader("alpha", value.size(), rec.data());
   std::memcpy(rec.data() + resp::HeaderBytes("alpha"), value.data(), value.size());
-  auto v = resp::ValueOf(rec, "alpha");
+  auto v = resp::ValueOf(rec, "alpha", 1);
   ASSERT_TRUE(v.has_value());
   EXPECT_EQ(std::string(reinterpret_cast<const char*>(v->data()), v->size()), value);
   // A record read under a hash that another key collides with: the key comparison refuses it.
-  EXPECT_FALSE(resp::ValueOf(rec, "alphb").has_value());
-  EXPECT_FALSE(resp::ValueOf(rec, "alph").has_value());
+  EXPECT_FALSE(resp::ValueOf(rec, "alphb", 1).has_value());
+  EXPECT_FALSE(resp::ValueOf(rec, "alph", 1).has_value());
   // A damaged length, a native block's bytes: misses, never garbage.
   auto bad = rec;
   bad[8] = std::byte{0x7f};
-  EXPECT_FALSE(resp::ValueOf(bad, "alpha").has_value());
+  EXPECT_FALSE(resp::ValueOf(bad, "alpha", 1).has_value());
   std::vector<std::byte> native(64, std::byte{0x11});
-  EXPECT_FALSE(resp::ValueOf(native, "alpha").has_value());
+  EXPECT_FALSE(resp::ValueOf(native, "alpha", 1).has_value());
   EXPECT_NE(resp::KeyHash("alpha"), resp::KeyHash("alphb"));
+}
+
+TEST(RespKeys, ADeadlineIsKeptInTheRecordAndAValuePastItIsNeverReturned) {
+  const std::string value = "expiring";
+  const int64_t deadline = 1'700'000'000'123;
+  ASSERT_EQ(resp::HeaderBytes("k", true), resp::kExpiringHeaderBytes + 1);
+  std::vector<std::byte> rec(resp::HeaderBytes("k", true) + value.size());
+  resp::WriteHeader("k", value.size(), rec.data(), deadline);
+  std::memcpy(rec.data() + resp::HeaderBytes("k", true), value.data(), value.size());
+  const auto parsed = resp::Parse(rec, "k");
+  ASSERT_TRUE(parsed.has_value());
+  EXPECT_EQ(parsed->deadline_ms, deadline);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(parsed->value.data()), parsed->value.size()), value);
+  EXPECT_TRUE(resp::ValueOf(rec, "k", deadline - 1).has_value());
+  EXPECT_FALSE(resp::ValueOf(rec, "k", deadline).has_value());  // expired at the deadline, as Redis
+  EXPECT_FALSE(resp::ValueOf(rec, "k", deadline + 1).has_value());
+  // The fixed part alone says the deadline is 8 bytes further on.
+  const auto fixed = resp::ReadFixedHeader(std::span<const std::byte>(rec).first(resp::kFixedHeaderBytes));
+  ASSERT_TRUE(fixed.has_value());
+  EXPECT_FALSE(fixed->deadline_known);
+  EXPECT_EQ(fixed->header_bytes(), resp::kExpiringHeaderBytes + 1);
+  // A deadline of 0 in an "SKVE" record is never written: damaged, a miss.
+  auto zero = rec;
+  std::memset(zero.data() + resp::kFixedHeaderBytes, 0, 8);
+  EXPECT_FALSE(resp::Parse(zero, "k").has_value());
+  // A plain record has no deadline.
+  std::vector<std::byte> plain(resp::HeaderBytes("k") + value.size());
+  resp::WriteHeader("k", value.size(), plain.data());
+  std::memcpy(plain.data() + resp::HeaderBytes("k"), value.data(), value.size());
+  EXPECT_EQ(resp::Parse(plain, "k")->deadline_ms, 0);
+  EXPECT_TRUE(resp::ValueOf(plain, "k", INT64_MAX).has_value());
 }
 
 }  // namespace
