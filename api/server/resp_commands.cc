@@ -34,7 +34,8 @@ const std::array<CmdSpec, kCmdCount> kSpecs = {{
     {"psetex", 4, false, T, 1, 1, 1},       {"msetnx", -3, false, T, 1, -1, 2},
     {"append", 3, false, T, 1, 1, 1},       {"setrange", 4, false, T, 1, 1, 1},
     {"copy", -3, false, G, 1, 2, 1},        {"rename", 3, false, G, 1, 2, 1},
-    {"renamenx", 3, false, G, 1, 2, 1},     {"unknown", 0, true, C, 0, 0, 0},
+    {"renamenx", 3, false, G, 1, 2, 1},     {"function", -2, false, S, 0, 0, 0},
+    {"unknown", 0, true, C, 0, 0, 0},
 }};
 
 std::string Lower(std::string_view s) {

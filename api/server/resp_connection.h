@@ -370,6 +370,10 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
 
   void CommandCmd(Reply r);
 
+  // FUNCTION FLUSH [ASYNC|SYNC], FUNCTION LIST: sparsekvd has no functions (no scripting), so
+  // there is never one to flush or list (Redis's test suite flushes them before every file).
+  void FunctionCmd(Reply r);
+
   // ---- writing ----
 
   void Queue(Reply r);
@@ -435,6 +439,8 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
 
   bool reading_ = false, writing_ = false, busy_ = false, closing_ = false, closed_ = false, parked_ = false,
        eof_ = false;
+  // CLIENT REPLY: every reply dropped (OFF), or the next request's (SKIP), and this request's.
+  bool reply_off_ = false, skip_next_ = false, skip_this_ = false;
   const Clock::time_point created_;
   Clock::time_point last_active_, request_started_{}, write_started_{};
   // What CLIENT LIST shows of the connection to others (set once, or shared).

@@ -203,9 +203,22 @@ void RespConnection::ClientCmd(Reply r) {
     return ClientList(std::move(r));
   } else if (sub == "kill" && args_.size() >= 3) {
     return ClientKill(std::move(r));
+  } else if (sub == "reply" && args_.size() == 3) {
+    // CLIENT REPLY ON|OFF|SKIP: OFF and SKIP are not answered.
+    if (EqualsNoCase(args_[2], "on")) {
+      reply_off_ = skip_next_ = skip_this_ = false;  // (ON after SKIP is answered, as in Redis)
+      w.Simple("OK");
+    } else if (EqualsNoCase(args_[2], "off")) {
+      reply_off_ = true;
+    } else if (EqualsNoCase(args_[2], "skip")) {
+      if (!reply_off_) skip_next_ = true;
+    } else {
+      return Answer(std::move(r), kSyntaxError);
+    }
   } else {
     return SubcommandError(std::move(r), "client",
-                           {{"setname", 3}, {"getname", 2}, {"id", 2}, {"setinfo", 4}, {"info", 2}, {"kill", -3}});
+                           {{"setname", 3}, {"getname", 2}, {"id", 2}, {"setinfo", 4}, {"info", 2}, {"kill", -3},
+                            {"reply", 3}});
   }
   Answer(std::move(r));
 }
@@ -334,12 +347,21 @@ std::string RespConnection::InfoLine(bool caller, std::string_view current) cons
     cmd = last < 0 ? "NULL" : kSpecs[last].name;
   }
   const Clock::time_point active{Clock::duration(last_cmd_at_.load(std::memory_order_relaxed))};
+  // The caller's own query buffer holds the request being served (as Redis's does); another
+  // connection's is read only from what it shares (its buffer's size).
+  uint64_t qbuf = 0, qbuf_free = 0, argv_mem = 0;
+  if (caller) {
+    qbuf = end_ - request_begin_;
+    qbuf_free = cap_ - end_;
+    for (std::string_view a : args_) argv_mem += a.size();
+  }
+  const uint64_t rbs = cap_shared_.load(std::memory_order_relaxed);
   return fmt::format(
-      "id={} addr={} laddr={} fd={} name={} age={} idle={} flags={} db=0 sub=0 psub=0 ssub=0 multi=-1 qbuf=0 "
-      "qbuf-free=0 argv-mem=0 multi-mem=0 rbs={} rbp=0 obl=0 oll=0 omem=0 tot-mem={} events=r cmd={} user={} "
+      "id={} addr={} laddr={} fd={} name={} age={} idle={} flags={} db=0 sub=0 psub=0 ssub=0 multi=-1 qbuf={} "
+      "qbuf-free={} argv-mem={} multi-mem=0 rbs={} rbp=0 obl=0 oll=0 omem=0 tot-mem={} events=r cmd={} user={} "
       "redir=-1 resp={}",
-      id_, addr_, laddr_, fd_, name, secs(created_), secs(active), is_unix_ ? "U" : "N",
-      cap_shared_.load(std::memory_order_relaxed), cap_shared_.load(std::memory_order_relaxed) + 1024, cmd,
+      id_, addr_, laddr_, fd_, name, secs(created_), secs(active), is_unix_ ? "U" : "N", qbuf, qbuf_free, argv_mem,
+      rbs, rbs + 1024, cmd,
       ns == 0 ? "(none)" : host_.options->namespaces[ns - 1].name, shared_protocol_.load(std::memory_order_relaxed));
 }
 
@@ -509,6 +531,22 @@ void RespConnection::CommandCmd(Reply r) {
     return SubcommandError(std::move(r), "command", {});
   }
   Answer(std::move(r));
+}
+
+void RespConnection::FunctionCmd(Reply r) {
+  const std::string sub = Lower(args_[1]);
+  if (sub == "flush" && args_.size() <= 3) {
+    if (args_.size() == 3 && !EqualsNoCase(args_[2], "async") && !EqualsNoCase(args_[2], "sync")) {
+      return Answer(std::move(r), "ERR FUNCTION FLUSH only supports SYNC|ASYNC option");
+    }
+    r.W().Simple("OK");
+    return Answer(std::move(r));
+  }
+  if (sub == "list") {
+    r.W().Array(0);
+    return Answer(std::move(r));
+  }
+  SubcommandError(std::move(r), "function", {{"flush", -2}});
 }
 
 }  // namespace sparsekv::server

@@ -246,7 +246,9 @@ void RespConnection::Process() {
       Done();
       continue;
     }
-    if (ns_ != 0 && inline_.empty() && ServeBatch()) continue;
+    // CLIENT REPLY SKIP applies to the request after it (served on its own, not in a batch).
+    skip_this_ = std::exchange(skip_next_, false);
+    if (ns_ != 0 && inline_.empty() && !skip_this_ && !reply_off_ && ServeBatch()) continue;
     Serve();
   }
   DoWrite();
@@ -445,6 +447,8 @@ void RespConnection::Serve() {
       return Config(std::move(r));
     case kCommand:
       return CommandCmd(std::move(r));
+    case kFunction:
+      return FunctionCmd(std::move(r));
     case kInfo:
       return OnWorker(std::move(r));
     default:
@@ -464,7 +468,8 @@ void RespConnection::Answer(Reply r, std::string_view error) {
     fe_.errors_[cmd_].fetch_add(1, std::memory_order_relaxed);
   }
   const bool close = r.close_after;
-  Queue(std::move(r));
+  // CLIENT REPLY OFF, or SKIP for this one request: served, not answered.
+  if (!reply_off_ && !skip_this_) Queue(std::move(r));
   Done();
   if (close) closing_ = true;
 }

@@ -965,6 +965,29 @@ def test_client_list_and_kill(server):
         x.close()
 
 
+def test_client_reply_and_function_flush(server):
+    raw = Raw(server.resp_port)
+    # CLIENT LIST counts the request being served in the caller's query buffer, as Redis does.
+    me = parse_client_list(raw.cmd("CLIENT", "LIST"))
+    mine = [c for c in me if c["cmd"] == "client|list"]
+    assert len(mine) == 1 and mine[0]["qbuf"] == "26" and mine[0]["argv-mem"] == "10"
+    # OFF: nothing answered until ON; SKIP: the next request's reply alone is dropped.
+    raw.send(resp_command("CLIENT", "REPLY", "OFF") + resp_command("SET", f"rep:{RUN}", "1") +
+             resp_command("PING") + resp_command("CLIENT", "REPLY", "ON"))
+    assert raw.reply() == "OK"
+    assert raw.cmd("GET", f"rep:{RUN}") == b"1"  # served while not answered
+    raw.send(resp_command("CLIENT", "REPLY", "SKIP") + resp_command("ECHO", "dropped") + resp_command("ECHO", "kept"))
+    assert raw.reply() == b"kept"
+    raw.send(resp_command("CLIENT", "REPLY", "SKIP") + resp_command("CLIENT", "REPLY", "ON"))
+    assert raw.reply() == "OK"  # ON after SKIP is answered
+    assert raw.cmd("CLIENT", "REPLY", "MAYBE") == Err("ERR syntax error")
+    # FUNCTION FLUSH (Redis's test suite sends it before every file): nothing to flush here.
+    assert raw.cmd("FUNCTION", "FLUSH") == "OK" and raw.cmd("FUNCTION", "FLUSH", "SYNC") == "OK"
+    assert raw.cmd("FUNCTION", "FLUSH", "NOW") == Err("ERR FUNCTION FLUSH only supports SYNC|ASYNC option")
+    assert raw.cmd("FUNCTION", "LIST") == []
+    raw.close()
+
+
 @sparsekv_only
 def test_client_list_and_kill_stay_in_the_namespace(server):
     mine = Raw(server.resp_port)
