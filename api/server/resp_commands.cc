@@ -35,6 +35,10 @@ const std::array<CmdSpec, kCmdCount> kSpecs = {{
     {"append", 3, false, T, 1, 1, 1},       {"setrange", 4, false, T, 1, 1, 1},
     {"copy", -3, false, G, 1, 2, 1},        {"rename", 3, false, G, 1, 2, 1},
     {"renamenx", 3, false, G, 1, 2, 1},     {"function", -2, false, S, 0, 0, 0},
+    {"incr", 2, false, T, 1, 1, 1},         {"decr", 2, false, T, 1, 1, 1},
+    {"incrby", 3, false, T, 1, 1, 1},       {"decrby", 3, false, T, 1, 1, 1},
+    {"incrbyfloat", 3, false, T, 1, 1, 1},  {"touch", -2, false, G, 1, -1, 1},
+    {"time", 1, false, S, 0, 0, 0},         {"randomkey", 1, false, G, 0, 0, 0},
     {"unknown", 0, true, C, 0, 0, 0},
 }};
 
@@ -61,7 +65,15 @@ Cmd Lookup(std::string_view name) {
 }
 
 bool ParseI64(std::string_view s, int64_t& out) {
-  if (s.empty() || s.size() > 20 || s[0] == '+') return false;
+  // Redis's rules: at most 20 characters, "0" alone or an optional '-' then a digit 1-9 and
+  // digits (no '+', no leading zeros, no "-0", no spaces), within 64 bits.
+  if (s.empty() || s.size() > 20) return false;
+  if (s == "0") {
+    out = 0;
+    return true;
+  }
+  const size_t digits = s[0] == '-' ? 1 : 0;
+  if (digits == s.size() || s[digits] < '1' || s[digits] > '9') return false;
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
   return ec == std::errc() && p == s.data() + s.size();
 }

@@ -30,6 +30,22 @@ void Exists(Command& c) {
   c.w.Integer(n);
 }
 
+// TOUCH key...: how many hold a value (reading a key is what touches it in the tiers' policies).
+void Touch(Command& c) { Exists(c); }
+
+// RANDOMKEY: a key of the caller's namespace (nil when it holds none).
+void RandomKey(Command& c) {
+  std::vector<wire::WireHash> all = c.ks.store().ListHashes(c.ns);
+  // A few tries, as a picked key may have expired.
+  for (int attempt = 0; attempt < 8 && !all.empty(); ++attempt) {
+    const size_t i = static_cast<size_t>(NowMs() * 2654435761ull + attempt * 40503ull) % all.size();
+    auto names = c.ks.KeyNames(c.ns, {all[i]});
+    if (names[0]) return c.w.Bulk(*names[0]);
+    all.erase(all.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  c.w.Null();
+}
+
 void Del(Command& c) {
   int64_t n = 0;
   for (size_t i = 1; i < c.args.size(); ++i) {
@@ -298,6 +314,12 @@ bool ServeGenericCommand(Command& c) {
       return true;
     case kType:
       Type(c);
+      return true;
+    case kTouch:
+      Touch(c);
+      return true;
+    case kRandomkey:
+      RandomKey(c);
       return true;
     case kTtl:
       Ttl(c, false, false);

@@ -449,6 +449,16 @@ void RespConnection::Serve() {
       return CommandCmd(std::move(r));
     case kFunction:
       return FunctionCmd(std::move(r));
+    case kTime: {
+      // TIME: Unix seconds and microseconds, as two bulk strings.
+      const auto us = std::chrono::duration_cast<std::chrono::microseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
+      w.Array(2);
+      w.Bulk(std::to_string(us / 1000000));
+      w.Bulk(std::to_string(us % 1000000));
+      return Answer(std::move(r));
+    }
     case kInfo:
       return OnWorker(std::move(r));
     default:

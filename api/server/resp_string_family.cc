@@ -3,7 +3,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <climits>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cctype>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -272,6 +277,64 @@ void SetRange(Command& c) {
   c.w.Integer(static_cast<int64_t>(v->bytes.size()));
 }
 
+// INCR, DECR, INCRBY, DECRBY (Redis's incrDecrCommand): the value read as a 64-bit integer,
+// written back with its deadline kept.
+void IncrBy(Command& c, int64_t by) {
+  const std::string_view key = c.args[1];
+  std::lock_guard<std::mutex> l(c.ks.Stripe(KeyHash(key)));
+  Status st;
+  auto v = c.ks.Load(c.ns, key, st);
+  if (ReadError(c, st)) return;
+  int64_t value = 0;
+  if (v && !ParseI64(v->bytes, value)) return void(c.error = kNotInteger);
+  if ((by < 0 && value < 0 && by < LLONG_MIN - value) || (by > 0 && value > 0 && by > LLONG_MAX - value)) {
+    return void(c.error = "ERR increment or decrement would overflow");
+  }
+  value += by;
+  const std::string text = std::to_string(value);
+  if (std::string e = c.ks.Store(c.ns, key, text, v ? v->deadline_ms : 0); !e.empty()) return void(c.error = std::move(e));
+  c.w.Integer(value);
+}
+
+// Redis's string2ld: the whole text a long double, no leading space, no NaN.
+bool ParseLongDouble(std::string_view s, long double& out) {
+  if (s.empty() || s.size() >= 5 * 1024 || std::isspace(static_cast<unsigned char>(s[0]))) return false;
+  const std::string text(s);
+  char* end = nullptr;
+  errno = 0;
+  out = std::strtold(text.c_str(), &end);
+  if (*end != '\0' || std::isnan(out)) return false;
+  if (errno == ERANGE && (out == HUGE_VALL || out == -HUGE_VALL || std::fpclassify(out) == FP_ZERO)) return false;
+  return true;
+}
+
+// INCRBYFLOAT: the sum written as Redis's ld2string(LD_STR_HUMAN) does: 17 decimals, trailing
+// zeros (and a trailing point) dropped, "-0" as "0".
+void IncrByFloat(Command& c) {
+  const std::string_view key = c.args[1];
+  std::lock_guard<std::mutex> l(c.ks.Stripe(KeyHash(key)));
+  Status st;
+  auto v = c.ks.Load(c.ns, key, st);
+  if (ReadError(c, st)) return;
+  long double value = 0, by = 0;
+  if ((v && !ParseLongDouble(v->bytes, value)) || !ParseLongDouble(c.args[2], by)) {
+    return void(c.error = "ERR value is not a valid float");
+  }
+  value += by;
+  if (std::isnan(value) || std::isinf(value)) return void(c.error = "ERR increment would produce NaN or Infinity");
+  char buf[5 * 1024];
+  int n = std::snprintf(buf, sizeof buf, "%.17Lf", value);
+  if (n < 0 || n + 1 > static_cast<int>(sizeof buf)) return void(c.error = "ERR value is not a valid float");
+  if (std::memchr(buf, '.', static_cast<size_t>(n)) != nullptr) {
+    while (buf[n - 1] == '0') --n;
+    if (buf[n - 1] == '.') --n;
+  }
+  std::string text(buf, static_cast<size_t>(n));
+  if (text == "-0") text = "0";
+  if (std::string e = c.ks.Store(c.ns, key, text, v ? v->deadline_ms : 0); !e.empty()) return void(c.error = std::move(e));
+  c.w.Bulk(text);
+}
+
 void Strlen(Command& c) {
   Status st;
   const auto head = c.ks.HeadOf(c.ns, c.args[1], st);
@@ -416,6 +479,25 @@ bool ServeStringCommand(Command& c) {
       return true;
     case kStrlen:
       Strlen(c);
+      return true;
+    case kIncr:
+    case kDecr:
+      IncrBy(c, c.cmd == kIncr ? 1 : -1);
+      return true;
+    case kIncrby:
+    case kDecrby: {
+      int64_t by = 0;
+      if (!ParseI64(c.args[2], by)) {
+        c.error = kNotInteger;
+      } else if (c.cmd == kDecrby && by == LLONG_MIN) {
+        c.error = "ERR decrement would overflow";
+      } else {
+        IncrBy(c, c.cmd == kIncrby ? by : -by);
+      }
+      return true;
+    }
+    case kIncrbyfloat:
+      IncrByFloat(c);
       return true;
     case kGetrange:
       GetRange(c);

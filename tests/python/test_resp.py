@@ -482,6 +482,46 @@ def test_string_commands(r, server):
     raw.close()
 
 
+def test_counters_touch_time_randomkey(r, server):
+    raw = Raw(server.resp_port)
+    b = f"ctr:{RUN}:"
+    assert raw.cmd("INCR", b + "n") == 1 and raw.cmd("INCRBY", b + "n", "41") == 42
+    assert raw.cmd("DECR", b + "n") == 41 and raw.cmd("DECRBY", b + "n", "-9") == 50
+    assert raw.cmd("GET", b + "n") == b"50"
+    assert raw.cmd("EXPIRE", b + "n", "100") == 1 and raw.cmd("INCR", b + "n") == 51
+    assert 99 <= raw.cmd("TTL", b + "n") <= 100  # the deadline is kept
+    for bad in (b"abc", b"01", b"-0", b" 1", b"1 ", b"+1", b"1.5", b"99999999999999999999"):
+        assert raw.cmd("SET", b + "bad", bad) == "OK"
+        assert raw.cmd("INCR", b + "bad") == Err("ERR value is not an integer or out of range"), bad
+    assert raw.cmd("INCRBY", b + "n", "x") == Err("ERR value is not an integer or out of range")
+    assert raw.cmd("SET", b + "max", "9223372036854775807") == "OK"
+    assert raw.cmd("INCR", b + "max") == Err("ERR increment or decrement would overflow")
+    assert raw.cmd("DECRBY", b + "max", "-9223372036854775808") == Err("ERR decrement would overflow")
+    assert raw.cmd("SET", b + "min", "-9223372036854775808") == "OK"
+    assert raw.cmd("DECR", b + "min") == Err("ERR increment or decrement would overflow")
+    assert raw.cmd("GET", b + "max") == b"9223372036854775807"
+    # INCRBYFLOAT, formatted as Redis formats long doubles
+    assert raw.cmd("SET", b + "f", "10.50") == "OK"
+    assert raw.cmd("INCRBYFLOAT", b + "f", "0.1") == b"10.6"
+    assert raw.cmd("INCRBYFLOAT", b + "f", "-5") == b"5.6"
+    assert raw.cmd("SET", b + "f", "5.0e3") == "OK" and raw.cmd("INCRBYFLOAT", b + "f", "2.0e2") == b"5200"
+    assert raw.cmd("INCRBYFLOAT", b + "g", "-0.0") == b"0"
+    assert raw.cmd("INCRBYFLOAT", b + "g", "1.5") == b"1.5"
+    assert raw.cmd("INCRBYFLOAT", b + "g", "abc") == Err("ERR value is not a valid float")
+    assert raw.cmd("INCRBYFLOAT", b + "g", " 1") == Err("ERR value is not a valid float")
+    assert raw.cmd("INCRBYFLOAT", b + "g", "inf") == Err("ERR increment would produce NaN or Infinity")
+    assert raw.cmd("SET", b + "bad", b"x") == "OK"
+    assert raw.cmd("INCRBYFLOAT", b + "bad", "1") == Err("ERR value is not a valid float")
+    # TOUCH, TIME, RANDOMKEY
+    assert raw.cmd("TOUCH", b + "n", b + "f", b + "none", b + "n") == 3
+    t = raw.cmd("TIME")
+    assert len(t) == 2 and abs(int(t[0]) - time.time()) < 5 and 0 <= int(t[1]) < 1_000_000
+    k = raw.cmd("RANDOMKEY")
+    assert isinstance(k, bytes) and raw.cmd("EXISTS", k) == 1
+    assert raw.cmd("TIME", "x") == Err("ERR wrong number of arguments for 'time' command")
+    raw.close()
+
+
 def test_copy_rename_type(r, server):
     raw = Raw(server.resp_port)
     b = f"cr:{RUN}:"
