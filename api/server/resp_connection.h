@@ -278,6 +278,9 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
 
   // Runs on a worker thread: a store call that may block on tier I/O.
   void RunOnWorker(Reply& r, std::string& error);
+  // SET key value on a worker (a store that cannot take it at once): stored from the receive
+  // buffer, its header written in place, as on the network thread.
+  void PlainSetOnWorker(Reply& r, std::string& error);
 
   std::string InfoText();
 

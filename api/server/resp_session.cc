@@ -511,6 +511,9 @@ void RespConnection::RunOnWorker(Reply& r, std::string& error) {
     case kInfo:
       w.Verbatim(InfoText());
       return;
+    case kSet:
+      if (args_.size() == 3) return PlainSetOnWorker(r, error);
+      break;
     default:
       break;
   }
@@ -518,6 +521,24 @@ void RespConnection::RunOnWorker(Reply& r, std::string& error) {
                   fe_.max_bulk_.load(std::memory_order_relaxed)};
   if (ServeStringCommand(c) || ServeGenericCommand(c)) return;
   error = "ERR internal: no worker handler";
+}
+
+void RespConnection::PlainSetOnWorker(Reply& r, std::string& error) {
+  const wire::WireHash h = resp::KeyHash(args_[1]);
+  std::lock_guard<std::mutex> stripe(fe_.Stripe(h));
+  if (args_[1].data() != key_copy_.data()) key_copy_.assign(args_[1]);
+  std::vector<std::byte> scratch;
+  // On a worker the buffer is as it was parsed: the header may go in place, as on the network
+  // thread (no copy of the value before the store's own).
+  const wire::PutItem item{h, Record(key_copy_, args_[2], inline_.empty(), scratch)};
+  host_.metrics->BytesIn(item.bundle.size());
+  const auto st = host_.store->Put(ns_, std::span<const wire::PutItem>(&item, 1));
+  if (st[0].code != StatusCode::kOk) {
+    error = PutError(st[0]);
+    return;
+  }
+  fe_.keyspace_.NoteDeadline(ns_, key_copy_, 0);  // a plain SET drops any deadline
+  r.W().Simple("OK");
 }
 
 void RespConnection::Get(Reply r, bool multi) {
