@@ -39,6 +39,7 @@ const std::array<CmdSpec, kCmdCount> kSpecs = {{
     {"incrby", 3, false, T, 1, 1, 1},       {"decrby", 3, false, T, 1, 1, 1},
     {"incrbyfloat", 3, false, T, 1, 1, 1},  {"touch", -2, false, G, 1, -1, 1},
     {"time", 1, false, S, 0, 0, 0},         {"randomkey", 1, false, G, 0, 0, 0},
+    {"monitor", 1, false, S, 0, 0, 0},
     {"unknown", 0, true, C, 0, 0, 0},
 }};
 

@@ -37,7 +37,7 @@ enum Cmd : int {
   kPing, kEcho, kHello, kAuth, kClient, kSelect, kQuit, kGet, kSet, kMget, kMset, kExists, kDel, kUnlink,
   kStrlen, kGetrange, kDbsize, kScan, kType, kTtl, kPttl, kInfo, kConfig, kCommand, kFlushdb, kReset,
   kKeys, kFlushall, kExpire, kPexpire, kExpireat, kPexpireat, kExpiretime, kPexpiretime, kPersist, kGetex,
-  kGetdel, kGetset, kSetnx, kSetex, kPsetex, kMsetnx, kAppend, kSetrange, kCopy, kRename, kRenamenx, kFunction, kIncr, kDecr, kIncrby, kDecrby, kIncrbyfloat, kTouch, kTime, kRandomkey,
+  kGetdel, kGetset, kSetnx, kSetex, kPsetex, kMsetnx, kAppend, kSetrange, kCopy, kRename, kRenamenx, kFunction, kIncr, kDecr, kIncrby, kDecrby, kIncrbyfloat, kTouch, kTime, kRandomkey, kMonitor,
   kUnknown, kCmdCount
 };
 

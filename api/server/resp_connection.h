@@ -119,6 +119,10 @@ class RespFrontEnd::Impl {
   void Closed(RespConnection* c);
   // The connections open in namespace `ns` (CLIENT LIST, CLIENT KILL).
   std::vector<std::shared_ptr<RespConnection>> Connections(uint32_t ns);
+  // MONITOR: connections that see every request of their namespace as it is served.
+  void AddMonitor(std::shared_ptr<RespConnection> c);
+  void RemoveMonitor(RespConnection* c);
+  void FeedMonitors(const RespConnection& from);
 
   // The namespace id a fresh connection starts in (0: it must AUTH first).
   uint32_t StartNamespace() const {
@@ -169,6 +173,9 @@ class RespFrontEnd::Impl {
   // Run-time settings (CONFIG SET): the largest bulk string, the idle timeout.
   std::atomic<uint64_t> max_bulk_{0};
   std::atomic<uint32_t> idle_timeout_ms_{0};
+  std::mutex monitors_mu_;
+  std::vector<std::shared_ptr<RespConnection>> monitors_;  // guarded by monitors_mu_
+  std::atomic<int> monitors_n_{0};
 
   // Active expiry (ExpiryTick), on the io_context; its worker jobs run in turn as one session.
   asio::steady_timer expiry_timer_;
@@ -226,6 +233,10 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
 
   bool counted_ = false;  // holds a connection slot (RespFrontEnd::Impl::mu_)
   uint32_t shared_ns() const { return shared_ns_.load(std::memory_order_relaxed); }
+  // MONITOR: the line showing the request being served (on this connection's thread), and a
+  // line handed to this monitoring connection (from any thread).
+  std::string MonitorLine() const;
+  void Feed(std::string line);
 
  private:
   static constexpr size_t kSmall = 16u << 10;
@@ -444,6 +455,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
        eof_ = false;
   // CLIENT REPLY: every reply dropped (OFF), or the next request's (SKIP), and this request's.
   bool reply_off_ = false, skip_next_ = false, skip_this_ = false;
+  bool monitor_ = false;  // MONITOR: registered with the front end
   const Clock::time_point created_;
   Clock::time_point last_active_, request_started_{}, write_started_{};
   // What CLIENT LIST shows of the connection to others (set once, or shared).

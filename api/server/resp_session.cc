@@ -269,6 +269,8 @@ void RespConnection::Done() {
 
 bool RespConnection::ServeBatch() {
   static constexpr size_t kMaxBatch = 64;
+  // A MONITOR sees every request on its own (Serve feeds it).
+  if (fe_.monitors_n_.load(std::memory_order_relaxed) > 0) return false;
   const size_t words = args_.size();
   const Cmd cmd = words == 2 ? kGet : words == 3 ? kSet : kUnknown;
   if (cmd == kUnknown || Lookup(args_[0]) != cmd || args_[1].size() > resp::kMaxKeyBytes) return false;
@@ -388,6 +390,10 @@ void RespConnection::Serve() {
     return Answer(std::move(r), fmt::format("ERR wrong number of arguments for '{}' command", spec.name));
   }
   if (ns_ == 0 && !spec.before_auth) return Answer(std::move(r), "NOAUTH Authentication required.");
+  if (fe_.monitors_n_.load(std::memory_order_relaxed) > 0 && cmd != kAuth && cmd != kHello && cmd != kConfig &&
+      cmd != kMonitor) {
+    fe_.FeedMonitors(*this);
+  }
   // Keys longer than kMaxKeyBytes are refused before anything is read or stored.
   size_t long_key = 0;
   ForEachKey(cmd, args_.size(), [&](size_t i) {
@@ -449,6 +455,13 @@ void RespConnection::Serve() {
       return CommandCmd(std::move(r));
     case kFunction:
       return FunctionCmd(std::move(r));
+    case kMonitor:
+      if (!monitor_) {
+        monitor_ = true;
+        fe_.AddMonitor(shared_from_this());
+      }
+      w.Simple("OK");
+      return Answer(std::move(r));
     case kTime: {
       // TIME: Unix seconds and microseconds, as two bulk strings.
       const auto us = std::chrono::duration_cast<std::chrono::microseconds>(
@@ -891,9 +904,56 @@ void RespConnection::MaybeClose() {
   CloseNow();
 }
 
+std::string RespConnection::MonitorLine() const {
+  // Redis's replicationFeedMonitors: "+<s>.<us> [0 <addr>] "word" ...", each word as sdscatrepr
+  // quotes it.
+  const auto us = std::chrono::duration_cast<std::chrono::microseconds>(
+                      std::chrono::system_clock::now().time_since_epoch())
+                      .count();
+  std::string out = fmt::format("+{}.{:06d} [0 {}{}]", us / 1000000, us % 1000000, is_unix_ ? "unix:" : "",
+                                is_unix_ ? laddr_.substr(0, laddr_.size() - 2) : addr_);
+  for (std::string_view a : args_) {
+    out += " \"";
+    for (char ch : a) {
+      const auto u = static_cast<unsigned char>(ch);
+      switch (ch) {
+        case '\\': out += "\\\\"; break;
+        case '"': out += "\\\""; break;
+        case '\n': out += "\\n"; break;
+        case '\r': out += "\\r"; break;
+        case '\t': out += "\\t"; break;
+        case '\a': out += "\\a"; break;
+        case '\b': out += "\\b"; break;
+        default:
+          if (std::isprint(u)) {
+            out += ch;
+          } else {
+            out += fmt::format("\\x{:02x}", u);
+          }
+      }
+    }
+    out += '"';
+  }
+  out += "\r\n";
+  return out;
+}
+
+void RespConnection::Feed(std::string line) {
+  asio::post(strand_, [self = shared_from_this(), line = std::move(line)]() mutable {
+    // A monitor that does not read its lines loses them past its share of replies in flight
+    // (as Redis's client-output-buffer-limit would close it).
+    if (self->closed_ || self->out_bytes_ >= self->host_.options->max_inflight_bytes) return;
+    Reply r(2);
+    r.Text() = std::move(line);
+    self->Queue(std::move(r));
+    self->DoWrite();
+  });
+}
+
 void RespConnection::CloseNow() {
   if (closed_) return;
   closed_ = true;
+  if (monitor_) fe_.RemoveMonitor(this);
   host_.budget->ReturnPass(this);
   boost::system::error_code ec;
   tick_.cancel();
@@ -1008,6 +1068,31 @@ std::vector<std::shared_ptr<RespConnection>> RespFrontEnd::Impl::Connections(uin
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.get() < b.get(); });
   return out;
+}
+
+void RespFrontEnd::Impl::AddMonitor(std::shared_ptr<RespConnection> c) {
+  std::lock_guard<std::mutex> l(monitors_mu_);
+  monitors_.push_back(std::move(c));
+  monitors_n_.store(static_cast<int>(monitors_.size()), std::memory_order_relaxed);
+}
+
+void RespFrontEnd::Impl::RemoveMonitor(RespConnection* c) {
+  std::lock_guard<std::mutex> l(monitors_mu_);
+  std::erase_if(monitors_, [c](const std::shared_ptr<RespConnection>& m) { return m.get() == c; });
+  monitors_n_.store(static_cast<int>(monitors_.size()), std::memory_order_relaxed);
+}
+
+void RespFrontEnd::Impl::FeedMonitors(const RespConnection& from) {
+  std::vector<std::shared_ptr<RespConnection>> to;
+  {
+    std::lock_guard<std::mutex> l(monitors_mu_);
+    for (const auto& m : monitors_) {
+      if (m->shared_ns() == from.shared_ns()) to.push_back(m);
+    }
+  }
+  if (to.empty()) return;
+  const std::string line = from.MonitorLine();
+  for (auto& m : to) m->Feed(line);
 }
 
 void RespFrontEnd::Impl::StartExpiry() {

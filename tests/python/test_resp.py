@@ -1028,6 +1028,41 @@ def test_client_reply_and_function_flush(server):
     raw.close()
 
 
+def test_monitor(server):
+    mon = Raw(server.resp_port)
+    assert mon.cmd("MONITOR") == "OK"
+    c = Raw(server.resp_port)
+    port = c.sock.getsockname()[1]
+    assert c.cmd("SET", f"mon:{RUN}", b'a "q"\\\n\x01') == "OK"
+    assert c.cmd("GET", f"mon:{RUN}") == b'a "q"\\\n\x01'
+    lines = [mon.line().decode(), mon.line().decode()]
+    for line, words in zip(lines, ('"SET" "mon:%s" "a \\"q\\"\\\\\\n\\x01"' % RUN, '"GET" "mon:%s"' % RUN)):
+        m = re.fullmatch(r'\+(\d+)\.(\d{6}) \[0 127\.0\.0\.1:(\d+)\] (.*)', line)
+        assert m, line
+        assert abs(int(m.group(1)) - time.time()) < 5 and int(m.group(3)) == port
+        assert m.group(4).lower() == words.lower(), (m.group(4), words)
+    c.close()
+    mon.close()
+
+
+@sparsekv_only
+def test_monitor_sees_only_its_namespace(server):
+    mon = redis.Redis(host="127.0.0.1", port=server.resp_port, username="alpha", password="alpha-token")
+    conn = mon.connection_pool.get_connection("MONITOR")
+    conn.send_command("MONITOR")
+    assert conn.read_response() in (b"OK", "OK", True)
+    other = Raw(server.resp_port)  # namespace default
+    assert other.cmd("SET", f"secret:{RUN}", b"not for alpha") == "OK"
+    alpha = redis.Redis(host="127.0.0.1", port=server.resp_port, username="alpha", password="alpha-token")
+    alpha.set(f"visible:{RUN}", b"1")
+    line = conn.read_response()
+    line = line.decode() if isinstance(line, bytes) else line
+    assert f"visible:{RUN}" in line and "secret" not in line, line
+    conn.disconnect()
+    other.close()
+    alpha.close()
+
+
 @sparsekv_only
 def test_client_list_and_kill_stay_in_the_namespace(server):
     mine = Raw(server.resp_port)
