@@ -11,12 +11,16 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <random>
 #include <thread>
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
 
 #include "allocator/xxhash_dispatch.h"
 #include "bench_util.h"
+#include "server/kv_event_tracker.h"
 #include "server/server.h"
 #include "server/tiered_store.h"
 #include "sparsekv/client.h"
@@ -157,6 +161,13 @@ Result<nlohmann::json> RedisBaseline(const DaemonBenchOptions& o, double target_
 
 }  // namespace
 
+// CPU time of every thread of this process (clients, the spawned daemon, its KV-event threads).
+static double ProcessCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
 Result<nlohmann::json> RunDaemonBench(const DaemonBenchOptions& o) {
   if (o.clients < 1 || o.clients > 1024) return Status::InvalidArgument("--clients must be 1..1024");
   if (o.threads < 1) return Status::InvalidArgument("--threads must be at least 1");
@@ -164,6 +175,19 @@ Result<nlohmann::json> RunDaemonBench(const DaemonBenchOptions& o) {
   std::string addr = o.addr;
   std::unique_ptr<server::TieredStore> store;
   std::unique_ptr<server::Server> srv;
+  std::unique_ptr<server::TierEventTracker> kv_tracker;
+  std::thread kv_sub_thread;
+  std::atomic<bool> kv_sub_stop{false};
+  std::atomic<uint64_t> kv_received{0};
+  struct JoinSubscriber {  // on every return path
+    std::thread& t;
+    std::atomic<bool>& stop;
+    ~JoinSubscriber() {
+      stop = true;
+      if (t.joinable()) t.join();
+    }
+  } join_subscriber{kv_sub_thread, kv_sub_stop};
+  if (o.kv_events && !o.spawn) return Status::InvalidArgument("--kv-events needs --spawn");
   std::filesystem::path dir;
   if (o.spawn) {
     dir = std::filesystem::temp_directory_path() / fmt::format("sparsekv-bench-{}", getpid());
@@ -176,6 +200,25 @@ Result<nlohmann::json> RunDaemonBench(const DaemonBenchOptions& o) {
     opts.tcp_listen = "127.0.0.1:0";
     opts.unix_path = (dir / "bench.sock").string();
     opts.metrics_listen = "";
+    if (o.kv_events) {
+      server::TierEventTrackerOptions to;
+      to.publisher.endpoint = "ipc://" + (dir / "kv-events.sock").string();
+      to.publisher.topic = "kv@bench@bench";
+      SPARSEKV_ASSIGN_OR_RETURN(kv_tracker, server::TierEventTracker::Start(to, *store));
+      // A subscriber that reads every batch, as a router would (its cost is in the run).
+      kv_sub_thread = std::thread([&, endpoint = to.publisher.endpoint] {
+        zmq::context_t ctx(1);
+        zmq::socket_t sub(ctx, zmq::socket_type::sub);
+        sub.set(zmq::sockopt::subscribe, "");
+        sub.set(zmq::sockopt::rcvtimeo, 50);
+        sub.connect(endpoint);
+        while (!kv_sub_stop.load()) {
+          std::vector<zmq::message_t> frames;
+          if (!zmq::recv_multipart(sub, std::back_inserter(frames))) continue;
+          if (frames.size() == 3) kv_received.fetch_add(1);
+        }
+      });
+    }
     SPARSEKV_ASSIGN_OR_RETURN(srv, server::Server::Start(opts, store.get()));
     if (o.addr == "tcp") {
       addr = srv->tcp_address();
@@ -324,13 +367,17 @@ Result<nlohmann::json> RunDaemonBench(const DaemonBenchOptions& o) {
   // PUT phase: every client writes its keys over and over for a third of the time.
   const double put_seconds = std::max(0.2, o.seconds / 3);
   const double put_t0 = NowSeconds();
+  const double put_cpu0 = ProcessCpuSeconds();
   run_phase(true, put_t0 + put_seconds);
   const double put_elapsed = NowSeconds() - put_t0;
+  const double put_cpu = ProcessCpuSeconds() - put_cpu0;
   // GET phase: random own keys; each value is copied into the client's own buffer and checked.
   for (auto& v : lat) v.clear();
   const double t0 = NowSeconds();
+  const double get_cpu0 = ProcessCpuSeconds();
   run_phase(false, t0 + o.seconds);
   const double get_elapsed = NowSeconds() - t0;
+  const double get_cpu = ProcessCpuSeconds() - get_cpu0;
   std::vector<double> all;
   for (auto& v : lat) all.insert(all.end(), v.begin(), v.end());
 
@@ -346,11 +393,22 @@ Result<nlohmann::json> RunDaemonBench(const DaemonBenchOptions& o) {
   j["get_p50_us"] = QuantileInPlace(all, 0.50);
   j["get_p99_us"] = QuantileInPlace(all, 0.99);
   j["errors"] = errors.load();
+  // With --spawn: CPU of the whole process (clients and daemon) per operation, which a busy
+  // machine disturbs less than the rates.
+  j["put_cpu_us_per_op"] = puts.load() ? put_cpu * 1e6 / static_cast<double>(puts.load()) : 0.0;
+  j["get_cpu_us_per_op"] = gets.load() ? get_cpu * 1e6 / static_cast<double>(gets.load()) : 0.0;
   clients.clear();
+  if (kv_tracker) {
+    kv_tracker->Tick();
+    const VllmKvEventStats st = kv_tracker->Stats();
+    j["kv_events"] = {{"batches", st.published_batches}, {"events", st.published_events},
+                      {"dropped", st.dropped_events}, {"received_batches", kv_received.load()}};
+  }
   if (srv) {
     srv->Shutdown();
     srv->Wait().IgnoreError();
     srv.reset();
+    kv_tracker.reset();
     store.reset();
     std::filesystem::remove_all(dir);
   }

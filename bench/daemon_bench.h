@@ -38,6 +38,10 @@ struct DaemonBenchOptions {
   // Also run redis-benchmark against a redis-server started here, same value size and clients.
   // Default: false.
   bool redis = false;
+  // With `spawn`: the daemon publishes KV events on vLLM's wire (server::TierEventTracker over
+  // an ipc:// socket, as sparsekvd's "kv_events" does) and a subscriber thread here reads them
+  // all. The result gains kv_events: {batches, events, received_batches}. Default: false.
+  bool kv_events = false;
 
   // --batch (RunDaemonBatchBench): one client's batch GET into its own memory.
   bool batch = false;

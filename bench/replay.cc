@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -33,6 +34,12 @@ uint64_t Mix(uint64_t x) {
   x ^= x >> 27;
   x *= 0x94d049bb133111ebull;
   return x ^ (x >> 31);
+}
+
+double ProcessCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
 }
 
 }  // namespace
@@ -173,8 +180,14 @@ Result<ReplayResult> RunReplay(std::span<const TraceRequest> trace, const Replay
   mo.eviction = options.eviction;
   mo.hint_bound = options.hint_bound;
   mo.max_hints = std::max<uint32_t>(mo.max_hints, options.lookahead + 1);
+  mo.event_token_ids = options.kv_events != nullptr && options.kv_event_token_ids;
   SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<CacheManager> cache,
                             CacheManager::Create(options.spec, mo));
+  const uint64_t events_at_start = options.kv_events ? options.kv_events->Stats().accepted_events : 0;
+  SubscriptionId subscription = 0;
+  if (options.kv_events) subscription = options.kv_events->Attach(*cache, "GPU");
+  ReplayRequestRecord record;
+  std::vector<TokenId> record_tokens;
 
   SequenceOptions so;
   so.namespace_salt = options.namespace_salt;
@@ -211,6 +224,7 @@ Result<ReplayResult> RunReplay(std::span<const TraceRequest> trace, const Replay
   for (size_t j = 1; j <= options.lookahead; ++j) SPARSEKV_RETURN_IF_ERROR(hint(j));
   const size_t progress_every = std::max<size_t>(1, trace.size() / 200);
   const double t0 = NowSeconds();
+  const double cpu0 = ProcessCpuSeconds();
   for (size_t i = 0; i < trace.size(); ++i) {
     const TraceRequest& r = trace[i];
     if (options.progress && i % progress_every == 0) options.progress(i, trace.size());
@@ -236,7 +250,27 @@ Result<ReplayResult> RunReplay(std::span<const TraceRequest> trace, const Replay
       SPARSEKV_RETURN_IF_ERROR(
           cache->AppendTokens(seq, std::span<const TokenId>(chunk.data(), end - begin)));
     }
+    if (options.on_request) {
+      // The usable prefix's digests (as `hint` hashes them) and the events published so far.
+      record.index = i;
+      record.digests.clear();
+      const uint64_t usable = (r.input_length - 1) / options.block_tokens * options.block_tokens;
+      record_tokens.resize(usable);
+      for (uint64_t pos = 0; pos < usable;) {
+        const uint64_t b = pos / options.trace_block_tokens;
+        const uint64_t stop = std::min<uint64_t>(usable, (b + 1) * options.trace_block_tokens);
+        SynthesizeBlockTokens(r.hash_ids[b], static_cast<uint32_t>(pos % options.trace_block_tokens),
+                              std::span<TokenId>(record_tokens.data() + pos, stop - pos));
+        pos = stop;
+      }
+      if (usable > 0) cache->hasher().HashFullBlocks(root, record_tokens, "", &record.digests);
+      record.events_before = options.kv_events ? options.kv_events->Stats().accepted_events : 0;
+    }
     SPARSEKV_ASSIGN_OR_RETURN(PrefixMatch hit, cache->AcquireCachedPrefix(seq));
+    if (options.on_request) {
+      record.hit_blocks = hit.blocks;
+      options.on_request(record);
+    }
     if (options.lookahead != 0 && hint_of[i] != 0) SPARSEKV_RETURN_IF_ERROR(cache->DropHint(hint_of[i]));
     auto slots = cache->AllocateSlots(seq, r.input_length);
     if (!slots.ok()) {
@@ -252,6 +286,12 @@ Result<ReplayResult> RunReplay(std::span<const TraceRequest> trace, const Replay
     SPARSEKV_RETURN_IF_ERROR(cache->Free(seq));
   }
   res.seconds = NowSeconds() - t0;
+  if (options.kv_events) options.kv_events->Flush();  // the publisher's work for this replay counted
+  res.cpu_seconds = ProcessCpuSeconds() - cpu0;
+  if (options.kv_events) {
+    cache->Unsubscribe(subscription);
+    res.kv_events = options.kv_events->Stats().accepted_events - events_at_start;
+  }
   if (options.progress) options.progress(trace.size(), trace.size());
   const CacheStats st = cache->Stats();
   if (st.internal_errors != 0) {
@@ -275,6 +315,7 @@ nlohmann::json ReplayResultToJson(const ReplayResult& r, const ReplayOptions& op
   j["token_hit_ratio"] = r.TokenHitRatio(options.block_tokens);
   j["seconds"] = r.seconds;
   j["blocks_per_s"] = r.BlocksPerSecond();
+  j["cpu_seconds"] = r.cpu_seconds;
   j["input_tokens"] = r.input_tokens;
   j["skipped_requests"] = r.skipped_requests;
   j["failed_requests"] = r.failed_requests;
@@ -291,6 +332,7 @@ nlohmann::json ReplayResultToJson(const ReplayResult& r, const ReplayOptions& op
   j["evicted_blocks"] = r.evicted_blocks;
   j["stored_blocks"] = r.stored_blocks;
   j["duplicate_blocks"] = r.duplicate_blocks;
+  if (options.kv_events) j["kv_events"] = r.kv_events;
   return j;
 }
 

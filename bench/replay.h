@@ -24,6 +24,7 @@
 #include "sparsekv/eviction_policy.h"
 #include "sparsekv/model_spec.h"
 #include "sparsekv/status.h"
+#include "sparsekv/vllm_kv_events.h"
 
 namespace sparsekv::bench {
 
@@ -48,6 +49,18 @@ void SynthesizeBlockTokens(uint64_t hash_id, uint32_t first, std::span<TokenId> 
 // The default replay model: one layer of one kind (mla_latent, bf16), so a block is one page.
 ModelSpec ReplaySingleKindSpec();
 
+// What `on_request` sees of one request.
+struct ReplayRequestRecord {
+  uint64_t index = 0;  // line of the trace, from 0
+  // Digests of the blocks its lookup may hit (the full blocks of all but its last token), as
+  // the manager's hasher chains them; BlockDigest::hash is what events publish.
+  std::vector<BlockDigest> digests;
+  // Events the publisher had accepted before the lookup (VllmKvEventStats::accepted_events):
+  // a subscriber's index after that many events predicts the lookup.
+  uint64_t events_before = 0;
+  uint64_t hit_blocks = 0;  // what the lookup hit
+};
+
 struct ReplayOptions {
   // The model whose pools the manager builds. Default: ReplaySingleKindSpec().
   ModelSpec spec = ReplaySingleKindSpec();
@@ -70,7 +83,18 @@ struct ReplayOptions {
   double hint_bound = 0.5;
   // Called now and then with (requests done, requests); optional. Default: none.
   std::function<void(size_t, size_t)> progress;
+  // KV events on vLLM's wire: the manager's events go to this publisher (Attach, medium "GPU"),
+  // which must outlive the replay.
+  // Default: none (no events).
+  VllmKvEventPublisher* kv_events = nullptr;
+  // With kv_events: BlockStored carries the blocks' token ids (the manager keeps every prompt's
+  // tokens for it). Default: false (hashes and parents only, the manager's default).
+  bool kv_event_token_ids = false;
+  // Called for every replayed request after its lookup (tests: what a router predicts from the
+  // events published before the lookup must equal the hits served). Default: none.
+  std::function<void(const ReplayRequestRecord&)> on_request;
 };
+
 
 struct ReplayResult {
   uint64_t requests = 0;          // replayed
@@ -85,7 +109,9 @@ struct ReplayResult {
   uint64_t duplicate_blocks = 0;
   uint64_t hints = 0;            // hints given
   uint64_t hint_blocks_cut = 0;  // hinted blocks left unprotected by the bound
+  uint64_t kv_events = 0;        // events given to ReplayOptions::kv_events
   double seconds = 0;  // the replay loop: token synthesis, hashing and every cache call
+  double cpu_seconds = 0;  // CPU of every thread of the process during the loop (KV events' too)
 
   double BlockHitRatio() const {
     return blocks ? static_cast<double>(hit_blocks) / static_cast<double>(blocks) : 0;
@@ -93,6 +119,7 @@ struct ReplayResult {
   // hit_blocks * block_tokens / sum of input_length.
   double TokenHitRatio(uint32_t block_tokens) const;
   double BlocksPerSecond() const { return seconds > 0 ? static_cast<double>(blocks) / seconds : 0; }
+  double BlocksPerCpuSecond() const { return cpu_seconds > 0 ? static_cast<double>(blocks) / cpu_seconds : 0; }
 };
 
 Result<ReplayResult> RunReplay(std::span<const TraceRequest> trace, const ReplayOptions& options);

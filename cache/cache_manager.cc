@@ -38,11 +38,13 @@ struct SequenceTokens {
   BlockDigest root;
   std::string extra_keys;
   bool hashing = false;
+  bool keep_tokens = false;  // CacheManagerOptions::event_token_ids
 
   Mutex mu;
   uint64_t num_tokens SPARSEKV_GUARDED_BY(mu) = 0;
   std::vector<TokenId> tail SPARSEKV_GUARDED_BY(mu);
   std::vector<BlockDigest> digests SPARSEKV_GUARDED_BY(mu);
+  std::vector<TokenId> kept SPARSEKV_GUARDED_BY(mu);  // every token, when keep_tokens
   bool freed SPARSEKV_GUARDED_BY(mu) = false;
 };
 
@@ -216,10 +218,11 @@ class CacheManager::Impl {
 
   // ---- events ----
   void QueueEventLocked(KvEventType type, KindSet kinds, std::vector<BlockHash> hashes,
-                        BlockHash parent) SPARSEKV_REQUIRES(mu_);
-  // Queues a "stored" event for a run of consecutive new blocks and empties the run.
-  void FlushStoredLocked(std::vector<BlockHash>* run, BlockHash parent, KindSet kinds)
-      SPARSEKV_REQUIRES(mu_);
+                        BlockHash parent, std::vector<TokenId> tokens = {}) SPARSEKV_REQUIRES(mu_);
+  // Queues a "stored" event for a run of consecutive new blocks (and their tokens, when kept)
+  // and empties the run.
+  void FlushStoredLocked(std::vector<BlockHash>* run, BlockHash parent, KindSet kinds,
+                         std::vector<TokenId>* run_tokens = nullptr) SPARSEKV_REQUIRES(mu_);
   void NoteRemovedLocked(const BlockHash& hash, KindSet kinds) SPARSEKV_REQUIRES(mu_);
   void FlushRemovedLocked() SPARSEKV_REQUIRES(mu_);
   void DeliverEvents() SPARSEKV_EXCLUDES(mu_, delivery_mu_);
@@ -1000,7 +1003,8 @@ Status CacheManager::Impl::CheckInvariants() const {
 // Events
 
 void CacheManager::Impl::QueueEventLocked(KvEventType type, KindSet kinds,
-                                          std::vector<BlockHash> hashes, BlockHash parent) {
+                                          std::vector<BlockHash> hashes, BlockHash parent,
+                                          std::vector<TokenId> tokens) {
   KvEvent e;
   e.type = type;
   e.sequence_number = next_event_++;
@@ -1008,14 +1012,17 @@ void CacheManager::Impl::QueueEventLocked(KvEventType type, KindSet kinds,
   e.block_hashes = std::move(hashes);
   e.parent_hash = parent;
   e.block_tokens = block_tokens_;
+  e.token_ids = std::move(tokens);
   pending_events_.push_back(std::move(e));
   ++stats_.events;
 }
 
 void CacheManager::Impl::FlushStoredLocked(std::vector<BlockHash>* run, BlockHash parent,
-                                           KindSet kinds) {
+                                           KindSet kinds, std::vector<TokenId>* run_tokens) {
   if (run->empty()) return;
-  QueueEventLocked(KvEventType::kBlocksStored, kinds, std::move(*run), parent);
+  std::vector<TokenId> tokens;
+  if (run_tokens != nullptr) tokens.swap(*run_tokens);
+  QueueEventLocked(KvEventType::kBlocksStored, kinds, std::move(*run), parent, std::move(tokens));
   run->clear();
 }
 
@@ -1184,6 +1191,7 @@ Result<SequenceId> CacheManager::Impl::CreateSequence(const SequenceOptions& opt
   auto tokens = std::make_shared<SequenceTokens>();
   tokens->hashing = Caching() && options.cache_blocks;
   tokens->extra_keys = options.extra_keys;
+  tokens->keep_tokens = options_.event_token_ids;
   if (tokens->hashing) tokens->root = hasher_.Root(options.namespace_salt);
   MutexLock l(mu_);
   const SequenceId id = next_seq_++;
@@ -1208,6 +1216,7 @@ Status CacheManager::Impl::AppendTokens(SequenceId seq, std::span<const TokenId>
   if (t->freed) return Status::NotFound(SeqNotFound(seq));
   t->num_tokens += tokens.size();
   if (!t->hashing) return Status::OK();
+  if (t->keep_tokens) t->kept.insert(t->kept.end(), tokens.begin(), tokens.end());
   std::span<const TokenId> rest = tokens;
   if (!t->tail.empty()) {
     const size_t take = std::min<size_t>(block_tokens_ - t->tail.size(), rest.size());
@@ -1457,11 +1466,13 @@ Status CacheManager::Impl::CommitComputed(SequenceId seq, uint64_t num_tokens) {
           static_cast<uint32_t>(std::min<uint64_t>(num_tokens / block_tokens_, t.digests.size()));
       const bool emit = !listeners_.empty();
       std::vector<BlockHash> run;
+      std::vector<TokenId> run_tokens;
+      std::vector<TokenId>* keep = t.keep_tokens ? &run_tokens : nullptr;
       BlockHash run_parent;
       KindSet run_kinds;
       for (uint32_t b = s->registered_upto; b < end; ++b) {
         if (s->records[b] != kNoRecord) {
-          FlushStoredLocked(&run, run_parent, run_kinds);
+          FlushStoredLocked(&run, run_parent, run_kinds, keep);
           continue;
         }
         const BlockDigest& d = t.digests[b];
@@ -1472,12 +1483,17 @@ Status CacheManager::Impl::CommitComputed(SequenceId seq, uint64_t num_tokens) {
           // window and snapshot pages the cached block has lost, which it takes over, so the
           // boundary after it becomes resumable again.
           ++stats_.duplicate_blocks;
-          FlushStoredLocked(&run, run_parent, run_kinds);
+          FlushStoredLocked(&run, run_parent, run_kinds, keep);
           const KindSet repaired = RepairBoundaryLocked(existing, *s, b);
           if (!repaired.empty() && emit) {
             std::vector<BlockHash> one{d.hash};
+            std::vector<TokenId> block_tokens;
+            if (t.keep_tokens && t.kept.size() >= uint64_t{b + 1} * block_tokens_) {
+              block_tokens.assign(t.kept.begin() + uint64_t{b} * block_tokens_,
+                                  t.kept.begin() + uint64_t{b + 1} * block_tokens_);
+            }
             QueueEventLocked(KvEventType::kBlocksStored, repaired, std::move(one),
-                             b == 0 ? t.root.hash : t.digests[b - 1].hash);
+                             b == 0 ? t.root.hash : t.digests[b - 1].hash, std::move(block_tokens));
           }
           continue;
         }
@@ -1487,7 +1503,7 @@ Status CacheManager::Impl::CommitComputed(SequenceId seq, uint64_t num_tokens) {
           } else {
             ++hash_collisions_;  // same key, other content: never served, never overwritten
           }
-          FlushStoredLocked(&run, run_parent, run_kinds);
+          FlushStoredLocked(&run, run_parent, run_kinds, keep);
           continue;
         }
         const RecordId r = free_records_.back();
@@ -1507,15 +1523,19 @@ Status CacheManager::Impl::CommitComputed(SequenceId seq, uint64_t num_tokens) {
         if (hinted_hashes_.size() != 0 && hinted_hashes_.Find(d.hash) != kNoRecord) ProtectHintedLocked(r);
         ++stats_.stored_blocks;
         if (emit) {
-          if (!run.empty() && run_kinds != kinds) FlushStoredLocked(&run, run_parent, run_kinds);
+          if (!run.empty() && run_kinds != kinds) FlushStoredLocked(&run, run_parent, run_kinds, keep);
           if (run.empty()) {
             run_parent = b == 0 ? t.root.hash : t.digests[b - 1].hash;
             run_kinds = kinds;
           }
           run.push_back(d.hash);
+          if (keep != nullptr && t.kept.size() >= uint64_t{b + 1} * block_tokens_) {
+            run_tokens.insert(run_tokens.end(), t.kept.begin() + uint64_t{b} * block_tokens_,
+                              t.kept.begin() + uint64_t{b + 1} * block_tokens_);
+          }
         }
       }
-      FlushStoredLocked(&run, run_parent, run_kinds);
+      FlushStoredLocked(&run, run_parent, run_kinds, keep);
       s->registered_upto = std::max(s->registered_upto, end);
     }
 

@@ -13,6 +13,7 @@ packages=(
   fio redis-server redis-tools libhiredis-dev
   mkdocs mkdocs-material prometheus python3-matplotlib
   python3 python3-dev pybind11-dev libdlpack-dev python3-pytest python3-numpy python3-torch python3-redis
+  libzmq3-dev cppzmq-dev libmsgpack-cxx-dev python3-zmq python3-msgpack
 )
 missing=()
 for p in "${packages[@]}"; do

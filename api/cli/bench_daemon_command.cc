@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 
@@ -12,6 +13,7 @@ SPARSEKV_BENCH_COMMAND(daemon) {
   struct Args {
     bench::DaemonBenchOptions options;
     bool json = false;
+    bool kv_vs_off = false;
   };
   auto a = std::make_shared<Args>();
   CLI::App* cmd = bench.add_subcommand("daemon", "sparsekvd PUT/GET throughput and GET latency from N clients");
@@ -36,7 +38,7 @@ SPARSEKV_BENCH_COMMAND(daemon) {
   cmd->add_flag("--batch", o.batch,
                 "One client's batch GET into its own memory (GetInto) over TCP and shared memory, against "
                 "memcpy and a loopback socket pair (a daemon started here)");
-  cmd->add_option("--rounds", o.rounds, "--batch: interleaved rounds per method")
+  cmd->add_option("--rounds", o.rounds, "--batch: interleaved rounds per method; --kv-events-vs-off: pairs of runs")
       ->check(CLI::Range(1, 100))
       ->capture_default_str();
   cmd->add_option("--round-seconds", o.round_seconds, "--batch: seconds per round")
@@ -65,6 +67,11 @@ SPARSEKV_BENCH_COMMAND(daemon) {
                   "--batch: also restore this many DeepSeek V3.2 fp8 blocks through the daemon, against the "
                   "in-process bench restore (1024: a 6.3 GB prefix)")
       ->capture_default_str();
+  cmd->add_flag("--kv-events", o.kv_events,
+                "With --spawn: the daemon publishes KV events on vLLM's wire and a subscriber here reads them");
+  cmd->add_flag("--kv-events-vs-off", a->kv_vs_off,
+                "With --spawn: --rounds pairs of runs with KV events off and on (the order alternating), and the "
+                "median on/off ratios");
   cmd->add_flag("--json", a->json, "Print JSON");
   cmd->callback([a, &exit_code] {
     if (a->options.batch) {
@@ -94,6 +101,75 @@ SPARSEKV_BENCH_COMMAND(daemon) {
                     r2["daemon_shm_seconds"].get<double>(), r2["daemon_shm_first_seconds"].get<double>(),
                     r2["daemon_tcp_seconds"].get<double>());
       }
+      return;
+    }
+    if (a->kv_vs_off) {
+      // --rounds pairs, the order alternating (off then on, on then off, ...): each pair gives a
+      // ratio; the medians are reported with the spread.
+      bench::DaemonBenchOptions off = a->options, on = a->options;
+      off.kv_events = false;
+      on.kv_events = true;
+      std::vector<double> put_ratio, get_ratio, put_cpu_ratio, get_cpu_ratio;
+      Result<nlohmann::json> last = Status::OK();
+      nlohmann::json rounds = nlohmann::json::array();
+      for (int i = 0; i < std::max(1, a->options.rounds); ++i) {
+        const bool on_first = i % 2 == 1;
+        auto first = bench::RunDaemonBench(on_first ? on : off);
+        Result<nlohmann::json> second = first.ok() ? bench::RunDaemonBench(on_first ? off : on) : first;
+        if (!second.ok()) {
+          last = second.status();
+          break;
+        }
+        const nlohmann::json& jon = on_first ? *first : *second;
+        const nlohmann::json& joff = on_first ? *second : *first;
+        put_ratio.push_back(jon["put_ops_per_s"].get<double>() / joff["put_ops_per_s"].get<double>());
+        get_ratio.push_back(jon["get_ops_per_s"].get<double>() / joff["get_ops_per_s"].get<double>());
+        // CPU per operation, off over on: below 1 when events cost CPU.
+        put_cpu_ratio.push_back(joff["put_cpu_us_per_op"].get<double>() / jon["put_cpu_us_per_op"].get<double>());
+        get_cpu_ratio.push_back(joff["get_cpu_us_per_op"].get<double>() / jon["get_cpu_us_per_op"].get<double>());
+        rounds.push_back({{"put_ops_per_s_on", jon["put_ops_per_s"]}, {"put_ops_per_s_off", joff["put_ops_per_s"]},
+                          {"get_ops_per_s_on", jon["get_ops_per_s"]}, {"get_ops_per_s_off", joff["get_ops_per_s"]},
+                          {"put_cpu_us_per_op_on", jon["put_cpu_us_per_op"]},
+                          {"put_cpu_us_per_op_off", joff["put_cpu_us_per_op"]},
+                          {"get_cpu_us_per_op_on", jon["get_cpu_us_per_op"]},
+                          {"get_cpu_us_per_op_off", joff["get_cpu_us_per_op"]},
+                          {"events", jon["kv_events"]["events"]}, {"on_first", on_first}});
+        last = jon;
+      }
+      if (last.ok()) {
+        auto median = [](std::vector<double> v) {
+          std::sort(v.begin(), v.end());
+          return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+        };
+        nlohmann::json& e = (*last)["kv_events"];
+        e["rounds"] = rounds;
+        e["put_on_vs_off"] = median(put_ratio);
+        e["get_on_vs_off"] = median(get_ratio);
+        e["put_on_vs_off_min"] = *std::min_element(put_ratio.begin(), put_ratio.end());
+        e["put_on_vs_off_max"] = *std::max_element(put_ratio.begin(), put_ratio.end());
+        e["get_on_vs_off_min"] = *std::min_element(get_ratio.begin(), get_ratio.end());
+        e["get_on_vs_off_max"] = *std::max_element(get_ratio.begin(), get_ratio.end());
+        e["put_cpu_off_vs_on"] = median(put_cpu_ratio);
+        e["get_cpu_off_vs_on"] = median(get_cpu_ratio);
+      }
+      const auto* report = ReportBenchAfterProgress(last, a->json, exit_code);
+      if (report == nullptr) return;
+      const auto& e = (*report)["kv_events"];
+      for (const auto& r : e["rounds"]) {
+        std::printf("KV events on/off: PUT %.0f / %.0f ops/s (%.1f / %.1f CPU us/op)   GET %.0f / %.0f ops/s "
+                    "(%.1f / %.1f CPU us/op)   (%llu events)\n",
+                    r["put_ops_per_s_on"].get<double>(), r["put_ops_per_s_off"].get<double>(),
+                    r["put_cpu_us_per_op_on"].get<double>(), r["put_cpu_us_per_op_off"].get<double>(),
+                    r["get_ops_per_s_on"].get<double>(), r["get_ops_per_s_off"].get<double>(),
+                    r["get_cpu_us_per_op_on"].get<double>(), r["get_cpu_us_per_op_off"].get<double>(),
+                    static_cast<unsigned long long>(r["events"].get<uint64_t>()));
+      }
+      std::printf("on/off, median of %zu pairs (min-max): PUT %.3fx (%.3f-%.3f)   GET %.3fx (%.3f-%.3f)\n",
+                  e["rounds"].size(), e["put_on_vs_off"].get<double>(), e["put_on_vs_off_min"].get<double>(),
+                  e["put_on_vs_off_max"].get<double>(), e["get_on_vs_off"].get<double>(),
+                  e["get_on_vs_off_min"].get<double>(), e["get_on_vs_off_max"].get<double>());
+      std::printf("CPU per op, off/on, median: PUT %.3fx   GET %.3fx\n", e["put_cpu_off_vs_on"].get<double>(),
+                  e["get_cpu_off_vs_on"].get<double>());
       return;
     }
     const auto r = bench::RunDaemonBench(a->options);

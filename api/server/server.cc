@@ -287,6 +287,7 @@ void Server::Impl::AcceptMetrics() {
               pinned_bytes_->load(), pin_cap_);
           out += ConnectionMetrics();
           if (resp_) resp_->RenderMetrics(out);
+          if (options_.render_metrics) options_.render_metrics(out);
         });
       } else {
         status = "404 Not Found";

@@ -117,6 +117,9 @@ struct ServerOptions {
   // SIGINT/SIGTERM drain and stop; SIGHUP calls on_sighup. Default: false (tests).
   bool handle_signals = false;
   std::function<void()> on_sighup;
+  // Appends more Prometheus text to every /metrics reply (sparsekvd's KV-event counters); it
+  // must stay callable until the server is destroyed. Optional. Default: none.
+  std::function<void(std::string&)> render_metrics;
 };
 
 // Before HELLO a frame may carry at most this many payload bytes (a HELLO is far smaller).

@@ -924,6 +924,15 @@ void TieredStore::Emit(uint32_t ns, const wire::EventRecord& e) {
     }
   }
   for (const EventSink& s : sinks) s(e);
+  if (observer_) observer_(ns, e);
+}
+
+std::vector<BundleKey> TieredStore::PinnedKeys() {
+  MutexLock l(mu_);
+  std::vector<BundleKey> out;
+  out.reserve(pinned_.size());
+  for (const auto& [k, p] : pinned_) out.push_back(k);
+  return out;
 }
 
 void TieredStore::RenderMetrics(std::string& out) {

@@ -79,6 +79,12 @@ class TieredStore : public DaemonStore {
   Status Flush() override;
 
   TierChain& chain() { return *chain_; }
+  // The keys pinned in memory now (outside the tiers), every namespace.
+  std::vector<BundleKey> PinnedKeys() SPARSEKV_EXCLUDES(mu_);
+  // Called with every event record of every namespace, after the subscribers (the KV-event
+  // tracker's view of the remote tier). Set before the store is shared.
+  using RecordObserver = std::function<void(uint32_t ns, const wire::EventRecord&)>;
+  void SetRecordObserver(RecordObserver observer) { observer_ = std::move(observer); }
 
  private:
   explicit TieredStore(const TieredStoreOptions& options, std::unique_ptr<TierChain> chain);
@@ -118,6 +124,7 @@ class TieredStore : public DaemonStore {
 
   const TieredStoreOptions options_;
   std::unique_ptr<TierChain> chain_;
+  RecordObserver observer_;
   std::vector<uint8_t> wire_tiers_;  // per chain index: the wire code of that tier's kind
 
   Mutex mu_;

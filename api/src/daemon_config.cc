@@ -46,6 +46,8 @@ Status Read(const json& j, const char* key, T& out, const char* expected) {
   bool ok = false;
   if constexpr (std::is_same_v<T, std::string>) {
     ok = it->is_string();
+  } else if constexpr (std::is_same_v<T, bool>) {
+    ok = it->is_boolean();
   } else {
     ok = it->is_number_unsigned() || (it->is_number_integer() && it->template get<int64_t>() >= 0);
     if (ok && it->template get<uint64_t>() > std::numeric_limits<T>::max()) ok = false;
@@ -69,7 +71,7 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
                                 "staging_bytes", "pin_budget_bytes", "namespaces", "offload",
                                 "max_buffered_bytes", "max_handshakes", "handshake_timeout_ms", "frame_timeout_ms",
                                 "write_timeout_ms", "max_shared_staging_bytes",
-                                "max_hinted_blocks_per_session", "max_hint_ttl_ms"};
+                                "max_hinted_blocks_per_session", "max_hint_ttl_ms", "kv_events"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool known = false;
     for (const char* k : kKeys) known = known || it.key() == k;
@@ -154,6 +156,30 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
       c.namespaces.push_back(std::move(ns));
     }
   }
+  if (auto it = j.find("kv_events"); it != j.end()) {
+    if (!it->is_object()) return Status::InvalidArgument("config key 'kv_events' must be an object");
+    for (auto k = it->begin(); k != it->end(); ++k) {
+      static const char* kEventKeys[] = {"endpoint", "replay_endpoint", "topic", "hash", "buffer_batches",
+                                         "tick_ms", "send_hwm", "max_queued_events"};
+      bool known = false;
+      for (const char* e : kEventKeys) known = known || k.key() == e;
+      if (!known) return Status::InvalidArgument(fmt::format("config: unknown key 'kv_events.{}'", k.key()));
+    }
+    DaemonKvEvents& e = c.kv_events;
+    SPARSEKV_RETURN_IF_ERROR(Read(*it, "endpoint", e.endpoint, "a ZMQ endpoint such as tcp://127.0.0.1:5557"));
+    SPARSEKV_RETURN_IF_ERROR(Read(*it, "replay_endpoint", e.replay_endpoint, "a ZMQ endpoint"));
+    SPARSEKV_RETURN_IF_ERROR(Read(*it, "topic", e.topic, "a string"));
+    SPARSEKV_RETURN_IF_ERROR(Read(*it, "hash", e.hash, "\"uint64\" or \"bytes\""));
+    SPARSEKV_RETURN_IF_ERROR(Read(*it, "buffer_batches", e.buffer_batches, "a count"));
+    SPARSEKV_RETURN_IF_ERROR(Read(*it, "tick_ms", e.tick_ms, "milliseconds"));
+    SPARSEKV_RETURN_IF_ERROR(Read(*it, "send_hwm", e.send_hwm, "a count of messages"));
+    SPARSEKV_RETURN_IF_ERROR(Read(*it, "max_queued_events", e.max_queued_events, "a count"));
+  }
+  if (c.kv_events.hash != "uint64" && c.kv_events.hash != "bytes") {
+    return Status::InvalidArgument(
+        fmt::format("config key 'kv_events.hash' is \"{}\"; expected \"uint64\" or \"bytes\"", c.kv_events.hash));
+  }
+  if (c.kv_events.tick_ms == 0) return Status::InvalidArgument("config key 'kv_events.tick_ms' must be at least 1");
   if (auto it = j.find("offload"); it != j.end()) {
     if (!it->is_object()) return Status::InvalidArgument("config key 'offload' must be an object");
     c.offload_json = it->dump();
@@ -205,7 +231,16 @@ std::string DaemonConfigToJson(const DaemonConfig& c) {
          {"frame_timeout_ms", c.frame_timeout_ms},
          {"write_timeout_ms", c.write_timeout_ms},
          {"max_shared_staging_bytes", c.max_shared_staging_bytes},
-         {"namespaces", namespaces}};
+         {"namespaces", namespaces},
+         {"kv_events",
+          {{"endpoint", c.kv_events.endpoint},
+           {"replay_endpoint", c.kv_events.replay_endpoint},
+           {"topic", c.kv_events.topic},
+           {"hash", c.kv_events.hash},
+           {"buffer_batches", c.kv_events.buffer_batches},
+           {"tick_ms", c.kv_events.tick_ms},
+           {"send_hwm", c.kv_events.send_hwm},
+           {"max_queued_events", c.kv_events.max_queued_events}}}};
   if (!c.offload_json.empty()) j["offload"] = json::parse(c.offload_json, nullptr, false);
   return j.dump();
 }

@@ -20,6 +20,30 @@ struct DaemonNamespace {
   uint32_t max_connections = 0;
 };
 
+// KV events on vLLM's wire (sparsekv/vllm_kv_events.h, server/kv_event_tracker.h); off while
+// `endpoint` is "".
+struct DaemonKvEvents {
+  // ZMQ PUB address, bound (e.g. "tcp://127.0.0.1:5557"); "" disables. Default: "".
+  std::string endpoint;
+  // ZMQ ROUTER address for replay requests, bound; "" for none. Default: "".
+  std::string replay_endpoint;
+  // First frame of every message; "" means "kv@<pod>@<model>" ($POD_NAME or the host name).
+  // Default: "".
+  std::string topic;
+  // Block hashes as "uint64" (low 64 bits) or "bytes" (the 16 bytes). Default: "uint64".
+  std::string hash = "uint64";
+  // Recent batches kept for replay. Default: 10000.
+  uint32_t buffer_batches = 10000;
+  // How often the tiers' changes are published, in ms. Default: 100.
+  uint32_t tick_ms = 100;
+  // ZMQ send high-water mark of the PUB socket, in messages (past it a slow subscriber misses
+  // batches: sequence gaps that replay fills). Default: 100000.
+  uint32_t send_hwm = 100000;
+  // Events waiting to be published; more are dropped (a sequence gap, counted in /metrics, then
+  // a resync). Default: 100000.
+  uint32_t max_queued_events = 100000;
+};
+
 struct DaemonConfig {
   // Model preset or a path to a JSON spec file; sizes the host tier's slots. Default: "deepseek-v3.2-exp".
   std::string model = "deepseek-v3.2-exp";
@@ -76,6 +100,8 @@ struct DaemonConfig {
   uint32_t max_hint_ttl_ms = 600000;
   // Namespaces clients may open. Default: [{"name": "default", "token": ""}].
   std::vector<DaemonNamespace> namespaces = {{"default", ""}};
+  // "kv_events": KV events on vLLM's wire. Default: off.
+  DaemonKvEvents kv_events;
   // The "offload" section as JSON text (see offload_options.h); "" keeps the library defaults.
   std::string offload_json;
 };

@@ -15,9 +15,12 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <algorithm>
+#include <climits>
 #include <thread>
 
 #include "server/server.h"
+#include "server/kv_event_tracker.h"
 #include "server/tiered_store.h"
 #include "sparsekv/block_geometry.h"
 #include "sparsekv/bundle.h"
@@ -183,6 +186,34 @@ int Run(DaemonConfig config) {
     spdlog::error("opening the tiers: {}", store.status().ToString());
     return 2;
   }
+  std::unique_ptr<server::TierEventTracker> kv_events;
+  if (!config.kv_events.endpoint.empty()) {
+    server::TierEventTrackerOptions to;
+    to.publisher.endpoint = config.kv_events.endpoint;
+    to.publisher.replay_endpoint = config.kv_events.replay_endpoint;
+    to.publisher.topic =
+        config.kv_events.topic.empty() ? DefaultKvEventTopic(spec->name) : config.kv_events.topic;
+    auto hash = ParseKvEventHashEncoding(config.kv_events.hash);
+    if (!hash.ok()) {
+      spdlog::error("{}", hash.status().ToString());
+      return 2;
+    }
+    to.publisher.hash = *hash;
+    to.publisher.buffer_batches = config.kv_events.buffer_batches;
+    to.tick_ms = config.kv_events.tick_ms;
+    to.publisher.send_hwm = static_cast<int>(std::min<uint32_t>(config.kv_events.send_hwm, INT32_MAX));
+    to.publisher.max_queued_events = config.kv_events.max_queued_events;
+    auto tracker = server::TierEventTracker::Start(to, **store);
+    if (!tracker.ok()) {
+      spdlog::error("{}", tracker.status().ToString());
+      return 2;
+    }
+    kv_events = std::move(tracker).value();
+    spdlog::info("KV events (vLLM wire) on {}{}, topic '{}', hashes as {}", to.publisher.endpoint,
+                 to.publisher.replay_endpoint.empty() ? "" : ", replay on " + to.publisher.replay_endpoint,
+                 to.publisher.topic, config.kv_events.hash);
+  }
+  if (kv_events) so.render_metrics = [t = kv_events.get()](std::string& out) { t->RenderMetrics(out); };
   auto srv = server::Server::Start(so, store->get());
   if (!srv.ok()) {
     spdlog::error("{}", srv.status().ToString());
@@ -197,6 +228,7 @@ int Run(DaemonConfig config) {
   }
   Status st = (*srv)->Wait();
   srv->reset();
+  kv_events.reset();
   store->reset();
   if (!st.ok()) {
     spdlog::error("shutdown: {}", st.ToString());
@@ -213,6 +245,8 @@ int main(int argc, char** argv) {
   spdlog::set_default_logger(spdlog::stderr_color_mt("sparsekvd"));
   CLI::App app{"sparsekvd: the sparsekv cache daemon"};
   std::string config_path, listen, unix_path, data_dir, resp_listen, resp_unix;
+  std::string kv_endpoint, kv_replay, kv_topic, kv_hash;
+  uint32_t kv_buffer = 0;
   app.add_option("--config", config_path, "JSON config file (default: the embedded configuration)")
       ->check(CLI::ExistingFile);
   app.add_option("--listen", listen, "TCP address HOST:PORT (\"\" disables)");
@@ -220,6 +254,12 @@ int main(int argc, char** argv) {
   app.add_option("--data-dir", data_dir, "Data directory");
   app.add_option("--resp-listen", resp_listen, "RESP (Redis protocol) TCP address HOST:PORT (\"\" disables)");
   app.add_option("--resp-unix", resp_unix, "RESP (Redis protocol) Unix socket path (\"\" disables)");
+  app.add_option("--kv-events-endpoint", kv_endpoint, "KV events (vLLM wire): ZMQ PUB address to bind (\"\" disables)");
+  app.add_option("--kv-events-replay-endpoint", kv_replay, "KV events: ZMQ ROUTER address for replay (\"\" for none)");
+  app.add_option("--kv-events-topic", kv_topic, "KV events: topic (default kv@<pod>@<model>)");
+  app.add_option("--kv-events-hash", kv_hash, "KV events: block hashes as uint64 or bytes")
+      ->check(CLI::IsMember({"uint64", "bytes"}));
+  app.add_option("--kv-events-buffer-batches", kv_buffer, "KV events: recent batches kept for replay");
   bool print_config = false;
   app.add_flag("--print-default-config", print_config, "Print the embedded configuration and exit");
   // For tests only, hidden from --help: records of this bundle format version are written and
@@ -247,5 +287,10 @@ int main(int argc, char** argv) {
   if (app.count("--data-dir")) config->data_dir = data_dir;
   if (app.count("--resp-listen")) config->resp_listen = resp_listen;
   if (app.count("--resp-unix")) config->resp_unix_socket = resp_unix;
+  if (app.count("--kv-events-endpoint")) config->kv_events.endpoint = kv_endpoint;
+  if (app.count("--kv-events-replay-endpoint")) config->kv_events.replay_endpoint = kv_replay;
+  if (app.count("--kv-events-topic")) config->kv_events.topic = kv_topic;
+  if (app.count("--kv-events-hash")) config->kv_events.hash = kv_hash;
+  if (app.count("--kv-events-buffer-batches")) config->kv_events.buffer_batches = kv_buffer;
   return Run(std::move(*config));
 }

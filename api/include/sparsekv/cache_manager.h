@@ -128,6 +128,10 @@ struct CacheManagerOptions {
   // cache, so it is for tests and stress runs. Off, debug builds still check the sequence a call
   // changed (O(its table)). Default: false.
   bool check_invariants = false;
+  // Keep every appended token of a sequence (4 bytes each, until the sequence ends) so that
+  // "stored" events carry their blocks' token ids (KvEvent::token_ids), as vLLM's BlockStored
+  // does (vllm_kv_events.h). Default: false.
+  bool event_token_ids = false;
 };
 
 using SequenceId = uint64_t;

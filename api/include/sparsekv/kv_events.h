@@ -65,6 +65,9 @@ struct KvEvent {
   // Stored: the hash of the block before block_hashes[0] (the namespace root for block 0).
   BlockHash parent_hash;
   uint32_t block_tokens = 0;
+  // Stored: the blocks' tokens, block_tokens per block, when the manager keeps them
+  // (CacheManagerOptions::event_token_ids); empty otherwise.
+  std::vector<TokenId> token_ids;
 };
 
 // Called once per event, one event at a time. It may call back into the manager; the events its
