@@ -290,6 +290,21 @@ Result<uint64_t> Bundle::WriteRecord(std::span<std::byte> out, const BundleKey& 
   return sum;
 }
 
+Result<uint64_t> Bundle::WriteRecordHeader(std::span<std::byte> out, const BundleKey& key,
+                                            std::span<const uint64_t> segment_bytes, uint64_t sequence,
+                                            uint32_t pages) {
+  SPARSEKV_RETURN_IF_ERROR(CheckSegments(segment_bytes));
+  const uint64_t header = BundleHeaderBytes(static_cast<uint32_t>(segment_bytes.size()));
+  if (out.size() < header) {
+    return Status::InvalidArgument(
+        fmt::format("bundle {}: a header of {} bytes does not fit {} bytes", key.ToString(), header, out.size()));
+  }
+  WriteHeader(out.data(), key, segment_bytes, BundleRecordBytes(segment_bytes), sequence, pages);
+  return header;
+}
+
+uint64_t Bundle::ChecksumOf(std::span<const std::byte> record) { return RecordChecksum(record); }
+
 Result<BundlePtr> Bundle::Make(const BundleKey& key,
                                std::span<const std::span<const std::byte>> segments,
                                uint64_t sequence, uint32_t pages) {
@@ -431,8 +446,11 @@ Status Bundle::CopySegmentsVerified(std::span<std::byte* const> dst) const {
   XXH3_64bits_reset(&state);
   XXH3_64bits_update(&state, record_.data() + kCoveredFrom, header_bytes_ - kCoveredFrom);
   const std::byte* src = record_.data() + header_bytes_;
+  const std::byte* const end = record_.data() + record_bytes_;
   for (uint32_t i = 0; i < segment_count_; ++i) {
-    const uint64_t n = segment_bytes(i);
+    // Bounded by the record as it was checked: a record in memory another process may write
+    // (a host arena shared for write leases) can have its sizes changed after the check.
+    const uint64_t n = std::min<uint64_t>(segment_bytes(i), static_cast<uint64_t>(end - src));
     std::byte* out = dst[i];
     for (uint64_t at = 0; at < n; at += kChunk) {
       const uint64_t len = std::min(kChunk, n - at);
@@ -452,9 +470,11 @@ Status Bundle::CopySegmentsVerified(std::span<std::byte* const> dst) const {
 }
 
 std::span<const std::byte> Bundle::segment(uint32_t i) const {
+  // Bounded by the record's size as it was checked (see CopySegmentsVerified).
   uint64_t at = header_bytes_;
   for (uint32_t k = 0; k < i; ++k) at += segment_bytes(k);
-  return {record_.data() + at, segment_bytes(i)};
+  at = std::min(at, record_bytes_);
+  return {record_.data() + at, std::min<uint64_t>(segment_bytes(i), record_bytes_ - at)};
 }
 
 std::span<const std::byte> Bundle::payload() const {

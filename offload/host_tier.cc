@@ -159,6 +159,116 @@ class HostTierImpl final : public HostTier {
     return Bundle::AdoptVerifiedRecord(std::move(view), record_bytes);
   }
 
+  Result<Reservation> Reserve(const BundleKey& key, uint64_t payload_bytes, uint64_t sequence) override {
+    const uint64_t sizes[1] = {payload_bytes};
+    const uint64_t record_bytes = BundleRecordBytes(sizes);
+    if (record_bytes > options_.max_record_bytes) return TooLarge(key, record_bytes);
+    const uint64_t units = UnitsOf(record_bytes);
+    std::vector<BundlePtr> evicted;
+    Reservation r;
+    Status refused;
+    {
+      MutexLock lock(mu_);
+      auto same = index_.find(key);
+      if (same != index_.end() && entries_[same->second].sequence > sequence) {
+        ++stats_.superseded;
+        return Status::FailedPrecondition(fmt::format("host tier: a newer version of {} is held", key.ToString()));
+      }
+      std::optional<uint64_t> at = AllocateLocked(units, listener_ ? &evicted : nullptr);
+      if (!at) {
+        ++stats_.put_failures;
+        refused = Status::ResourceExhausted(fmt::format(
+            "host tier: no room for {} bytes: the {} bytes that are not free are held by readers", units * kUnit,
+            capacity_bytes() - free_.free_units() * kUnit));
+      } else {
+        const EntryId id = NewEntryLocked();
+        Entry& e = entries_[id];
+        e.key = key;
+        e.at = *at;
+        e.units = units;
+        e.record_bytes = record_bytes;
+        e.sequence = sequence;
+        e.readers = 1;  // the writer's, then the pinned result's: never evictable meanwhile
+        r.id = id;
+        r.record = DataOf(e);
+        r.record_bytes = record_bytes;
+      }
+    }
+    HandOver(std::move(evicted));
+    if (!refused.ok()) return refused;
+    Result<uint64_t> header = Bundle::WriteRecordHeader({r.record, record_bytes}, key, sizes, sequence);
+    if (!header.ok()) {
+      AbortReserved(r);
+      return header.status().WithContext("host tier");
+    }
+    r.header_bytes = *header;  // the padding after the record is zeroed at the commit
+    return r;
+  }
+
+  Result<BundlePtr> CommitReserved(const Reservation& r, uint64_t checksum) override {
+    BundleKey key;
+    uint64_t sequence, units;
+    {
+      MutexLock lock(mu_);
+      const Entry& e = entries_[r.id];
+      key = e.key;
+      sequence = e.sequence;
+      units = e.units;
+    }
+    // The header as Reserve wrote it, built again from the tier's own metadata: the shared
+    // bytes are compared with it, never parsed, so a writer changing them meanwhile can make
+    // the check fail but never make it read outside the extent.
+    std::byte want[BundleHeaderBytes(1)];
+    const uint64_t sizes[1] = {r.record_bytes - r.header_bytes};
+    Status bad;
+    if (!Bundle::WriteRecordHeader(want, key, sizes, sequence).ok()) {
+      bad = Status::Internal("host tier: the reserved header cannot be built again");
+    } else if (checksum == 0 && std::memcmp(r.record + 16, want + 16, r.header_bytes - 16) == 0) {
+      // No checksum from the writer: the header is checked, and the record's checksum is
+      // computed here over the bytes as they are now (a later change fails its reads' checks).
+      checksum = Bundle::ChecksumOf({r.record, r.record_bytes});
+      std::memcpy(r.record + 8, &checksum, 8);
+      std::memcpy(want + 8, &checksum, 8);
+      std::memset(r.record + r.record_bytes, 0, units * kUnit - r.record_bytes);
+      if (std::memcmp(r.record, want, r.header_bytes) != 0) {
+        bad = Status::Corruption(
+            fmt::format("host tier: the leased record of {} had its header changed; not stored", key.ToString()));
+      }
+    } else {
+      std::memcpy(want + 8, &checksum, 8);
+      std::memcpy(r.record + 8, &checksum, 8);
+      std::memset(r.record + r.record_bytes, 0, units * kUnit - r.record_bytes);
+      if (std::memcmp(r.record, want, r.header_bytes) != 0) {
+        bad = Status::Corruption(
+            fmt::format("host tier: the leased record of {} had its header changed; not stored", key.ToString()));
+      } else if (const uint64_t sum = Bundle::ChecksumOf({r.record, r.record_bytes}); sum != checksum) {
+        bad = Status::Corruption(fmt::format(
+            "host tier: the leased record of {} has checksum {:016x}, its commit says {:016x}; not stored",
+            key.ToString(), sum, checksum));
+      }
+    }
+    MutexLock lock(mu_);
+    Entry& e = entries_[r.id];
+    if (!bad.ok()) {
+      ++stats_.put_failures;
+      ReleaseReaderLocked(r.id);
+      return bad;
+    }
+    e.checksum = checksum;
+    if (!PublishLocked(r.id)) {
+      ReleaseReaderLocked(r.id);
+      return Status::FailedPrecondition(fmt::format("host tier: a newer version of {} is held", key.ToString()));
+    }
+    const EntryId id = static_cast<EntryId>(r.id);
+    RecordBuffer view(r.record, units * kUnit, [this, id](std::byte*) { ReleaseReader(id); });
+    return Bundle::AdoptVerifiedRecord(std::move(view), r.record_bytes);
+  }
+
+  void AbortReserved(const Reservation& r) override {
+    MutexLock lock(mu_);
+    ReleaseReaderLocked(static_cast<EntryId>(r.id));
+  }
+
   void GetAsync(std::vector<BundleKey> keys, BundlesCallback done) override {
     std::vector<Result<BundlePtr>> out;
     out.reserve(keys.size());

@@ -24,6 +24,7 @@
 #include <utility>
 #include <variant>
 
+#include "allocator/xxhash_dispatch.h"
 #include "protocol/wire.h"
 
 namespace sparsekv {
@@ -284,7 +285,16 @@ class Client::Impl {
     // The handshake is bounded by the timeout too: a daemon that never answers HELLO fails the
     // Connect instead of hanging it. Later calls keep their own deadlines (poll).
     const auto t0 = Clock::now();
+    ask_leases_ = is_unix_ && o.shared_memory && o.write_leases;
     Status st = Hello(o);
+    if (!st.ok() && ask_leases_ && st.code() == StatusCode::kInvalidArgument &&
+        st.message().find("shared-memory flag") != std::string_view::npos) {
+      // A daemon from before write leases refuses the flag: HELLO again without them.
+      ::close(fd_);
+      ask_leases_ = false;
+      SPARSEKV_ASSIGN_OR_RETURN(fd_, ConnectTo(o.address, &is_unix_, timeout_));
+      st = Hello(o);
+    }
     if (st.ok()) {
       SetSocketTimeouts(fd_, std::chrono::milliseconds(0));
     } else if (st.code() == StatusCode::kUnavailable && Clock::now() - t0 >= timeout_) {
@@ -300,6 +310,7 @@ class Client::Impl {
     hello.token = o.token;
     hello.client_name = o.client_name;
     hello.want_shared_memory = is_unix_ && o.shared_memory;
+    hello.want_write_leases = ask_leases_;
     const auto frame = w::EncodeFrame(w::Opcode::kHello, 0, 0, w::Encode(hello));
     SPARSEKV_RETURN_IF_ERROR(WriteAll(fd_, frame.data(), frame.size()));
     // The reply's first bytes may carry the arena and staging fds (SCM_RIGHTS).
@@ -374,10 +385,17 @@ class Client::Impl {
     struct stat st{};
     const bool sized = ::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) >= announced;
     if (sized) {
-      void* m = ::mmap(nullptr, announced, PROT_READ, MAP_SHARED, fd, 0);
+      // Writable under write leases: values are written into the room each lease names.
+      bool leases = hello_.write_leases.value_or(false);
+      void* m = ::mmap(nullptr, announced, leases ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
+      if (m == MAP_FAILED && leases) {
+        m = ::mmap(nullptr, announced, PROT_READ, MAP_SHARED, fd, 0);  // lends still work; PUTs use staging
+        leases = false;
+      }
       if (m != MAP_FAILED) {
         arena_ = static_cast<const std::byte*>(m);
         arena_bytes_ = announced;
+        if (leases) arena_rw_ = static_cast<std::byte*>(m);
       }
     }
     ::close(fd);
@@ -1018,6 +1036,182 @@ class Client::Impl {
     return out;
   }
 
+  // PUTs written into the host arena under write leases (api/PROTOCOL.md). The batch goes in
+  // groups of at most kLeaseBytes, each under its own PUT_LEASE, the next group's asked for
+  // before this one is written so that its round trip overlaps the copy. Each value is copied
+  // into its room with its record's checksum computed over the bytes as they land (one pass),
+  // and PUT_COMMITs go out every kCommitBytes without waiting: the daemon checks one part while
+  // this thread writes the next. Items the daemon would not lease (its quota, no room) go
+  // through the staging area.
+  static constexpr uint64_t kCommitBytes = 1u << 20;
+  static constexpr uint64_t kLeaseBytes = 16u << 20;
+  bool leases() const { return arena_rw_ != nullptr; }
+
+  struct LeaseCall {
+    Waiter waiter;
+    uint64_t id = 0;
+    size_t first = 0, count = 0;  // items of the batch
+  };
+  struct CommitCall {
+    Waiter waiter;
+    uint64_t id = 0;
+    std::vector<size_t> items;  // of the batch
+  };
+
+  // Waits until every call in `calls` has its reply; on a timeout or a broken connection, the
+  // ones still waiting are forgotten and the reason returned.
+  template <typename Calls>
+  Status WaitAll(Calls&& calls) {
+    std::unique_lock<std::mutex> l(mu_);
+    const bool all = WaitReading(l, Clock::now() + timeout_, [&] {
+      // A call never sent (id 0: the batch failed before it) waits for nothing.
+      return std::all_of(calls.begin(), calls.end(),
+                         [](const auto& x) { return !x || x->id == 0 || x->waiter.result.has_value(); });
+    });
+    if (!all) {
+      for (const auto& x : calls) {
+        if (x && !x->waiter.result) pending_.erase(x->id);
+      }
+      return broken_.ok() ? TimedOut() : broken_;
+    }
+    DrainBuffered(l);
+    return Status::OK();
+  }
+
+  Result<std::vector<Status>> PutLeased(std::span<const BundleRef> bundles) {
+    std::vector<Status> out(bundles.size());
+    std::vector<size_t> fallback;
+    // The groups, each asked for with one PUT_LEASE.
+    std::vector<std::unique_ptr<LeaseCall>> leases;
+    for (size_t i = 0; i < bundles.size();) {
+      if (bundles[i].bytes.size() > UINT32_MAX) {  // the daemon refuses it its own way
+        fallback.push_back(i++);
+        continue;
+      }
+      auto call = std::make_unique<LeaseCall>();
+      call->first = i;
+      uint64_t asked = 0;
+      while (i < bundles.size() && call->count < w::kMaxBatchItems && bundles[i].bytes.size() <= UINT32_MAX &&
+             (call->count == 0 || asked + bundles[i].bytes.size() <= kLeaseBytes)) {
+        asked += bundles[i].bytes.size();
+        ++call->count;
+        ++i;
+      }
+      leases.push_back(std::move(call));
+    }
+    auto ask = [&](LeaseCall& call) -> Status {
+      w::PutLeaseRequest req;
+      for (size_t i = call.first; i < call.first + call.count; ++i) {
+        req.items.push_back({bundles[i].hash, static_cast<uint32_t>(bundles[i].bytes.size())});
+      }
+      SPARSEKV_ASSIGN_OR_RETURN(call.id, SendFrame(w::Opcode::kPutLease, w::Encode(req), &call.waiter));
+      return Status::OK();
+    };
+    std::vector<std::unique_ptr<CommitCall>> commits;
+    Status failed;
+    for (size_t g = 0; g < leases.size() && failed.ok(); ++g) {
+      if (g == 0) failed = ask(*leases[0]);
+      if (failed.ok()) failed = WaitAll(std::span(&leases[g], 1));
+      if (failed.ok() && g + 1 < leases.size()) failed = ask(*leases[g + 1]);  // overlaps this group's copy
+      if (!failed.ok()) break;
+      LeaseCall& call = *leases[g];
+      Result<Frame> f = std::move(*call.waiter.result);
+      if (!f.ok()) {
+        failed = f.status();
+        break;
+      }
+      Result<w::ShmViewReply> r = w::DecodeShmViewReply(f->payload);
+      if (!r.ok() || r->items.status.size() != call.count) {
+        failed = r.ok() ? Status::Internal("PUT_LEASE answered the wrong number of items") : r.status();
+        break;
+      }
+      w::PutCommitRequest c;
+      c.lease = r->lease;
+      auto current = std::make_unique<CommitCall>();
+      uint64_t since = 0;
+      auto flush = [&](uint32_t next_first) {
+        if (!c.checksums.empty() && failed.ok()) {
+          auto id = SendFrame(w::Opcode::kPutCommit, w::Encode(c), &current->waiter);
+          if (!id.ok()) {
+            failed = id.status();
+          } else {
+            current->id = *id;
+            commits.push_back(std::move(current));
+            current = std::make_unique<CommitCall>();
+          }
+        }
+        c.checksums.clear();
+        current->items.clear();
+        c.first = next_first;
+        since = 0;
+      };
+      size_t slot = 0;
+      uint64_t left = 0;  // bytes of the group not yet written
+      for (size_t k = 0; k < call.count; ++k) left += bundles[call.first + k].bytes.size();
+      for (size_t k = 0; k < call.count && failed.ok(); ++k) {
+        const size_t i = call.first + k;
+        const w::ItemStatus& st = r->items.status[k];
+        if (st.code != StatusCode::kOk) {
+          left -= bundles[i].bytes.size();
+          flush(static_cast<uint32_t>(k + 1));
+          if (st.code == StatusCode::kResourceExhausted || st.code == StatusCode::kFailedPrecondition) {
+            fallback.push_back(i);  // no room leased: the staging area carries it
+          } else {
+            out[i] = FromItem(st);
+          }
+          continue;
+        }
+        if (slot >= r->items.slots.size()) {
+          failed = Status::Internal("PUT_LEASE named fewer rooms than OK items");
+          break;
+        }
+        const w::ShmSlot& room = r->items.slots[slot++];
+        const uint64_t n = bundles[i].bytes.size();
+        constexpr uint64_t kHeaderTail = 48;  // the record's header bytes its checksum covers
+        if (room.bytes != n || room.offset < kHeaderTail || room.offset > arena_bytes_ ||
+            n > arena_bytes_ - room.offset) {
+          failed = Status::Internal("PUT_LEASE named room outside the host arena");
+          break;
+        }
+        std::byte* dst = arena_rw_ + room.offset;
+        const std::byte* src = bundles[i].bytes.data();
+        XXH3_state_t state;
+        XXH3_64bits_reset(&state);
+        XXH3_64bits_update(&state, dst - kHeaderTail, kHeaderTail);
+        constexpr uint64_t kChunk = 64 << 10;  // hashed right after its copy, still in cache
+        for (uint64_t at = 0; at < n; at += kChunk) {
+          const uint64_t len = std::min(kChunk, n - at);
+          std::memcpy(dst + at, src + at, len);
+          XXH3_64bits_update(&state, dst + at, len);
+        }
+        c.checksums.push_back(XXH3_64bits_digest(&state));
+        current->items.push_back(i);
+        since += n;
+        left -= n;
+        // Smaller commits toward the group's end: the daemon's check of the last one is what
+        // this thread waits for.
+        if (since >= (left < kCommitBytes ? kCommitBytes / 4 : kCommitBytes)) flush(static_cast<uint32_t>(k + 1));
+      }
+      flush(0);
+    }
+    // Every reply is waited for, even after a failure: no reply may land in a frame gone.
+    Status waited = WaitAll(leases);
+    if (Status st = WaitAll(commits); waited.ok()) waited = st;
+    SPARSEKV_RETURN_IF_ERROR(failed);
+    SPARSEKV_RETURN_IF_ERROR(waited);
+    for (auto& x : commits) {
+      SPARSEKV_ASSIGN_OR_RETURN(auto part, ParseStatusList(std::move(*x->waiter.result), x->items.size()));
+      for (size_t j = 0; j < part.size(); ++j) out[x->items[j]] = std::move(part[j]);
+    }
+    if (!fallback.empty()) {
+      std::vector<BundleRef> rest;
+      for (size_t i : fallback) rest.push_back(bundles[i]);
+      SPARSEKV_ASSIGN_OR_RETURN(auto got, PutShared(rest));
+      for (size_t k = 0; k < fallback.size(); ++k) out[fallback[k]] = std::move(got[k]);
+    }
+    return out;
+  }
+
   // PUTs over the socket, as many frames as the daemon's maximum payload needs. A bundle too
   // large for any frame is answered ResourceExhausted here, without sending it: the daemon
   // would close the connection on a frame past its maximum.
@@ -1478,6 +1672,8 @@ class Client::Impl {
   std::byte* staging_ = nullptr;
   size_t staging_bytes_ = 0;
   const std::byte* arena_ = nullptr;  // the daemon's host arena, read-only (one-namespace daemons)
+  std::byte* arena_rw_ = nullptr;     // the same mapping, when write leases were granted
+  bool ask_leases_ = false;
   uint64_t arena_bytes_ = 0;
   std::mutex write_mu_;    // one frame at a time on the socket
   std::mutex mu_;          // guards what follows, to the read-ahead buffer
@@ -1513,6 +1709,7 @@ Result<LookupResult> Client::Lookup(std::span<const WireBlockHash> hashes) {
 }
 
 Result<std::vector<Status>> Client::Put(std::span<const BundleRef> bundles) {
+  if (impl_->leases()) return impl_->PutLeased(bundles);
   return impl_->shared() ? impl_->PutShared(bundles) : impl_->PutSocket(bundles);
 }
 

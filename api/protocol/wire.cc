@@ -120,6 +120,8 @@ std::string_view OpcodeName(Opcode op) {
     case Opcode::kLogSuspended: return "LOG_SUSPENDED";
     case Opcode::kLogFinish: return "LOG_FINISH";
     case Opcode::kLogRecover: return "LOG_RECOVER";
+    case Opcode::kPutLease: return "PUT_LEASE";
+    case Opcode::kPutCommit: return "PUT_COMMIT";
   }
   return "UNKNOWN";
 }
@@ -296,7 +298,7 @@ std::vector<std::byte> Encode(const HelloRequest& m) {
   w.String(m.namespace_name);
   w.String(m.token);
   w.String(m.client_name);
-  w.U8(m.want_shared_memory ? 1 : 0);
+  w.U8((m.want_shared_memory ? 1 : 0) | (m.want_shared_memory && m.want_write_leases ? 2 : 0));
   return w.Take();
 }
 
@@ -308,8 +310,9 @@ Result<HelloRequest> DecodeHelloRequest(std::span<const std::byte> p) {
   SPARSEKV_ASSIGN_OR_RETURN(m.token, r.String("HELLO token", kMaxNameBytes));
   SPARSEKV_ASSIGN_OR_RETURN(m.client_name, r.String("HELLO client name", kMaxNameBytes));
   SPARSEKV_ASSIGN_OR_RETURN(uint8_t shm, r.U8("HELLO shared-memory flag"));
-  if (shm > 1) return Bad("HELLO shared-memory flag must be 0 or 1");
-  m.want_shared_memory = shm == 1;
+  if (shm > 3 || shm == 2) return Bad("HELLO shared-memory flag must be 0, 1 or 3");
+  m.want_shared_memory = (shm & 1) != 0;
+  m.want_write_leases = (shm & 2) != 0;
   SPARSEKV_RETURN_IF_ERROR(r.Finish("HELLO"));
   if (m.namespace_name.empty()) return Bad("HELLO namespace is empty");
   return m;
@@ -323,6 +326,7 @@ std::vector<std::byte> Encode(const HelloReply& m) {
   w.U64(m.shm_staging_bytes);
   w.String(m.server_version);
   w.U64(m.shm_arena_bytes);
+  if (m.write_leases) w.U8(*m.write_leases ? 1 : 0);
   return w.Take();
 }
 
@@ -335,6 +339,11 @@ Result<HelloReply> DecodeHelloReply(std::span<const std::byte> p) {
   SPARSEKV_ASSIGN_OR_RETURN(m.shm_staging_bytes, r.U64("HELLO reply staging bytes"));
   SPARSEKV_ASSIGN_OR_RETURN(m.server_version, r.String("HELLO reply version", kMaxNameBytes));
   SPARSEKV_ASSIGN_OR_RETURN(m.shm_arena_bytes, r.U64("HELLO reply arena bytes"));
+  if (r.remaining() == 1) {  // the answer to a HELLO that asked for write leases
+    SPARSEKV_ASSIGN_OR_RETURN(uint8_t leases, r.U8("HELLO reply write leases"));
+    if (leases > 1) return Bad("HELLO reply write-lease flag must be 0 or 1");
+    m.write_leases = leases == 1;
+  }
   SPARSEKV_RETURN_IF_ERROR(r.Finish("HELLO reply"));
   return m;
 }
@@ -709,6 +718,51 @@ Result<ShmViewReply> DecodeShmViewReply(std::span<const std::byte> p) {
   ShmViewReply m;
   SPARSEKV_ASSIGN_OR_RETURN(m.lease, r.U64("SHM_VIEW lease"));
   SPARSEKV_ASSIGN_OR_RETURN(m.items, DecodeShmGetReply(p.subspan(8)));
+  return m;
+}
+
+std::vector<std::byte> Encode(const PutLeaseRequest& m) {
+  PayloadWriter w;
+  w.Reserve(4 + 20 * m.items.size());
+  WriteList(w, m.items, [](PayloadWriter& o, const PutLeaseItem& it) {
+    o.Bytes(it.hash);
+    o.U32(it.bytes);
+  });
+  return w.Take();
+}
+
+Result<PutLeaseRequest> DecodePutLeaseRequest(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  PutLeaseRequest m;
+  SPARSEKV_RETURN_IF_ERROR(ReadList(r, "PUT_LEASE item count", 20, m.items, [&](PutLeaseItem& it) -> Status {
+    SPARSEKV_ASSIGN_OR_RETURN(auto h, r.Bytes(16, "PUT_LEASE hash"));
+    std::memcpy(it.hash.data(), h.data(), 16);
+    SPARSEKV_ASSIGN_OR_RETURN(it.bytes, r.U32("PUT_LEASE bytes"));
+    return Status::OK();
+  }));
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("PUT_LEASE"));
+  return m;
+}
+
+std::vector<std::byte> Encode(const PutCommitRequest& m) {
+  PayloadWriter w;
+  w.Reserve(16 + 8 * m.checksums.size());
+  w.U64(m.lease);
+  w.U32(m.first);
+  WriteList(w, m.checksums, [](PayloadWriter& o, uint64_t c) { o.U64(c); });
+  return w.Take();
+}
+
+Result<PutCommitRequest> DecodePutCommitRequest(std::span<const std::byte> p) {
+  PayloadReader r(p);
+  PutCommitRequest m;
+  SPARSEKV_ASSIGN_OR_RETURN(m.lease, r.U64("PUT_COMMIT lease"));
+  SPARSEKV_ASSIGN_OR_RETURN(m.first, r.U32("PUT_COMMIT first item"));
+  SPARSEKV_RETURN_IF_ERROR(ReadList(r, "PUT_COMMIT checksum count", 8, m.checksums, [&](uint64_t& c) -> Status {
+    SPARSEKV_ASSIGN_OR_RETURN(c, r.U64("PUT_COMMIT checksum"));
+    return Status::OK();
+  }));
+  SPARSEKV_RETURN_IF_ERROR(r.Finish("PUT_COMMIT"));
   return m;
 }
 

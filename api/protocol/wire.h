@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <sys/types.h>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -56,8 +57,10 @@ enum class Opcode : uint16_t {
   kLogSuspended = 24,   // request log: a request was suspended at a state (its tail record's key)
   kLogFinish = 25,      // request log: a request is done; its records become garbage
   kLogRecover = 26,     // request log: every unfinished request of the namespace
+  kPutLease = 27,       // write lease: room in the host arena for values the client writes in place
+  kPutCommit = 28,      // write lease: the client's checksums of leased values; checked, then stored
 };
-inline constexpr uint16_t kMaxOpcode = 26;
+inline constexpr uint16_t kMaxOpcode = 28;
 std::string_view OpcodeName(Opcode op);
 
 // Header flags.
@@ -160,6 +163,8 @@ struct HelloRequest {
   std::string token;
   std::string client_name;
   bool want_shared_memory = false;  // Unix socket only: the reply carries a staging memfd
+  // With want_shared_memory: also write leases (PUT_LEASE); sent as bit 1 of the flag byte.
+  bool want_write_leases = false;
 };
 struct HelloReply {
   uint64_t session_id = 0;
@@ -168,6 +173,9 @@ struct HelloReply {
   uint64_t shm_staging_bytes = 0;  // size of the staging memfd passed with SCM_RIGHTS; 0: none
   std::string server_version;
   uint64_t shm_arena_bytes = 0;    // size of the host arena's read-only memfd passed after it; 0: none
+  // Only in replies to a HELLO that asked for write leases (a trailing u8): 1 when they are
+  // served, the arena's memfd then being passed writable.
+  std::optional<bool> write_leases = std::nullopt;
 };
 
 struct HashList {  // LOOKUP, GET, UNPIN, DELETE, SHM_GET requests
@@ -277,6 +285,23 @@ struct ShmViewReply {
   ShmGetReply items;
 };
 
+// PUT_LEASE: room for values the client writes in place into the host arena.
+struct PutLeaseItem {
+  WireHash hash{};
+  uint32_t bytes = 0;
+};
+struct PutLeaseRequest {
+  std::vector<PutLeaseItem> items;
+};
+// PUT_LEASE's reply is a ShmViewReply: the lease (0: nothing leased), then per item a status
+// and, when OK, (hash, offset of the value's first byte in the arena, bytes).
+// PUT_COMMIT: the checksums of items first.. of a lease, in order.
+struct PutCommitRequest {
+  uint64_t lease = 0;
+  uint32_t first = 0;
+  std::vector<uint64_t> checksums;
+};
+
 // GET_RANGES: byte ranges of one stored value, read without reading the rest of it.
 struct ByteRange {
   uint64_t offset = 0;  // into the value (the bytes a PUT stored)
@@ -340,6 +365,8 @@ std::vector<std::byte> Encode(const GetReply& m);
 std::vector<std::byte> Encode(const ShmPutRequest& m);
 std::vector<std::byte> Encode(const ShmGetReply& m);
 std::vector<std::byte> Encode(const ShmViewReply& m);
+std::vector<std::byte> Encode(const PutLeaseRequest& m);
+std::vector<std::byte> Encode(const PutCommitRequest& m);
 // SHM_VIEW_END's request: the lease, a u64 and nothing else.
 std::vector<std::byte> EncodeLease(uint64_t lease);
 // SHM_VERDICTS: list<u8>, per item of the request 0 (checked, or nothing to check) or 1 (its
@@ -370,6 +397,8 @@ Result<ShmPutRequest> DecodeShmPutRequest(std::span<const std::byte> p);
 Result<ShmGetReply> DecodeShmGetReply(std::span<const std::byte> p);
 Result<ShmViewReply> DecodeShmViewReply(std::span<const std::byte> p);
 Result<uint64_t> DecodeLease(std::span<const std::byte> p);
+Result<PutLeaseRequest> DecodePutLeaseRequest(std::span<const std::byte> p);
+Result<PutCommitRequest> DecodePutCommitRequest(std::span<const std::byte> p);
 Result<std::vector<uint8_t>> DecodeVerdicts(std::span<const std::byte> p);
 // Errors: as for every list, plus more than kMaxRangesPerRequest ranges in all, an item of no
 // ranges, a range of 0 bytes or reaching past 2^64, a reply that could exceed

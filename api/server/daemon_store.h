@@ -76,6 +76,30 @@ class DaemonStore {
   };
   virtual Arena SharedArena() const { return {}; }
 
+  // Write leases (api/PROTOCOL.md, PUT_LEASE): room for one value's record in SharedArena(),
+  // its header written, its value's bytes for a client to fill in place. Destroying it
+  // uncommitted gives the room back, nothing published.
+  class PutReservation {
+   public:
+    virtual ~PutReservation() = default;
+    virtual uint64_t value_offset() const = 0;  // of the value's first byte, from the arena's base
+    virtual uint64_t value_bytes() const = 0;
+  };
+  // Reserves room for a new version of `hash` of `bytes` bytes. Errors: NotSupported (no shared
+  // host arena), as a PUT's (too large, no room).
+  virtual Result<std::unique_ptr<PutReservation>> ReservePut(uint32_t ns, const wire::WireHash& hash,
+                                                             uint64_t bytes) {
+    return Status::NotSupported("this store takes no write leases");
+  }
+  // Checks each reserved record against `checksums[i]` (the record's XXH3-64) and publishes
+  // those that match, as a PUT of them would; `done` gets one status per reservation, once, on
+  // this thread or a tier's (TryPutWithoutBlocking's rule). A mismatch is Corruption, nothing
+  // published. Does not wait for tier I/O when PutsWithoutBlocking().
+  virtual void CommitPuts(uint32_t ns, std::vector<std::unique_ptr<PutReservation>> reserved,
+                          std::vector<uint64_t> checksums, PutDone done) {
+    done(std::vector<wire::ItemStatus>(reserved.size(), {StatusCode::kNotSupported, "no write leases"}));
+  }
+
   virtual std::vector<wire::ItemStatus> Pin(uint32_t ns, std::span<const wire::WireHash> hashes,
                                             uint8_t priority) = 0;
   virtual std::vector<wire::ItemStatus> Unpin(uint32_t ns, std::span<const wire::WireHash> hashes) = 0;

@@ -69,6 +69,14 @@ std::string Metrics::Render(const std::function<void(std::string&)>& extra) cons
   counter("sparsekv_auth_failures_total", "HELLOs refused.", auth_failures_.load(std::memory_order_relaxed));
   counter("sparsekv_slow_clients_dropped_total", "Connections closed for not reading their replies.",
           slow_clients_.load(std::memory_order_relaxed));
+  counter("sparsekv_write_lease_items_total", "Values leased room in the host arena (PUT_LEASE).",
+          leased_items_.load(std::memory_order_relaxed));
+  counter("sparsekv_write_lease_refused_total", "Write leases refused at their namespace's quota.",
+          lease_refused_.load(std::memory_order_relaxed));
+  counter("sparsekv_write_lease_expired_total", "Write leases taken back uncommitted.",
+          lease_expired_.load(std::memory_order_relaxed));
+  counter("sparsekv_write_lease_torn_total", "Leased values whose commit failed its check (never stored).",
+          lease_torn_.load(std::memory_order_relaxed));
   counter("sparsekv_handshake_timeouts_total", "Connections closed for not finishing HELLO in time, or as the "
           "oldest of too many handshakes.", handshake_timeouts_.load(std::memory_order_relaxed));
   counter("sparsekv_frame_timeouts_total", "Connections closed for a frame that did not arrive in time.",

@@ -48,6 +48,12 @@ class Metrics {
   void IdleConnectionReplaced() { replaced_.fetch_add(1, std::memory_order_relaxed); }
   void BackpressurePause() { backpressure_.fetch_add(1, std::memory_order_relaxed); }
   void SharedMemoryDenied() { shm_denied_.fetch_add(1, std::memory_order_relaxed); }
+  // Write leases (PUT_LEASE): items leased, leases refused at the namespace's quota, leases
+  // taken back uncommitted, commits whose bytes failed their check (never stored).
+  void WriteLeaseGiven(uint64_t items) { leased_items_.fetch_add(items, std::memory_order_relaxed); }
+  void WriteLeaseRefused() { lease_refused_.fetch_add(1, std::memory_order_relaxed); }
+  void WriteLeaseExpired() { lease_expired_.fetch_add(1, std::memory_order_relaxed); }
+  void WriteLeaseTorn() { lease_torn_.fetch_add(1, std::memory_order_relaxed); }
 
   uint64_t hits() const { return hits_.load(std::memory_order_relaxed); }
   uint64_t misses() const { return misses_.load(std::memory_order_relaxed); }
@@ -64,6 +70,7 @@ class Metrics {
   std::atomic<uint64_t> hits_{0}, misses_{0}, bytes_in_{0}, bytes_out_{0};
   std::atomic<int64_t> connections_{0};
   std::atomic<uint64_t> connections_total_{0}, rejected_{0}, bad_frames_{0}, auth_failures_{0}, slow_clients_{0};
+  std::atomic<uint64_t> leased_items_{0}, lease_refused_{0}, lease_expired_{0}, lease_torn_{0};
   std::atomic<uint64_t> handshake_timeouts_{0}, frame_timeouts_{0}, replaced_{0}, backpressure_{0}, shm_denied_{0};
 };
 

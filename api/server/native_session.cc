@@ -696,6 +696,17 @@ class Session : public std::enable_shared_from_this<Session> {
       boost::system::error_code ignored;
       socket_.cancel(ignored);
     }
+    // Write leases never committed are taken back: their room is freed, nothing stored.
+    for (auto it = put_leases_.begin(); it != put_leases_.end();) {
+      if (now >= it->second.deadline) {
+        srv_.metrics_.WriteLeaseExpired();
+        spdlog::info("session {}: write lease {} not committed within {} ms; its room is freed", id_, it->first,
+                     o.write_lease_timeout_ms);
+        it = put_leases_.erase(it);
+      } else {
+        ++it;
+      }
+    }
     if (!in_frame_ && parked_ == Resume::kNone && inflight_requests_ == 0 && !writing_ && writes_.empty() &&
         views_.empty() && past(last_active_, o.idle_timeout_ms)) {
       spdlog::info("session {}: idle for {} ms, closing", id_, o.idle_timeout_ms);
@@ -760,6 +771,14 @@ class Session : public std::enable_shared_from_this<Session> {
       auto req = wire::DecodeGetRangesRequest(payload_.span(), srv_.options_.max_frame_bytes);
       valid = req.status();
       if (req.ok()) decoded.ranges = std::move(*req);
+    } else if (op == wire::Opcode::kPutLease) {
+      auto req = wire::DecodePutLeaseRequest(payload_.span());
+      valid = req.status();
+      if (req.ok()) decoded.lease = std::move(*req);
+    } else if (op == wire::Opcode::kPutCommit) {
+      auto req = wire::DecodePutCommitRequest(payload_.span());
+      valid = req.status();
+      if (req.ok()) decoded.commit = std::move(*req);
     } else {
       valid = ValidateRequest(op, payload_.span());
     }
@@ -840,13 +859,20 @@ class Session : public std::enable_shared_from_this<Session> {
         if (srv_.arena_ro_fd_ >= 0) {
           lend_ = true;
           reply.shm_arena_bytes = srv_.arena_.bytes;
+          // Write leases: the client writes PUTs into the arena in place (its descriptor is
+          // then the writable one).
+          write_leases_ = hello->want_write_leases && srv_.arena_rw_fd_ >= 0;
         }
       } else {
         spdlog::warn("session {}: no shared memory: {}", id_, st.ToString());
       }
     }
+    if (hello->want_write_leases) reply.write_leases = write_leases_;  // only to a client that asked
     spdlog::info("session {}: client '{}' opened namespace '{}'{}", id_, hello->client_name, hello->namespace_name,
-                 lend_ ? " with shared memory and the host arena" : staging_ ? " with shared memory" : "");
+                 write_leases_ ? " with shared memory, the host arena and write leases"
+                 : lend_       ? " with shared memory and the host arena"
+                 : staging_    ? " with shared memory"
+                               : "");
     const auto frame = wire::EncodeFrame(wire::Opcode::kHello, wire::kFlagResponse, rid, wire::Encode(reply));
     if (staging_fd_ >= 0) {
       // The staging fd rides with the reply's first bytes; nothing else is queued yet.
@@ -903,7 +929,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   bool SendWithFd(const std::vector<std::byte>& frame) {
     const int fd = socket_.native_handle();
-    const int fds[2] = {staging_fd_, srv_.arena_ro_fd_};
+    const int fds[2] = {staging_fd_, write_leases_ ? srv_.arena_rw_fd_ : srv_.arena_ro_fd_};
     const size_t nfds = lend_ ? 2 : 1;
     alignas(cmsghdr) char control[CMSG_SPACE(sizeof(fds))] = {};
     iovec iov{const_cast<std::byte*>(frame.data()), frame.size()};
@@ -968,6 +994,8 @@ class Session : public std::enable_shared_from_this<Session> {
     std::optional<wire::PutRequest> put;        // PUT
     std::optional<wire::ShmPutRequest> shm_put;  // SHM_PUT
     std::optional<wire::GetRangesRequest> ranges;  // GET_RANGES (owns its lists)
+    std::optional<wire::PutLeaseRequest> lease;    // PUT_LEASE
+    std::optional<wire::PutCommitRequest> commit;  // PUT_COMMIT
   };
 
   void Dispatch(const wire::FrameHeader& h, Payload payload, Decoded& decoded) {
@@ -987,6 +1015,15 @@ class Session : public std::enable_shared_from_this<Session> {
       PublishIdle();
       return;
     }
+    if (decoded.lease) {
+      const auto t0 = Clock::now();
+      Reply r = PutLease(*decoded.lease);
+      srv_.metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
+      QueueWrite(std::move(r).ToFrame(h.opcode, h.request_id));
+      PublishIdle();
+      return;
+    }
+    if (decoded.commit) return PutCommit(h, *decoded.commit);
     // A GET that memory can answer is served here, saving two thread hops.
     if (h.opcode == wire::Opcode::kGet || h.opcode == wire::Opcode::kShmGet || overlap) {
       const auto t0 = Clock::now();
@@ -1537,6 +1574,127 @@ class Session : public std::enable_shared_from_this<Session> {
     return Reply(wire::Encode(reply));
   }
 
+  // PUT_LEASE: room in the host arena for each value, its record's header written; the client
+  // writes the values in place and commits them with PUT_COMMIT (api/PROTOCOL.md).
+  Reply PutLease(const wire::PutLeaseRequest& req) {
+    wire::ShmViewReply reply;
+    wire::ShmGetReply& items = reply.items;
+    const size_t n = req.items.size();
+    items.status.resize(n);
+    auto all = [&](StatusCode code, const std::string& why) {
+      for (wire::ItemStatus& st : items.status) st = {code, why};
+    };
+    // Record bytes of the request, each rounded to the arena's 4 KiB units: the quota's charge.
+    uint64_t charge = 0;
+    for (const wire::PutLeaseItem& it : req.items) charge += (BundleHeaderBytes(1) + it.bytes + 4095) & ~uint64_t{4095};
+    PutLeaseState lease;
+    if (!write_leases_) {
+      all(StatusCode::kFailedPrecondition, "this session has no write leases: store with SHM_PUT or PUT");
+    } else if (put_leases_.size() >= kMaxPutLeases) {
+      all(StatusCode::kResourceExhausted, "this session holds the most write leases it may: commit them first");
+    } else if (!srv_.ChargeLease(ns_, charge)) {
+      srv_.metrics_.WriteLeaseRefused();
+      all(StatusCode::kResourceExhausted,
+          fmt::format("a write lease of {} bytes is past the namespace's quota ({} bytes leased now): store with "
+                      "SHM_PUT or PUT",
+                      charge, srv_.LeasedBytes(ns_)));
+    } else {
+      Server::Impl* srv = &srv_;
+      const uint32_t ns = ns_;
+      lease.charge = DaemonStore::Keep(nullptr, [srv, ns, charge](const void*) { srv->ReleaseLease(ns, charge); });
+      lease.rooms.resize(n);
+      for (size_t i = 0; i < n; ++i) {
+        const wire::PutLeaseItem& it = req.items[i];
+        if (it.bytes > srv_.options_.max_frame_bytes - 64) {  // as SHM_PUT: a GET reply could never carry it
+          items.status[i] = {StatusCode::kInvalidArgument,
+                             fmt::format("a bundle of {} bytes is larger than a reply may carry (max_frame_bytes {})",
+                                         it.bytes, srv_.options_.max_frame_bytes)};
+          continue;
+        }
+        Result<std::unique_ptr<DaemonStore::PutReservation>> room = srv_.store_->ReservePut(ns_, it.hash, it.bytes);
+        if (!room.ok()) {
+          items.status[i] = {room.status().code(), std::string(room.status().message())};
+          continue;
+        }
+        items.slots.push_back({it.hash, (*room)->value_offset(), it.bytes});
+        lease.rooms[i] = std::move(room).value();
+        ++lease.open;
+      }
+    }
+    if (lease.open > 0) {
+      reply.lease = next_put_lease_++;
+      lease.deadline = Clock::now() + std::chrono::milliseconds(srv_.options_.write_lease_timeout_ms);
+      srv_.metrics_.WriteLeaseGiven(lease.open);
+      put_leases_.emplace(reply.lease, std::move(lease));
+    }
+    return Reply(wire::Encode(reply));
+  }
+
+  // PUT_COMMIT: the leased items named are checked against their checksums and stored, on this
+  // thread when small and the store need not wait for I/O, else on a worker. A lease ends when
+  // its last item is committed.
+  void PutCommit(const wire::FrameHeader& h, const wire::PutCommitRequest& req) {
+    auto batch = std::make_shared<PutBatch>();
+    batch->out.resize(req.checksums.size());
+    std::vector<std::unique_ptr<DaemonStore::PutReservation>> rooms;
+    std::vector<uint64_t> sums;
+    auto it = put_leases_.find(req.lease);
+    for (size_t k = 0; k < req.checksums.size(); ++k) {
+      const uint64_t i = uint64_t{req.first} + k;
+      if (it == put_leases_.end()) {
+        batch->out[k] = {StatusCode::kNotFound,
+                         fmt::format("write lease {} is not held by this session (committed, expired or never given)",
+                                     req.lease)};
+      } else if (i >= it->second.rooms.size() || !it->second.rooms[i]) {
+        batch->out[k] = {StatusCode::kFailedPrecondition,
+                         fmt::format("item {} of write lease {} is not leased (refused, or committed already)", i,
+                                     req.lease)};
+      } else {
+        batch->bytes += it->second.rooms[i]->value_bytes();
+        rooms.push_back(std::move(it->second.rooms[i]));
+        sums.push_back(req.checksums[k]);
+        batch->index.push_back(k);
+        --it->second.open;
+      }
+    }
+    // The lease's quota goes back with its last room (the rooms being committed are the store's now).
+    if (it != put_leases_.end() && it->second.open == 0) put_leases_.erase(it);
+    if (rooms.empty()) {
+      QueueWrite(Reply(wire::Encode(wire::StatusListReply{std::move(batch->out)})).ToFrame(h.opcode, h.request_id));
+      return;
+    }
+    const auto t0 = Clock::now();
+    ++inflight_requests_;
+    srv_.BeginAsyncCall();
+    Server::Impl* srv = &srv_;
+    // As TryPutHere's answer: it may come from a tier's thread, after the session is gone.
+    auto done = [weak = weak_from_this(), srv, h, t0, batch](std::vector<wire::ItemStatus> stored) {
+      batch->Answer(std::move(stored));
+      for (const wire::ItemStatus& st : batch->out) {
+        if (st.code == StatusCode::kCorruption) srv->metrics_.WriteLeaseTorn();
+      }
+      OutFrame frame =
+          Reply(wire::Encode(wire::StatusListReply{std::move(batch->out)})).ToFrame(h.opcode, h.request_id);
+      srv->metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
+      if (std::shared_ptr<Session> self = weak.lock()) {
+        asio::post(self->strand_, [self, frame = std::move(frame)]() mutable {
+          --self->inflight_requests_;
+          self->QueueWrite(std::move(frame));
+        });
+      }
+      srv->EndAsyncCall();
+    };
+    const uint32_t ns = ns_;
+    if (batch->bytes <= kPutHereBytes && srv_.store_->PutsWithoutBlocking()) {
+      srv_.store_->CommitPuts(ns, std::move(rooms), std::move(sums), std::move(done));
+      return;
+    }
+    auto job = std::make_shared<std::vector<std::unique_ptr<DaemonStore::PutReservation>>>(std::move(rooms));
+    srv_.SubmitWork(id_, [srv, ns, job, sums = std::move(sums), done = std::move(done)]() mutable {
+      srv->store_->CommitPuts(ns, std::move(*job), std::move(sums), std::move(done));
+    });
+  }
+
   // SHM_VIEW_END: unpins a lease's pages. NotFound for a lease this session does not hold.
   Reply EndView(std::span<const std::byte> p) {
     const uint64_t lease = *wire::DecodeLease(p);  // checked as the frame was decoded
@@ -1948,6 +2106,19 @@ class Session : public std::enable_shared_from_this<Session> {
   static constexpr uint64_t kMinViewCharge = 4096;  // pin budget bytes a lent value counts at least
   std::map<uint64_t, std::vector<DaemonStore::Keep>> views_;
   uint64_t next_view_ = 1;
+  // Write leases (PUT_LEASE): per lease, the room of each item not yet committed (null once
+  // committed or refused), the namespace quota it is charged to, and when it is taken back.
+  // Dropping a lease (expiry, the session's end) frees its rooms: nothing of it is stored.
+  static constexpr size_t kMaxPutLeases = 256;
+  struct PutLeaseState {
+    std::vector<std::unique_ptr<DaemonStore::PutReservation>> rooms;
+    size_t open = 0;
+    DaemonStore::Keep charge;  // the namespace's leased bytes, given back with the lease
+    Clock::time_point deadline;
+  };
+  bool write_leases_ = false;
+  std::map<uint64_t, PutLeaseState> put_leases_;
+  uint64_t next_put_lease_ = 1;
 };
 
 void Server::Impl::Accept(asio::ip::tcp::acceptor& acceptor) {

@@ -87,7 +87,10 @@ Status Server::Impl::Bind() {
       // reopen it through /proc read-write, the memfd is also sealed against every write that
       // does not go through a mapping made before (the store's own): no client can write it,
       // nor shrink it under the store's mapping (kSizeSeals).
-      if (Status st = SealMemfd(a.fd, F_SEAL_FUTURE_WRITE | kSizeSeals, "the host arena"); !st.ok()) {
+      // With write leases, clients write their values into it in place: it is sealed against
+      // resizing only, and a writable description is passed to the sessions that ask.
+      const int seals = options_.write_leases ? kSizeSeals : F_SEAL_FUTURE_WRITE | kSizeSeals;
+      if (Status st = SealMemfd(a.fd, seals, "the host arena"); !st.ok()) {
         spdlog::warn("{}; shared-memory GETs will copy", st.message());
       } else {
         arena_ro_fd_ = ::open(fmt::format("/proc/self/fd/{}", a.fd).c_str(), O_RDONLY | O_CLOEXEC);
@@ -96,6 +99,12 @@ Status Server::Impl::Bind() {
         } else {
           spdlog::warn("cannot reopen the host arena read-only ({}); shared-memory GETs will copy",
                        std::strerror(errno));
+        }
+        // A memfd sealed against writes before (by an earlier server on the same store) cannot
+        // take leases: PUTs go through the staging area then.
+        const int now = ::fcntl(a.fd, F_GET_SEALS);
+        if (arena_ro_fd_ >= 0 && options_.write_leases && now >= 0 && (now & (F_SEAL_FUTURE_WRITE | F_SEAL_WRITE)) == 0) {
+          arena_rw_fd_ = ::open(fmt::format("/proc/self/fd/{}", a.fd).c_str(), O_RDWR | O_CLOEXEC);
         }
       }
     }

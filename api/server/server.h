@@ -40,6 +40,10 @@ struct NamespaceConfig {
   // quota, a new one closes the namespace's longest-idle connection, or is refused if none is
   // idle. Default: 0.
   uint32_t max_connections = 0;
+  // Bytes of write leases (PUT_LEASE) its sessions may hold open at once: room reserved in the
+  // host arena and not yet committed. Past it a lease is refused (ResourceExhausted) and the
+  // client stores over its staging area instead. 0: a quarter of the host arena. Default: 0.
+  uint64_t max_leased_bytes = 0;
 };
 
 struct ServerOptions {
@@ -101,6 +105,16 @@ struct ServerOptions {
   // copying, when the store's arena is a memfd and there is exactly one namespace (the arena
   // then holds nothing another namespace may not read). Default: true.
   bool lend_from_arena = true;
+  // Shared-memory PUTs written by the client straight into the host arena (write leases,
+  // api/PROTOCOL.md), where the arena is lent (lend_from_arena). The arena's memfd is then
+  // passed writable to the sessions that ask, so it is not sealed against writes: every client
+  // of the one namespace can write it, and the daemon trusts no byte of it (every read checks
+  // the record's checksum; a commit compares the header with its own). Default: false (the
+  // arena stays read-only to clients).
+  bool write_leases = false;
+  // A write lease not committed within this long is taken back (its room freed, nothing
+  // stored). Default: 30 s.
+  uint32_t write_lease_timeout_ms = 30000;
   // Shared-memory staging area per Unix-socket session (half for PUT, half for GET).
   // Default: 64 MiB.
   uint64_t staging_bytes = 64ull << 20;

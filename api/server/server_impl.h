@@ -65,6 +65,7 @@ class Server::Impl {
   }
   ~Impl() {
     if (arena_ro_fd_ >= 0) ::close(arena_ro_fd_);
+    if (arena_rw_fd_ >= 0) ::close(arena_rw_fd_);
   }
 
   Status Bind();
@@ -122,6 +123,29 @@ class Server::Impl {
   uint16_t metrics_port_ = 0;
   DaemonStore::Arena arena_;  // the store's arena, when lent to clients
   int arena_ro_fd_ = -1;      // a read-only descriptor of it, passed at HELLO
+  int arena_rw_fd_ = -1;      // a writable one, passed instead to sessions granted write leases
+
+  // Write leases: bytes each namespace (by id) holds leased, against its max_leased_bytes.
+  std::mutex lease_mu_;
+  std::vector<uint64_t> leased_bytes_;  // guarded by lease_mu_
+  // Charges `bytes` of leases to namespace `ns`; false (nothing charged) past its quota.
+  bool ChargeLease(uint32_t ns, uint64_t bytes) {
+    const NamespaceConfig& c = options_.namespaces[ns - 1];
+    const uint64_t quota = c.max_leased_bytes > 0 ? c.max_leased_bytes : arena_.bytes / 4;
+    std::lock_guard<std::mutex> l(lease_mu_);
+    if (leased_bytes_.size() <= ns) leased_bytes_.resize(ns + 1, 0);
+    if (leased_bytes_[ns] + bytes > quota) return false;
+    leased_bytes_[ns] += bytes;
+    return true;
+  }
+  void ReleaseLease(uint32_t ns, uint64_t bytes) {
+    std::lock_guard<std::mutex> l(lease_mu_);
+    leased_bytes_[ns] -= bytes;
+  }
+  uint64_t LeasedBytes(uint32_t ns) {
+    std::lock_guard<std::mutex> l(lease_mu_);
+    return ns < leased_bytes_.size() ? leased_bytes_[ns] : 0;
+  }
   // Host-tier pages that replies in flight and lent bundles hold pinned, and the most they may:
   // a quarter of the host tier, so that slow or idle clients cannot leave PUTs without pages.
   std::shared_ptr<std::atomic<uint64_t>> pinned_bytes_ = std::make_shared<std::atomic<uint64_t>>(0);

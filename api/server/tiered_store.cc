@@ -149,14 +149,7 @@ bool TieredStore::TryPutWithoutBlocking(uint32_t ns, std::span<const wire::PutIt
 
 void TieredStore::StartPut(uint32_t ns, std::span<const wire::PutItem> items, PutDone done) {
   ExpireHints();  // before the put evicts
-  struct Pending {
-    std::vector<wire::ItemStatus> out;
-    std::vector<BundlePtr> bundles;
-    std::vector<size_t> index;  // item of each bundle
-    std::vector<wire::WireHash> hashes;
-    std::vector<uint64_t> sizes;
-  };
-  auto p = std::make_shared<Pending>();
+  auto p = std::make_shared<PendingPut>();
   p->out.resize(items.size());
   // With a host tier first, each value is written straight into its memory as a record (one
   // copy-and-hash pass from the request buffer, or from the client's shared-memory staging)
@@ -192,8 +185,12 @@ void TieredStore::StartPut(uint32_t ns, std::span<const wire::PutItem> items, Pu
     p->hashes.push_back(items[i].hash);
     p->sizes.push_back(items[i].bundle.size());
   }
+  FinishPut(ns, std::move(p), std::move(done));
+}
+
+void TieredStore::FinishPut(uint32_t ns, std::shared_ptr<PendingPut> p, PutDone done) {
   if (p->bundles.empty()) {
-    CountPuts(ns, 0, items.size(), 0);
+    CountPuts(ns, 0, p->out.size(), 0);
     done(std::move(p->out));
     return;
   }
@@ -231,6 +228,74 @@ void TieredStore::StartPut(uint32_t ns, std::span<const wire::PutItem> items, Pu
     if (!stored.hashes.empty()) Emit(ns, stored);
     done(std::move(p->out));
   });
+}
+
+namespace {
+
+// A write lease's room in the host tier, given back unless committed.
+class HostReservation final : public DaemonStore::PutReservation {
+ public:
+  HostReservation(HostTier* host, const HostTier::Reservation& r, BundleKey key, wire::WireHash hash)
+      : host_(host), r_(r), key_(key), hash_(hash) {}
+  ~HostReservation() override {
+    if (host_ != nullptr) host_->AbortReserved(r_);
+  }
+  uint64_t value_offset() const override {
+    return static_cast<uint64_t>(r_.record - host_->arena().base) + r_.header_bytes;
+  }
+  uint64_t value_bytes() const override { return r_.record_bytes - r_.header_bytes; }
+  // The commit: the reservation ends here either way.
+  Result<BundlePtr> Commit(uint64_t checksum) {
+    HostTier* host = std::exchange(host_, nullptr);
+    return host->CommitReserved(r_, checksum);
+  }
+  const wire::WireHash& hash() const { return hash_; }
+
+ private:
+  HostTier* host_;
+  HostTier::Reservation r_;
+  BundleKey key_;
+  wire::WireHash hash_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<DaemonStore::PutReservation>> TieredStore::ReservePut(uint32_t ns, const wire::WireHash& hash,
+                                                                             uint64_t bytes) {
+  auto* host = dynamic_cast<HostTier*>(&chain_->tier(0));
+  if (host == nullptr || host->arena().fd < 0) return Status::NotSupported("no shared host arena to lease from");
+  ExpireHints();  // before the reservation evicts
+  const BundleKey key{ns, FromWire(hash)};
+  SPARSEKV_ASSIGN_OR_RETURN(HostTier::Reservation r, host->Reserve(key, bytes, chain_->NextSequence()));
+  return std::unique_ptr<PutReservation>(new HostReservation(host, r, key, hash));
+}
+
+void TieredStore::CommitPuts(uint32_t ns, std::vector<std::unique_ptr<PutReservation>> reserved,
+                             std::vector<uint64_t> checksums, PutDone done) {
+  auto p = std::make_shared<PendingPut>();
+  p->out.resize(reserved.size());
+  for (size_t i = 0; i < reserved.size(); ++i) {
+    auto* r = dynamic_cast<HostReservation*>(reserved[i].get());
+    if (r == nullptr || i >= checksums.size()) {
+      p->out[i] = {StatusCode::kInvalidArgument, "not a reservation of this store"};
+      continue;
+    }
+    const uint64_t bytes = r->value_bytes();
+    const wire::WireHash hash = r->hash();
+    Result<BundlePtr> b = r->Commit(checksums[i]);
+    reserved[i].reset();
+    if (!b.ok()) {
+      // Superseded: a PUT acknowledged since the reservation holds a newer version, which a
+      // GET returns; this one is ordered before it (tier_chain.h's rule), as acknowledged.
+      if (b.status().code() != StatusCode::kFailedPrecondition) p->out[i] = ToItem(b.status());
+      continue;
+    }
+    p->bundles.push_back(std::move(b).value());
+    p->index.push_back(i);
+    p->hashes.push_back(hash);
+    p->sizes.push_back(bytes);
+  }
+  FinishPut(ns, std::move(p), std::move(done));
 }
 
 void TieredStore::CountPuts(uint32_t ns, uint64_t ok, uint64_t failed, uint64_t bytes) {

@@ -59,6 +59,14 @@ class TieredStore : public DaemonStore {
   void GetRanges(uint32_t ns, std::span<const wire::RangeItem> items, const RangesSink& sink) override;
   // The host tier's arena when it is memfd-backed (offload.host.backing).
   Arena SharedArena() const override;
+  // Write leases: the room is an extent of the host tier (HostTier::Reserve), and a commit
+  // checks it there (HostTier::CommitReserved) before the put's usual course (DemoteAsync: the
+  // tiers below, the pins, the events). The version is taken at the reservation: a PUT of the
+  // same key acknowledged between a reservation and its commit wins over it.
+  Result<std::unique_ptr<PutReservation>> ReservePut(uint32_t ns, const wire::WireHash& hash,
+                                                     uint64_t bytes) override;
+  void CommitPuts(uint32_t ns, std::vector<std::unique_ptr<PutReservation>> reserved, std::vector<uint64_t> checksums,
+                  PutDone done) override;
   std::vector<wire::ItemStatus> Pin(uint32_t ns, std::span<const wire::WireHash> hashes, uint8_t priority) override;
   std::vector<wire::ItemStatus> Unpin(uint32_t ns, std::span<const wire::WireHash> hashes) override;
   std::vector<wire::ItemStatus> Delete(uint32_t ns, std::span<const wire::WireHash> hashes) override;
@@ -95,6 +103,19 @@ class TieredStore : public DaemonStore {
   // Put's work: the bytes are copied before it returns; `done` is called once the chain answers.
   void StartPut(uint32_t ns, std::span<const wire::PutItem> items, PutDone done);
   void CountPuts(uint32_t ns, uint64_t ok, uint64_t failed, uint64_t bytes);
+  // A put's bundles on their way to the chain: the answer of each item, the bundles made, and
+  // for each bundle its item, hash and value size.
+  struct PendingPut {
+    std::vector<wire::ItemStatus> out;
+    std::vector<BundlePtr> bundles;
+    std::vector<size_t> index;  // item of each bundle
+    std::vector<wire::WireHash> hashes;
+    std::vector<uint64_t> sizes;
+  };
+  // The rest of a put once its bundles are made: the chain takes them, then the pins, counters
+  // and events follow, and `done` gets the answers.
+  void FinishPut(uint32_t ns, std::shared_ptr<PendingPut> p, PutDone done);
+
   void CountGets(uint32_t ns, uint64_t asked, uint64_t hits, uint64_t bytes, uint64_t corrupt);
   // Ends the hints whose time to live is over; cheap (one clock read) when none is.
   void ExpireHints() SPARSEKV_EXCLUDES(hint_mu_);

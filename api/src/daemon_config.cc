@@ -70,7 +70,7 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
                                 "max_connections", "max_frame_bytes", "max_inflight_bytes", "idle_timeout_ms",
                                 "staging_bytes", "pin_budget_bytes", "namespaces", "offload",
                                 "max_buffered_bytes", "max_handshakes", "handshake_timeout_ms", "frame_timeout_ms",
-                                "write_timeout_ms", "max_shared_staging_bytes",
+                                "write_timeout_ms", "max_shared_staging_bytes", "write_leases", "write_lease_timeout_ms",
                                 "max_hinted_blocks_per_session", "max_hint_ttl_ms", "kv_events"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool known = false;
@@ -108,6 +108,8 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
   SPARSEKV_RETURN_IF_ERROR(Read(j, "frame_timeout_ms", c.frame_timeout_ms, "milliseconds"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "write_timeout_ms", c.write_timeout_ms, "milliseconds"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "max_shared_staging_bytes", c.max_shared_staging_bytes, "a byte count"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "write_leases", c.write_leases, "true or false"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "write_lease_timeout_ms", c.write_lease_timeout_ms, "milliseconds"));
   if (c.max_connections == 0) return Status::InvalidArgument("config key 'max_connections' must be at least 1");
   if (c.max_handshakes == 0) return Status::InvalidArgument("config key 'max_handshakes' must be at least 1");
   for (const char* key : {"idle_timeout_ms", "handshake_timeout_ms", "frame_timeout_ms", "write_timeout_ms"}) {
@@ -231,6 +233,8 @@ std::string DaemonConfigToJson(const DaemonConfig& c) {
          {"frame_timeout_ms", c.frame_timeout_ms},
          {"write_timeout_ms", c.write_timeout_ms},
          {"max_shared_staging_bytes", c.max_shared_staging_bytes},
+         {"write_leases", c.write_leases},
+         {"write_lease_timeout_ms", c.write_lease_timeout_ms},
          {"namespaces", namespaces},
          {"kv_events",
           {{"endpoint", c.kv_events.endpoint},

@@ -92,6 +92,11 @@ struct DaemonConfig {
   uint32_t frame_timeout_ms = 30000;
   uint32_t write_timeout_ms = 10000;
   uint64_t max_shared_staging_bytes = 4ull << 30;
+  // Shared-memory PUTs written by clients straight into the host arena (write leases,
+  // api/PROTOCOL.md; ServerOptions::write_leases), and how long a lease may stay uncommitted.
+  // Default: false, 30 s.
+  bool write_leases = false;
+  uint32_t write_lease_timeout_ms = 30000;
   // Bytes of pinned blocks held in memory. Default: 256 MiB.
   uint64_t pin_budget_bytes = 256ull << 20;
   // HINTs: blocks one session may hint at once, and the longest time to live a HINT may ask

@@ -171,6 +171,8 @@ int Run(DaemonConfig config) {
   so.frame_timeout_ms = config.frame_timeout_ms;
   so.write_timeout_ms = config.write_timeout_ms;
   so.max_shared_staging_bytes = config.max_shared_staging_bytes;
+  so.write_leases = config.write_leases;
+  so.write_lease_timeout_ms = config.write_lease_timeout_ms;
   so.block_tokens = config.block_tokens;
   so.namespaces.clear();
   for (const DaemonNamespace& n : config.namespaces) so.namespaces.push_back({n.name, n.token, n.max_connections});

@@ -209,6 +209,7 @@ class SealedSharedMemoryTest : public ::testing::TestWithParam<int> {
     opts.unix_path = (dir_ / "d.sock").string();
     opts.metrics_listen = "";
     opts.staging_bytes = 1 << 20;
+    opts.write_leases = false;  // the read-only arena (write_lease_test.cc checks the seals with leases)
     opts.namespaces = {{"alpha", "alpha-token"}};
     if (GetParam() == 2) opts.namespaces.push_back({"beta", "beta-token"});
     ASSERT_NO_FATAL_FAILURE(StartInProcess(so, opts, store_, server_));

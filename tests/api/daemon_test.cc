@@ -670,6 +670,7 @@ class DaemonArenaTest : public DaemonTest {
     // outlives any number of values put once (tier_eviction_test.cc has that).
     so.offload.host.eviction = EvictionPolicyKind::kLru;
     opts.namespaces = {{"alpha", "alpha-token"}};
+    opts.write_leases = false;  // the read-only arena; write leases have tests of their own
   }
 };
 

@@ -213,6 +213,51 @@ TEST(Wire, MalformedPayloadsAreRefused) {
 }
 
 // HINT and HINT_DROP: round trips, and what is refused.
+// Write leases (issue 47): HELLO's flag bit 1, the reply's trailing byte only when asked, and
+// PUT_LEASE / PUT_COMMIT.
+TEST(Wire, WriteLeaseMessagesRoundTrip) {
+  HelloRequest hello{kProtocolVersion, "ns", "tok", "engine", true};
+  hello.want_write_leases = true;
+  auto enc = Encode(hello);
+  EXPECT_EQ(enc.back(), std::byte{3});
+  auto hr = DecodeHelloRequest(enc);
+  ASSERT_TRUE(hr.ok());
+  EXPECT_TRUE(hr->want_shared_memory && hr->want_write_leases);
+  enc.back() = std::byte{2};  // leases without shared memory: refused
+  EXPECT_FALSE(DecodeHelloRequest(enc).ok());
+  hello.want_shared_memory = false;  // bit 1 is only sent with bit 0
+  EXPECT_EQ(Encode(hello).back(), std::byte{0});
+
+  HelloReply old{77, 1u << 20, 128, 64u << 20, "sparsekvd", 3ull << 30};
+  auto plain = DecodeHelloReply(Encode(old));
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE(plain->write_leases.has_value());  // what every reply to an old client looks like
+  HelloReply granted = old;
+  granted.write_leases = true;
+  EXPECT_EQ(Encode(granted).size(), Encode(old).size() + 1);
+  auto with = DecodeHelloReply(Encode(granted));
+  ASSERT_TRUE(with.ok());
+  EXPECT_EQ(with->write_leases, std::optional<bool>(true));
+
+  PutLeaseRequest lease{{{H(1), 65536}, {H(2), 0}}};
+  auto lr = DecodePutLeaseRequest(Encode(lease));
+  ASSERT_TRUE(lr.ok());
+  ASSERT_EQ(lr->items.size(), 2u);
+  EXPECT_EQ(lr->items[0].hash, H(1));
+  EXPECT_EQ(lr->items[0].bytes, 65536u);
+  PutCommitRequest commit{42, 7, {1, 0, ~uint64_t{0}}};
+  auto cr = DecodePutCommitRequest(Encode(commit));
+  ASSERT_TRUE(cr.ok());
+  EXPECT_EQ(cr->lease, 42u);
+  EXPECT_EQ(cr->first, 7u);
+  EXPECT_EQ(cr->checksums, commit.checksums);
+  auto cut = Encode(commit);
+  cut.pop_back();
+  EXPECT_FALSE(DecodePutCommitRequest(cut).ok());
+  EXPECT_EQ(OpcodeName(Opcode::kPutLease), "PUT_LEASE");
+  EXPECT_EQ(OpcodeName(Opcode::kPutCommit), "PUT_COMMIT");
+}
+
 TEST(Wire, HintRoundTripAndRefusals) {
   auto req = DecodeHintRequest(Encode(HintRequest{2500, {H(1), H(2)}}));
   ASSERT_TRUE(req.ok()) << req.status().ToString();

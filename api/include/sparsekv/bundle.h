@@ -156,6 +156,16 @@ class Bundle {
                                       std::span<const std::span<const std::byte>> segments,
                                       uint64_t sequence, uint32_t pages = 0);
 
+  // Writes only the header of the record Make would build for segments of `segment_bytes`
+  // (checksum field 0) into `out` (at least BundleHeaderBytes(count) bytes) and returns its
+  // size: for a record whose payload another writer fills in place (a write lease,
+  // HostTier::Reserve). Errors: as Make, and an `out` too small.
+  static Result<uint64_t> WriteRecordHeader(std::span<std::byte> out, const BundleKey& key,
+                                            std::span<const uint64_t> segment_bytes, uint64_t sequence,
+                                            uint32_t pages = 0);
+  // The checksum a whole record carries at byte 8: XXH3-64 (seed 0) of its bytes from 16 on.
+  static uint64_t ChecksumOf(std::span<const std::byte> record);
+
   // Checks a record read back from storage: magic, version, sizes against `record.size()`, the
   // checksum, and that it is filed under `expected`. Returns Corruption (data_loss) naming what
   // failed, or NotSupported for an intact-looking record of another format version (not damage:

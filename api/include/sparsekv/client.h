@@ -44,6 +44,10 @@ struct ClientOptions {
   std::string client_name = "sparsekv-client";
   // Unix socket only: move bundles through a shared staging area. Default: true.
   bool shared_memory = true;
+  // With shared memory and a daemon that lends its host arena: PUTs are written straight into
+  // the arena under a write lease (one copy, api/PROTOCOL.md), else through the staging area.
+  // Default: true.
+  bool write_leases = true;
   // Limit for connecting and for each synchronous call. Default: 30 s.
   std::chrono::milliseconds timeout{30000};
   // A synchronous call whose reply has not arrived yet polls the socket without sleeping for up

@@ -73,6 +73,26 @@ class HostTier : public Tier {
   virtual Result<BundlePtr> PutGathered(const BundleKey& key,
                                         std::span<const std::span<const std::byte>> segments,
                                         uint64_t sequence, uint32_t pages = 0) = 0;
+  // A write lease's room (api/PROTOCOL.md, PUT_LEASE): an extent holding the header of `key`'s
+  // new version `sequence` (one segment of `payload_bytes`), whose payload a writer outside the
+  // tier fills in place. Nothing is findable until CommitReserved has checked it; meanwhile the
+  // extent is neither evicted nor reused. Each reservation ends exactly once: CommitReserved or
+  // AbortReserved. Errors: as PutGathered (too large, no room, a newer version held).
+  struct Reservation {
+    uint64_t id = 0;            // the tier's entry
+    std::byte* record = nullptr;  // the record's first byte (its header)
+    uint64_t record_bytes = 0;  // header + payload
+    uint64_t header_bytes = 0;
+  };
+  virtual Result<Reservation> Reserve(const BundleKey& key, uint64_t payload_bytes, uint64_t sequence) = 0;
+  // Checks the reserved record against what Reserve wrote (its header, byte for byte, computed
+  // again here, never parsed from the shared bytes) and its bytes against `checksum` (the
+  // record's XXH3-64, bundle.h), then publishes it and returns it pinned, as PutGathered does.
+  // Errors, with the extent freed and nothing published: Corruption (a header or checksum
+  // mismatch: a torn or forged write), FailedPrecondition (a newer version landed meanwhile).
+  virtual Result<BundlePtr> CommitReserved(const Reservation& r, uint64_t checksum) = 0;
+  // Gives a reservation's extent back, unpublished.
+  virtual void AbortReserved(const Reservation& r) = 0;
   // Checks a bundle GetPinned(key, false) returned; a damaged one is dropped from the tier and
   // Corruption returned.
   virtual Status CheckPinned(const BundlePtr& bundle, const BundleKey& key) = 0;
