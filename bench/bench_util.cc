@@ -116,6 +116,59 @@ Result<double> RunFioJob(const std::string& command, std::string_view rw) {
   return job[side]["bw_bytes"].get<double>();
 }
 
+Result<FioBest> FindFioBestRead(const std::string& file, uint64_t size_bytes, uint64_t fixed_block_bytes,
+                                uint32_t fixed_depth, double seconds, std::vector<uint64_t> block_bytes,
+                                std::vector<uint32_t> depths) {
+  FioBest best;
+  if (fixed_block_bytes != 0 && fixed_depth != 0) {
+    block_bytes = {fixed_block_bytes};
+    depths = {fixed_depth};
+  } else {
+    if (fixed_block_bytes != 0) block_bytes = {fixed_block_bytes};
+    if (fixed_depth != 0) depths = {fixed_depth};
+    best.swept = true;
+  }
+  for (uint64_t bs : block_bytes) {
+    for (uint32_t d : depths) {
+      std::string cmd = FioJobCommand(file, size_bytes, bs, d, "read");
+      if (best.swept) cmd += fmt::format(" --runtime={} --time_based", std::max(1.0, seconds));
+      SPARSEKV_ASSIGN_OR_RETURN(double rate, RunFioJob(cmd, "read"));
+      best.sweep.push_back({{"bs", bs}, {"iodepth", d}, {"read_bytes_per_s", rate}});
+      if (rate > best.rate) best = FioBest{bs, d, rate, best.swept, best.sweep};
+    }
+  }
+  return best;
+}
+
+nlohmann::json InterleavedFioRatios(const std::vector<double>& ours, const std::vector<double>& fio) {
+  nlohmann::json runs = nlohmann::json::array();
+  std::vector<double> before, around;
+  for (size_t i = 0; i < ours.size() && i < fio.size(); ++i) {
+    nlohmann::json r = {{"fio_bytes_per_s", fio[i]}, {"ours_bytes_per_s", ours[i]}, {"vs_fio_before", ours[i] / fio[i]}};
+    before.push_back(ours[i] / fio[i]);
+    if (i + 1 < fio.size()) {
+      const double mean = (fio[i] + fio[i + 1]) / 2;
+      r["fio_after_bytes_per_s"] = fio[i + 1];
+      r["vs_fio_around"] = ours[i] / mean;
+      around.push_back(ours[i] / mean);
+    }
+    runs.push_back(r);
+  }
+  auto median = [](std::vector<double> v) {
+    if (v.empty()) return 0.0;
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+  };
+  nlohmann::json j;
+  j["runs"] = runs;
+  j["fio_read_bytes_per_s"] = fio;
+  j["ours_bytes_per_s"] = ours;
+  j["median_vs_fio_before"] = median(before);
+  if (!around.empty()) j["median_vs_fio_around"] = median(around);
+  j["min_vs_fio_before"] = before.empty() ? 0.0 : *std::min_element(before.begin(), before.end());
+  return j;
+}
+
 Result<std::unique_ptr<ScratchDir>> ScratchDir::Make(const std::string& parent,
                                                      std::string_view name) {
   if (parent.empty()) return std::unique_ptr<ScratchDir>(new ScratchDir(""));

@@ -87,6 +87,30 @@ std::string FioJobCommand(std::string_view file, uint64_t size_bytes, uint64_t b
 // parse.
 Result<double> RunFioJob(const std::string& command, std::string_view rw);
 
+// fio's best sequential read of `file` (io_uring, O_DIRECT): the block size and depth with the
+// highest rate, from a sweep of short time-based runs over `block_bytes` x `depths` (each run
+// `seconds` long), or the one pair given (`fixed_block_bytes` and `fixed_depth` both set: no
+// sweep). fio lays the file out (`size_bytes`) on its first run. `sweep` holds every run:
+// [{"bs", "iodepth", "read_bytes_per_s"}].
+struct FioBest {
+  uint64_t block_bytes = 0;
+  uint32_t depth = 0;
+  double rate = 0;
+  bool swept = false;
+  nlohmann::json sweep = nlohmann::json::array();
+};
+Result<FioBest> FindFioBestRead(const std::string& file, uint64_t size_bytes, uint64_t fixed_block_bytes,
+                                uint32_t fixed_depth, double seconds = 2,
+                                std::vector<uint64_t> block_bytes = {128 << 10, 256 << 10, 1 << 20, 4 << 20},
+                                std::vector<uint32_t> depths = {1, 4, 16, 32});
+
+// Ratios of our rates against fio's, measured interleaved in one run (fio, ours, fio, ours, ...,
+// fio): `fio` has one more entry than `ours` when a closing fio run was made. Each of our runs is
+// set against the fio run just before it ("vs_fio_before") and against the mean of the fio runs
+// on both sides ("vs_fio_around", when there is one after): the disk's drift between runs
+// cancels. JSON: per-run rates and ratios, and their medians.
+nlohmann::json InterleavedFioRatios(const std::vector<double>& ours, const std::vector<double>& fio);
+
 // A directory of this run's own under `parent` (`<parent>/sparsekv-<name>-<pid>`), created
 // now and removed with everything in it when the object goes; an empty `parent` gives an empty
 // path and nothing to remove. Declare it before what keeps files there, so that it goes last.

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -355,9 +356,33 @@ Result<nlohmann::json> RunRestoreBench(const RestoreBenchOptions& o) {
     h.max_record_bytes = est_record_bytes;
     SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> t, HostTier::Open(h));
     tiers.push_back(std::move(t));
-  } else {
+  }
+  // SSD with fio: fio's best read of a file as large as the restore's records first, so that the
+  // tier reads in its block size with at least its bytes in flight.
+  std::string fio_note;
+  const std::string fio_file = root + "/fio.dat";
+  const uint64_t fio_bytes = std::max<uint64_t>(kMiB, uint64_t{n} * est_record_bytes / kMiB * kMiB);
+  std::optional<FioBest> fio_best;
+  if (o.tier == "ssd" && o.with_fio) {
+    Result<FioBest> best = FindFioBestRead(fio_file, fio_bytes, o.fio_block_bytes, o.fio_depth);
+    if (best.ok()) {
+      fio_best = *best;
+    } else {
+      fio_note = best.status().ToString();
+    }
+  }
+  uint64_t tier_io_bytes = SsdTierOptions{}.io_bytes;
+  uint32_t tier_depth = SsdTierOptions{}.queue_depth;
+  if (fio_best) {
+    tier_io_bytes = std::clamp<uint64_t>(fio_best->block_bytes, kDirectIoAlignment, 64 * kMiB);
+    tier_depth = static_cast<uint32_t>(std::clamp<uint64_t>(
+        std::max<uint64_t>(fio_best->depth, (16 * kMiB + tier_io_bytes - 1) / tier_io_bytes), 1, 256));
+  }
+  if (o.tier != "host") {
     SsdTierOptions s;
     s.path = root + "/ssd";
+    s.io_bytes = tier_io_bytes;
+    s.queue_depth = tier_depth;
     s.capacity_bytes = tier_bytes;
     s.max_record_bytes = std::max<uint64_t>(s.max_record_bytes, est_record_bytes);
     s.durability = o.durability;
@@ -374,7 +399,10 @@ Result<nlohmann::json> RunRestoreBench(const RestoreBenchOptions& o) {
   // in pool order. Also memcpy's source.
   const uint64_t total = uint64_t{n} * block_bytes;
   SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<TouchedBuffer> pattern, TouchedBuffer::Make(total));
-  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<TouchedBuffer> copy, TouchedBuffer::Make(total));
+  // memcpy's destination: a ring of at most 512 MiB, reused (a whole copy of a long prefix
+  // would not fit beside it and L1).
+  const uint64_t copy_ring = std::min<uint64_t>(total, 512 * kMiB);
+  SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<TouchedBuffer> copy, TouchedBuffer::Make(copy_ring));
   {
     uint64_t x = 0x9e3779b97f4a7c15ull;
     std::byte* d = pattern->data();
@@ -387,14 +415,28 @@ Result<nlohmann::json> RunRestoreBench(const RestoreBenchOptions& o) {
   }
 
   const double gb = static_cast<double>(total) / 1e9;
-  RateSamples store_r, restore_r, memcpy_r, pread_r, fio1_r, fio16_r, fio16_tier_r;
+  RateSamples store_r, restore_r, memcpy_r, pread_r;
+  std::vector<double> fio_rates;
   RateSamples restore_faults, store_faults, restore_cpu, store_cpu;
   uint64_t record_bytes = est_record_bytes;  // until the tier has held a round
   bool record_measured = false;
   uint64_t pread_bytes = 0;
-  std::string fio_note;
-  const std::string fio_file = root + "/fio.dat";
-  uint64_t fio_bytes = 0;
+  std::string tier_file;  // the tier's data file, once a round has stored into it
+  auto run_fio = [&] {
+    if (!fio_best || !fio_note.empty()) return;
+    std::string cmd = FioJobCommand(fio_file, fio_bytes, fio_best->block_bytes, fio_best->depth, "read");
+    if (o.fio_on_tier_file && !tier_file.empty() && pread_bytes != 0) {
+      cmd = FioJobCommand(tier_file, std::max<uint64_t>(kMiB, RoundUp4k(pread_bytes) / kMiB * kMiB),
+                          fio_best->block_bytes, fio_best->depth, "read") +
+            " --readonly";
+    }
+    Result<double> r = RunFioJob(cmd, "read");
+    if (r.ok()) {
+      fio_rates.push_back(*r);
+    } else {
+      fio_note = r.status().ToString();
+    }
+  };
   std::vector<std::vector<PageId>> tables;
   uint64_t checked_pages = 0;
   // Round -1 (with warmup_round) is run in full and not counted: the tier's memory and files
@@ -467,6 +509,11 @@ Result<nlohmann::json> RunRestoreBench(const RestoreBenchOptions& o) {
     SPARSEKV_ASSIGN_OR_RETURN(seq, cache->CreateSequence());
     SPARSEKV_RETURN_IF_ERROR(cache->AppendTokens(seq, prompt));
     const uint64_t read0 = chain->tier(0).Stats().bytes_read;
+    if (o.tier == "ssd" && tier_file.empty()) {
+      Result<SsdRecordLocation> loc = static_cast<SsdTier&>(chain->tier(0)).Locate(keys[0]);
+      if (loc.ok()) tier_file = loc->file;
+    }
+    if (counted) run_fio();  // fio, restore, fio, restore, ..., fio
     Result<OffloadedPrefix> hit = Status::Internal("not run");
     const Timed restore = Measure([&] { hit = cache->AcquirePrefix(seq); });
     SPARSEKV_RETURN_IF_ERROR(hit.status());
@@ -503,8 +550,11 @@ Result<nlohmann::json> RunRestoreBench(const RestoreBenchOptions& o) {
     SPARSEKV_RETURN_IF_ERROR(manager->Reset());
 
     // 3. memcpy of the same bytes, one thread, between prefaulted buffers.
-    const Timed mc = Measure([&] { std::memcpy(copy->data(), pattern->data(), total); });
-    DoNotOptimize(copy->data()[total - 1]);
+    const Timed mc = Measure([&] {
+      for (uint64_t at = 0; at < total; at += copy_ring)
+        std::memcpy(copy->data(), pattern->data() + at, std::min(copy_ring, total - at));
+    });
+    DoNotOptimize(copy->data()[copy_ring - 1]);
     if (counted) memcpy_r.rates.push_back(static_cast<double>(total) / mc.seconds);
 
     // 4. ssd: the tier's data file read back plainly, and fio.
@@ -523,32 +573,27 @@ Result<nlohmann::json> RunRestoreBench(const RestoreBenchOptions& o) {
       if (want == 0) return Status::Internal("restore bench: the tier's data file is empty");
       SPARSEKV_ASSIGN_OR_RETURN(double secs, PreadFile(loc.file, want));
       pread_r.rates.push_back(static_cast<double>(want) / secs);
-      if (o.with_fio && fio_note.empty()) {
-        fio_bytes = std::max<uint64_t>(kMiB, want / kMiB * kMiB);
-        Result<double> q1 = RunFioJob(FioJobCommand(fio_file, fio_bytes, kMiB, 1, "read"), "read");
-        Result<double> q16 =
-            q1.ok() ? RunFioJob(FioJobCommand(fio_file, fio_bytes, kMiB, 16, "read"), "read")
-                    : q1.status();
-        // fio at depth 16 over the bytes the restore read, in the tier's own file (read-only):
-        // tells the file and the device apart from the tier's read path.
-        Result<double> q16_tier =
-            q16.ok() ? RunFioJob(FioJobCommand(loc.file, want / kMiB * kMiB, kMiB, 16, "read") + " --readonly", "read")
-                     : q16.status();
-        if (!q1.ok() || !q16.ok() || !q16_tier.ok()) {
-          fio_note = (!q1.ok() ? q1.status() : !q16.ok() ? q16.status() : q16_tier.status()).ToString();
-        } else {
-          fio1_r.rates.push_back(*q1);
-          fio16_r.rates.push_back(*q16);
-          fio16_tier_r.rates.push_back(*q16_tier);
-        }
-      }
     }
 
     // The next round's blocks must find room: this round's leave the tier.
     std::vector<Status> erased = chain->Erase(keys).get();
     for (const Status& s : erased) SPARSEKV_RETURN_IF_ERROR(s);
   }
-  if (!fio_note.empty() || fio_bytes != 0) {
+  if (o.fio_on_tier_file) {
+    // The closing run reads the last round's bytes, stored again (they were erased).
+    SequenceId seq = 0;
+    const std::vector<TokenId> prompt = RoundPrompt(n, o.block_tokens, o.rounds);
+    SPARSEKV_ASSIGN_OR_RETURN(seq, cache->CreateSequence());
+    SPARSEKV_RETURN_IF_ERROR(cache->AppendTokens(seq, prompt));
+    SPARSEKV_RETURN_IF_ERROR(cache->AcquirePrefix(seq).status());
+    SPARSEKV_RETURN_IF_ERROR(manager->AllocateSlots(seq, prompt.size()).status());
+    SPARSEKV_RETURN_IF_ERROR(cache->CommitComputed(seq, prompt.size()));
+    cache->WaitIdle();
+    SPARSEKV_RETURN_IF_ERROR(cache->Free(seq));
+    SPARSEKV_RETURN_IF_ERROR(manager->Reset());
+  }
+  run_fio();  // the closing fio run
+  if (o.with_fio) {
     std::error_code ec;
     std::filesystem::remove(fio_file, ec);
   }
@@ -610,30 +655,34 @@ Result<nlohmann::json> RunRestoreBench(const RestoreBenchOptions& o) {
   } else {
     j["pread_bytes_per_s"] = nullptr;
   }
+  if (o.tier == "ssd") {
+    const SsdTierDetails d = static_cast<SsdTier&>(chain->tier(0)).Details();
+    j["tier_io_bytes"] = tier_io_bytes;
+    j["tier_queue_depth"] = tier_depth;
+    j["tier_read_groups"] = d.read_groups;
+    j["tier_coalesced_records"] = d.coalesced_records;
+  }
   if (o.with_fio) {
     if (!fio_note.empty()) {
       j["fio_error"] = fio_note;
     } else {
-      j["fio_qd1_read_bytes_per_s"] = fio1_r.Median();
-      j["fio_qd16_read_bytes_per_s"] = fio16_r.Median();
+      j["fio_best_bs"] = fio_best->block_bytes;
+      j["fio_best_iodepth"] = fio_best->depth;
+      j["fio_swept"] = fio_best->swept;
+      j["fio_sweep"] = fio_best->sweep;
+      RateSamples fio_r;
+      fio_r.rates = fio_rates;
+      j["fio_read_bytes_per_s"] = fio_r.Median();
+      const nlohmann::json ratios = InterleavedFioRatios(restore_r.rates, fio_rates);
+      j["restore_vs_fio"] = ratios;
       j["restore_vs_fio_best"] =
-          restore_r.Median() / std::max(fio1_r.Median(), fio16_r.Median());
-      // Each round's restore against the fio runs that followed it: paired, so that the disk's
-      // drift between rounds (several-fold on a VM) cancels.
-      RateSamples paired;
-      for (size_t r = 0; r < fio1_r.rates.size() && r < restore_r.rates.size(); ++r)
-        paired.rates.push_back(restore_r.rates[r] / std::max(fio1_r.rates[r], fio16_r.rates[r]));
-      j["restore_vs_fio_best_paired"] = paired.Median();
-      j["fio_qd16_tier_file_read_bytes_per_s"] = fio16_tier_r.Median();
-      j["restore_vs_fio_qd16_tier_file"] = restore_r.Median() / fio16_tier_r.Median();
-      samples["fio_qd16_tier_file_read"] = fio16_tier_r.ToJson();
-      samples["restore_vs_fio_best_paired"] = paired.ToJson();
-      std::string cmd = FioJobCommand("DIR/fio.dat", fio_bytes, kMiB, 16, "read");
-      const std::string depth = "--iodepth=16";
-      cmd.replace(cmd.find(depth), depth.size(), "--iodepth={1,16}");
-      j["fio_command"] = cmd;
-      samples["fio_qd1_read"] = fio1_r.ToJson();
-      samples["fio_qd16_read"] = fio16_r.ToJson();
+          ratios.contains("median_vs_fio_around") ? ratios["median_vs_fio_around"] : ratios["median_vs_fio_before"];
+      j["fio_command"] = o.fio_on_tier_file
+                             ? FioJobCommand("DIR/ssd/data.dat", RoundUp4k(pread_bytes) / kMiB * kMiB,
+                                             fio_best->block_bytes, fio_best->depth, "read") + " --readonly"
+                             : FioJobCommand("DIR/fio.dat", fio_bytes, fio_best->block_bytes, fio_best->depth, "read");
+      j["fio_on_tier_file"] = o.fio_on_tier_file;
+      samples["fio_read"] = fio_r.ToJson();
     }
   }
   j["samples"] = samples;

@@ -42,9 +42,20 @@ struct RestoreBenchOptions {
   // The SSD tier's registered read arena; reads past it land in heap memory. 0: the tier's
   // default (256 MiB). Default: 0.
   uint64_t ssd_read_arena_bytes = 0;
-  // SSD only: also run fio (io_uring, O_DIRECT, 1 MiB reads, depth 1 and 16) over a file of the
-  // restored size in `dir`, each round. Default: false.
+  // SSD only: also run fio (io_uring, O_DIRECT, sequential reads) over a file of the restored
+  // size in `dir`: first its best block size and depth (a sweep of short runs, unless both are
+  // given below), which the tier then uses for its I/O (at least as many bytes in flight), then
+  // one read at that setting before each counted restore and one after the last (fio, restore,
+  // fio, ..., fio). Default: false.
   bool with_fio = false;
+  // fio's block size in bytes and depth; 0: the sweep's best. Default: 0, 0.
+  uint64_t fio_block_bytes = 0;
+  uint32_t fio_depth = 0;
+  // The interleaved fio runs read the tier's own data file (read-only), the bytes the restore
+  // reads, just stored as the restore's are, instead of fio's file laid out at the start: on a
+  // virtual disk whose host caches recent writes, both then read equally fresh bytes.
+  // Default: false.
+  bool fio_on_tier_file = false;
   // L1 blocks of the write-back eviction phase (MeasureWriteBackEviction): time under the cache
   // manager's lock per evicted block, with and without evicting ahead. 0: skipped. Default: 24.
   uint32_t eviction_blocks = 24;
@@ -59,8 +70,10 @@ struct RestoreBenchOptions {
 // store_time_vs_memcpy (seconds per block / memcpy's: lower is better), restore_vs_pread (ssd),
 // faults_per_block (minor + major page faults of the process during a restore, per block),
 // store_faults_per_block, restore_cpu_s_per_gb and store_cpu_s_per_gb (user + system CPU of every
-// thread of the process per 1e9 bytes), (with fio:) fio_qd1_read_bytes_per_s,
-// fio_qd16_read_bytes_per_s, restore_vs_fio_best, fio_command (or fio_error); the setup (model,
+// thread of the process per 1e9 bytes), (with fio:) fio_best_bs, fio_best_iodepth, fio_sweep,
+// fio_read_bytes_per_s (median), restore_vs_fio (per-round rates and ratios against the fio runs
+// around each restore, InterleavedFioRatios), restore_vs_fio_best (their median), fio_command
+// (or fio_error); tier_io_bytes, tier_queue_depth, tier_coalesced_records (ssd); the setup (model,
 // kv_format, block_tokens, blocks, block_bytes = the sum of the pools' block strides, record_bytes,
 // tier, durability, rounds, ...) and per-method samples (median, min, max). Rates are
 // blocks * block_bytes per second. Every restore is checked byte for byte (outside the timing).

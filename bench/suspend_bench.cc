@@ -11,6 +11,7 @@
 #include <fstream>
 #include <functional>
 #include <mutex>
+#include <optional>
 
 #include "bench_util.h"
 #include "progress.h"
@@ -121,8 +122,14 @@ uint64_t HistoryBytesPerBlock(const BlockGeometry& geo) {
   return n;
 }
 
+// The SSD tier's I/O: blocks of `io_bytes`, `depth` deep (0: the defaults for the record size).
+struct SsdIo {
+  uint64_t io_bytes = 0;
+  uint32_t depth = 0;
+};
+
 Result<std::unique_ptr<TierChain>> Chain(bool ssd, const std::string& dir, uint64_t bytes, bool populate = true,
-                                         uint64_t record_bytes = 1ull << 20) {
+                                         uint64_t record_bytes = 1ull << 20, SsdIo io = {}) {
   std::vector<std::unique_ptr<Tier>> tiers;
   if (!ssd) {
     HostTierOptions h;
@@ -139,6 +146,9 @@ Result<std::unique_ptr<TierChain>> Chain(bool ssd, const std::string& dir, uint6
     // As many bytes in flight as fio's baseline (1 MiB I/Os, 16 deep): a V4 history record is
     // 0.5 MB, one I/O each.
     d.queue_depth = static_cast<uint32_t>(std::clamp<uint64_t>(16 * kMiB / std::max<uint64_t>(record_bytes, 1), 16, 64));
+    // Matched to fio's best: I/Os of its block size, at least its bytes in flight (and 16 MiB).
+    if (io.io_bytes != 0) d.io_bytes = io.io_bytes;
+    if (io.depth != 0) d.queue_depth = io.depth;
     SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<SsdTier> t, SsdTier::Open(d));
     tiers.push_back(std::move(t));
   }
@@ -149,7 +159,7 @@ Result<std::unique_ptr<TierChain>> Chain(bool ssd, const std::string& dir, uint6
 
 // Part 1 for one model and tier.
 Result<nlohmann::json> SuspendResume(const std::string& name, const ModelSpec& spec, uint64_t tokens, bool ssd,
-                                     const std::string& dir, bool with_fio, bool cold_host) {
+                                     const std::string& dir, bool with_fio, bool cold_host, const SuspendBenchOptions& o) {
   const uint64_t state = tokens - 5;  // five tokens short of the last block's end: a tail
   const auto blocks = static_cast<uint32_t>((tokens + kBlockTokens - 1) / kBlockTokens);
   const std::vector<TokenId> ids = Tokens(tokens, 1);
@@ -159,8 +169,32 @@ Result<nlohmann::json> SuspendResume(const std::string& name, const ModelSpec& s
   std::filesystem::remove_all(dir, ec);
   std::filesystem::create_directories(dir, ec);
   const uint64_t tail = BlockRecordBytes(*m) * 2;  // at most a block's pages and a window page more
+  // SSD: fio first, on a file of the sequence's size: its write rate, then its best read (a sweep
+  // unless given), whose block size and depth the tier then uses.
+  const std::string fio_file = dir + "/fio.dat";
+  const uint64_t fio_bytes = std::max<uint64_t>(kMiB, uint64_t{blocks} * record / kMiB * kMiB);
+  nlohmann::json fio_j;
+  SsdIo io;
+  std::optional<FioBest> fio_best;
+  if (ssd && with_fio) {
+    Result<double> w = RunFioJob(FioJobCommand(fio_file, fio_bytes, kMiB, 16, "write"), "write");
+    Result<FioBest> best = w.ok() ? FindFioBestRead(fio_file, fio_bytes, o.fio_block_bytes, o.fio_depth) : w.status();
+    if (!best.ok()) {
+      fio_j["fio_error"] = best.status().ToString();
+    } else {
+      fio_j["fio_write_bytes_per_s"] = *w;
+      fio_j["fio_best_bs"] = best->block_bytes;
+      fio_j["fio_best_iodepth"] = best->depth;
+      fio_j["fio_swept"] = best->swept;
+      fio_j["fio_sweep"] = best->sweep;
+      fio_best = *best;
+      io.io_bytes = std::clamp<uint64_t>(best->block_bytes, 4096, 64 * kMiB);
+      io.depth = static_cast<uint32_t>(std::clamp<uint64_t>(
+          std::max<uint64_t>(best->depth, (16 * kMiB + io.io_bytes - 1) / io.io_bytes), 1, 256));
+    }
+  }
   SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<TierChain> chain,
-                            Chain(ssd, dir, uint64_t{blocks} * (record + 4096) + tail, !cold_host, record));
+                            Chain(ssd, dir, uint64_t{blocks} * (record + 4096) + tail, !cold_host, record, io));
   OffloadedCacheOptions co;
   co.write_policy = WritePolicy::kWriteBack;  // nothing reaches the tier before the suspend
   co.evict_ahead_blocks = 0;
@@ -191,12 +225,26 @@ Result<nlohmann::json> SuspendResume(const std::string& name, const ModelSpec& s
     j["tail_bytes"] = info.tail_bytes;
     j["history_blocks"] = info.history_blocks;
   }
-  m.reset();  // resume into another L1, warm as a serving engine's is (its pages touched)
-  SPARSEKV_ASSIGN_OR_RETURN(m, Manager(spec, blocks + 2));
-  for (size_t p = 0; p < m->num_pools(); ++p) {
-    std::memset(m->pool(p).arena_base(), 0, uint64_t{m->pool(p).capacity()} * m->geometry().pools[p].block_stride);
-  }
-  {
+  // Resumes, each into another L1, warm as a serving engine's is (its pages touched). SSD with
+  // fio: fio, resume, fio, resume, ..., fio, so that each resume has fio runs on both sides.
+  const int rounds = ssd && fio_best ? std::max(1, o.rounds) : 1;
+  std::vector<double> resume_rates, fio_rates;
+  double memcpy_after = 0;
+  const std::string fio_cmd =
+      fio_best ? FioJobCommand(fio_file, fio_bytes, fio_best->block_bytes, fio_best->depth, "read") : "";
+  auto run_fio = [&]() -> Status {
+    SPARSEKV_ASSIGN_OR_RETURN(double r, RunFioJob(fio_cmd, "read"));
+    fio_rates.push_back(r);
+    return Status::OK();
+  };
+  Status fio_status;
+  for (int round = 0; round < rounds; ++round) {
+    if (fio_best && fio_status.ok()) fio_status = run_fio();
+    m.reset();
+    SPARSEKV_ASSIGN_OR_RETURN(m, Manager(spec, blocks + 2));
+    for (size_t p = 0; p < m->num_pools(); ++p) {
+      std::memset(m->pool(p).arena_base(), 0, uint64_t{m->pool(p).capacity()} * m->geometry().pools[p].block_stride);
+    }
     OffloadedCache cache(*m, *chain, co);
     const double t0 = NowSeconds();
     SPARSEKV_ASSIGN_OR_RETURN(ResumeInfo r, cache.Resume({}, std::span<const TokenId>(ids).first(state + 1), state));
@@ -205,32 +253,47 @@ Result<nlohmann::json> SuspendResume(const std::string& name, const ModelSpec& s
       return Status::Internal(fmt::format("bench suspend: {} resumed {} of {} tokens: {}", name, r.restored_tokens,
                                           state, r.lost));
     }
-    j["resume_seconds"] = secs;
-    j["resume_bytes_per_s"] = static_cast<double>(info.written_bytes) / secs;
-    const double memcpy_after = MemcpyRate(*m, r.seq, blocks);
+    resume_rates.push_back(static_cast<double>(info.written_bytes) / secs);
+    if (round == 0) memcpy_after = MemcpyRate(*m, r.seq, blocks);
+    SPARSEKV_RETURN_IF_ERROR(cache.Free(r.seq));
+  }
+  if (fio_best && fio_status.ok()) fio_status = run_fio();
+  {
+    std::vector<double> sorted = resume_rates;
+    std::sort(sorted.begin(), sorted.end());
+    j["resume_bytes_per_s"] = sorted[sorted.size() / 2];  // the median
+    j["resume_seconds"] = static_cast<double>(info.written_bytes) / j["resume_bytes_per_s"].get<double>();
+    j["resume_rounds_bytes_per_s"] = resume_rates;
     const double mc = std::max(memcpy_before, memcpy_after);
     j["memcpy_bytes_per_s"] = {memcpy_before, memcpy_after};
     if (!ssd) {
       j["suspend_vs_memcpy"] = j["suspend_bytes_per_s"].get<double>() / mc;
       j["resume_vs_memcpy"] = j["resume_bytes_per_s"].get<double>() / mc;
     }
-    SPARSEKV_RETURN_IF_ERROR(cache.Free(r.seq));
+  }
+  if (ssd) {
+    const SsdTierDetails d = static_cast<SsdTier&>(chain->tier(0)).Details();
+    j["tier_io_bytes"] = io.io_bytes ? io.io_bytes : SsdTierOptions{}.io_bytes;
+    j["tier_read_groups"] = d.read_groups;
+    j["tier_coalesced_records"] = d.coalesced_records;
   }
   if (ssd && with_fio) {
-    const std::string file = dir + "/fio.dat";
-    const uint64_t n = std::max<uint64_t>(kMiB, info.written_bytes / kMiB * kMiB);
-    Result<double> w = RunFioJob(FioJobCommand(file, n, kMiB, 16, "write"), "write");
-    Result<double> rd = w.ok() ? RunFioJob(FioJobCommand(file, n, kMiB, 16, "read"), "read") : w.status();
-    std::filesystem::remove(file, ec);
-    if (w.ok() && rd.ok()) {
-      j["fio_write_bytes_per_s"] = *w;
-      j["fio_read_bytes_per_s"] = *rd;
-      j["suspend_vs_fio_write"] = j["suspend_bytes_per_s"].get<double>() / *w;
-      j["resume_vs_fio_read"] = j["resume_bytes_per_s"].get<double>() / *rd;
-      j["fio_command"] = FioJobCommand("DIR/fio.dat", n, kMiB, 16, "read");
-    } else {
-      j["fio_error"] = (w.ok() ? rd.status() : w.status()).ToString();
+    for (auto& [k, v] : fio_j.items()) j[k] = v;
+    if (!fio_status.ok()) {
+      j["fio_error"] = fio_status.ToString();
+    } else if (fio_best) {
+      j["tier_queue_depth"] = io.depth;
+      const nlohmann::json ratios = InterleavedFioRatios(resume_rates, fio_rates);
+      j["resume_vs_fio"] = ratios;
+      std::vector<double> sorted = fio_rates;
+      std::sort(sorted.begin(), sorted.end());
+      j["fio_read_bytes_per_s"] = sorted[sorted.size() / 2];
+      j["resume_vs_fio_read"] = ratios.contains("median_vs_fio_around") ? ratios["median_vs_fio_around"]
+                                                                          : ratios["median_vs_fio_before"];
+      j["suspend_vs_fio_write"] = j["suspend_bytes_per_s"].get<double>() / j["fio_write_bytes_per_s"].get<double>();
+      j["fio_command"] = FioJobCommand("DIR/fio.dat", fio_bytes, fio_best->block_bytes, fio_best->depth, "read");
     }
+    std::filesystem::remove(fio_file, ec);
   }
   chain.reset();
   std::filesystem::remove_all(dir, ec);
@@ -373,6 +436,7 @@ Result<nlohmann::json> RunSuspendBench(const SuspendBenchOptions& o) {
   if (o.v32_tokens < kBlockTokens || o.v4_tokens < kBlockTokens)
     return Status::InvalidArgument(fmt::format("bench suspend: sequences of at least {} tokens", kBlockTokens));
   if (o.turns == 0 || o.turn_tokens == 0) return Status::InvalidArgument("bench suspend: --turns and --turn-tokens must be positive");
+  if (o.rounds < 1 || o.rounds > 100) return Status::InvalidArgument("bench suspend: --rounds must be from 1 to 100");
   SPARSEKV_ASSIGN_OR_RETURN(std::unique_ptr<ScratchDir> scratch, ScratchDir::Make(o.dir, "suspend"));
   const std::string root = scratch->path();
   const uint64_t budget = o.max_bytes ? o.max_bytes : MemAvailable() / 10 * 6;
@@ -400,7 +464,7 @@ Result<nlohmann::json> RunSuspendBench(const SuspendBenchOptions& o) {
     for (bool ssd : {false, true}) {
       if ((ssd && !o.ssd) || (!ssd && !o.host)) continue;
       ProgressNote(fmt::format("{} tokens of {}, {} tier", tokens, mdl.name, ssd ? "SSD" : "host"));
-      SPARSEKV_ASSIGN_OR_RETURN(nlohmann::json j, SuspendResume(mdl.name, spec, tokens, ssd, root + "/seq", o.with_fio, o.cold_host_tier));
+      SPARSEKV_ASSIGN_OR_RETURN(nlohmann::json j, SuspendResume(mdl.name, spec, tokens, ssd, root + "/seq", o.with_fio, o.cold_host_tier, o));
       j["bytes_per_block"] = per_block;
       if (!cut.is_null()) j["cut_to_fit_memory"] = cut;
       runs.push_back(j);

@@ -7,7 +7,8 @@
 //      (write-back, so nothing was written before), Resume restores them into another L1 (its
 //      pages touched first, as a serving engine's are; the host tier's arena too). Rates
 //      are bytes of records per second, set against memcpy of the same bytes (host) and fio's
-//      O_DIRECT sequential write and read of as many bytes in 1 MiB I/Os, depth 16 (SSD). A
+//      O_DIRECT sequential write of as many bytes in 1 MiB I/Os, depth 16, and read at fio's
+//      best block size and depth, alternating with the resumes in the same run (SSD). A
 //      sequence larger than `max_bytes` allows (L1 plus the tier hold it twice) is cut to what
 //      fits, and the output says so.
 //   2. A conversation of `turns` turns of `turn_tokens` tokens (V4), resumed and suspended every
@@ -44,6 +45,13 @@ struct SuspendBenchOptions {
   // fresh page it fills (a tier's first pass). Default: false (populated at open, as warm).
   bool cold_host_tier = false;
   bool with_fio = true;
+  // SSD: fio's read at this block size and depth (0: the best of a sweep of 128 KiB to 4 MiB at
+  // depths 1 to 32, made before the suspend); the SSD tier does its I/O in blocks of that size,
+  // with at least as many bytes in flight. Resumes then alternate with fio reads of as many
+  // bytes (fio, resume, fio, ..., fio), `rounds` resumes, each into a fresh L1.
+  uint64_t fio_block_bytes = 0;
+  uint32_t fio_depth = 0;
+  int rounds = 3;
   uint32_t turns = 20;
   uint32_t turn_tokens = 256;
   std::vector<uint32_t> concurrency = {1, 64, 1024};

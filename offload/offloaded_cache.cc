@@ -851,7 +851,16 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
   // What comes through the chain is asked for in chunks, all at once: the tiers read them in
   // order while the blocks of the chunks already read are copied into L1 (an SSD restore used
   // to copy only after its last read).
-  const size_t chunk = rest.empty() ? keys.size() : kRestoreChunkBlocks;
+  // A chunk holds at most 32 MiB of records (one block at least) and the chunks asked for ahead
+  // at most 128 MiB, within kRestoreChunkBlocks and kReadAheadChunks: a prefix of large blocks
+  // (a V4 block's whole record is 15.6 MB) then lands in the SSD tier's registered read arena
+  // rather than in fresh heap memory, with still 16 MiB or more in flight.
+  constexpr uint64_t kChunkBytes = 32ull << 20, kAheadBytes = 128ull << 20;
+  const uint64_t per_block = std::max<uint64_t>(1, plan != nullptr ? history_record_bytes_ : block_record_bytes_);
+  const size_t chunk = rest.empty() ? keys.size()
+                                    : static_cast<size_t>(std::clamp<uint64_t>(kChunkBytes / per_block, 1, kRestoreChunkBlocks));
+  const size_t read_ahead =
+      static_cast<size_t>(std::clamp<uint64_t>(kAheadBytes / (uint64_t{chunk} * per_block), 1, kReadAheadChunks));
   // At most kReadAheadChunks chunks are asked for ahead of the copy: enough to keep the tier
   // busy, few enough that a long prefix's reads land in the tier's read arena rather than in
   // fresh memory the kernel must zero first (asking for a 128K-token prefix at once did that).
@@ -865,11 +874,11 @@ uint32_t OffloadedCache::RestoreBlocks(SequenceId seq, uint32_t first_block,
           rest.begin() + static_cast<std::ptrdiff_t>(std::min(c + chunk, rest.size())))));
     }
   };
-  ask_upto(kReadAheadChunks);
+  ask_upto(read_ahead);
   size_t collected = 0;  // reads whose bundles are in `got`
   auto collect_before = [&](size_t key_end) {
     while (collected < chunks && rest_at[collected * chunk] < key_end) {
-      ask_upto(collected + 1 + kReadAheadChunks);
+      ask_upto(collected + 1 + read_ahead);
       std::vector<Result<BundlePtr>> r = reads[collected].get();
       for (size_t j = 0; j < r.size(); ++j) got[rest_at[collected * chunk + j]] = std::move(r[j]);
       ++collected;

@@ -11,6 +11,13 @@
 // again. An extent being read is pinned; freeing a pinned extent waits for the last reader. An
 // extent whose index entry may or may not have been deleted (the RocksDB write failed) is
 // quarantined until the next open, which rebuilds the free space from the index.
+//
+// Reads (GetAsync): batches queue in read_queue_, and an I/O thread streams every batch queued,
+// and those queued while it reads, through one ring run (ReadStream), so the ring never drains
+// between the chunks a restore asks for ahead. Within a batch, records whose extents are
+// adjacent (or a small gap apart) are read as one range into one buffer the records share, in
+// I/Os of io_bytes (PlanRead); each record is checked as soon as its I/Os are done, while later
+// ones are in flight, and fails alone.
 #include "sparsekv/ssd_tier.h"
 
 #include <fmt/format.h>
@@ -218,9 +225,16 @@ class SsdTierImpl final : public SsdTier {
   }
 
   void GetAsync(std::vector<BundleKey> keys, BundlesCallback done) override {
-    workers_->Submit([this, keys = std::move(keys), done = std::move(done)](size_t w) mutable {
-      done(DoGet(*queues_[w], keys));
-    });
+    auto batch = std::make_unique<ReadBatch>();
+    batch->keys = std::move(keys);
+    batch->done = std::move(done);
+    {
+      MutexLock lock(read_mu_);
+      read_queue_.push_back(std::move(batch));
+    }
+    // The batch may be read by a stream already running on another task: this one then finds
+    // nothing left and returns.
+    workers_->Submit([this](size_t w) { ReadStream(*queues_[w]); });
   }
 
   void ContainsAsync(std::vector<BundleKey> keys, ContainsCallback done) override {
@@ -327,8 +341,61 @@ class SsdTierImpl final : public SsdTier {
   void Commit(std::vector<PendingPut>& group) SPARSEKV_EXCLUDES(mu_, index_mu_);
   std::vector<Status> DoReadSectors(UringQueue& q, std::span<const SectorRead> reads,
                                     std::vector<SectorRecord>* records);
-  std::vector<Result<BundlePtr>> DoGet(UringQueue& q, const std::vector<BundleKey>& keys)
+  // Reads (GetAsync). A batch's records are sorted by where they lie, and records whose extents
+  // are adjacent (or a gap of at most read_gap_bytes apart) form a group: one contiguous range of
+  // the data file read into one buffer, in I/Os of io_bytes, each record then a view of its part
+  // of that buffer. Each record is checked as soon as the I/Os covering it are done, while the
+  // later I/Os are in flight; a damaged record fails alone. A record whose coalesced I/O failed
+  // is read again on its own, so that a bad sector fails only the record it lies in.
+  struct ReadItem {
+    bool found = false;
+    Location loc;
+    uint64_t record_bytes = 0;
+    uint64_t aligned = 0;
+    uint64_t offset = 0;  // of the extent in the data file
+    RecordBuffer buf;
+    uint32_t pieces_left = 0;  // I/Os of its current group still covering it
+    bool retried = false;      // read again alone after a coalesced I/O over it failed
+    Status st;
+    BundlePtr bundle;
+  };
+  struct ReadGroup {
+    uint64_t offset = 0;  // in the data file
+    uint64_t bytes = 0;
+    std::byte* data = nullptr;  // where `offset` lands
+    std::vector<uint32_t> items;  // the records it covers, in file order
+    std::shared_ptr<RecordBuffer> owner;  // the group's buffer, when several records share it
+  };
+  struct ReadBatch {
+    std::vector<BundleKey> keys;
+    BundlesCallback done;
+    std::vector<ReadItem> items;
+    std::deque<ReadGroup> groups;  // a deque: retries add groups while others are referenced
+    size_t unsettled = 0;          // found records not yet checked or failed
+    uint64_t io_errors = 0;
+  };
+  struct ReadPiece {
+    ReadBatch* batch = nullptr;
+    uint32_t group = 0;
+    uint64_t offset = 0;  // in the data file
+    uint64_t length = 0;
+    std::byte* data = nullptr;
+  };
+  // Reads every batch queued, and those queued while it runs (up to a bound, so that puts
+  // queued behind get their turn), in one stream through the ring: the ring never drains
+  // between batches. Each batch's callback runs once its last record is settled.
+  void ReadStream(UringQueue& q) SPARSEKV_EXCLUDES(mu_, index_mu_, read_mu_);
+  // Looks up, pins and groups a batch's records, allocates their memory and appends the I/Os.
+  void PlanRead(ReadBatch& b, std::deque<ReadPiece>& pieces) SPARSEKV_EXCLUDES(mu_);
+  void AddGroupPieces(ReadBatch& b, uint32_t group, std::deque<ReadPiece>& pieces);
+  // One I/O of a group finished (`result`: bytes or -errno).
+  void PieceDone(const ReadPiece& p, int result, std::deque<ReadPiece>& pieces)
       SPARSEKV_EXCLUDES(mu_, index_mu_);
+  // Every I/O covering record i is done: check it, or read it again alone, or fail it.
+  void ItemRead(ReadBatch& b, uint32_t i, bool coalesced, std::deque<ReadPiece>& pieces)
+      SPARSEKV_EXCLUDES(mu_, index_mu_);
+  // Every record of the batch is settled: erases the corrupt, unpins, counts, answers.
+  void FinishRead(ReadBatch& b) SPARSEKV_EXCLUDES(mu_, index_mu_);
   // Removes the entries of `keys` (only where they still lie at `only_at[i]`, only if their
   // sequence is below `below[i]`, when given) from memory and the index; their extents are
   // free once the index delete is written.
@@ -359,6 +426,9 @@ class SsdTierImpl final : public SsdTier {
   std::shared_ptr<offload::RecordArena> arena_;      // shared with the bundles it holds
   std::vector<std::unique_ptr<UringQueue>> queues_;  // queues_[w] is used only by worker w
   std::unique_ptr<offload::WorkerPool> workers_;
+
+  Mutex read_mu_;
+  std::deque<std::unique_ptr<ReadBatch>> read_queue_ SPARSEKV_GUARDED_BY(read_mu_);
 
   Mutex commit_mu_;
   std::condition_variable_any commit_cv_;
@@ -403,6 +473,11 @@ Status SsdTierImpl::Init() {
       o.io_bytes > (64u << 20)) {
     return Status::InvalidArgument(fmt::format(
         "ssd tier: io_bytes {} must be a multiple of 4096 from 4 KiB to 64 MiB", o.io_bytes));
+  }
+  if (o.read_gap_bytes % kDirectIoAlignment != 0 || o.read_coalesce_bytes > (1ull << 30)) {
+    return Status::InvalidArgument(fmt::format(
+        "ssd tier: read_gap_bytes {} must be a multiple of 4096 and read_coalesce_bytes {} at most 1 GiB",
+        o.read_gap_bytes, o.read_coalesce_bytes));
   }
   if (o.max_record_bytes < BundleHeaderBytes(0) || o.max_record_bytes > (1ull << 32)) {
     return Status::InvalidArgument(
@@ -1055,30 +1130,74 @@ std::vector<Status> SsdTierImpl::DoReadSectors(UringQueue& q, std::span<const Se
   return out;
 }
 
-std::vector<Result<BundlePtr>> SsdTierImpl::DoGet(UringQueue& q,
-                                                  const std::vector<BundleKey>& keys) {
-  const size_t n = keys.size();
-  struct Item {
-    bool found = false;
-    Location loc;
-    uint64_t record_bytes = 0;
-    uint64_t aligned = 0;
-    uint64_t offset = 0;
-    RecordBuffer buf;
-    uint64_t chunks_left = 0;
-    Status st;
-    BundlePtr bundle;
+void SsdTierImpl::ReadStream(UringQueue& q) {
+  // Bytes of records one stream takes on before it lets the tasks queued behind it run.
+  constexpr uint64_t kStreamBytes = 1ull << 30;
+  std::vector<std::unique_ptr<ReadBatch>> batches;  // kept until the stream ends: pieces point in
+  std::deque<ReadPiece> pieces;                     // op k of the ring is pieces[k]
+  uint64_t handed = 0;                              // pieces handed to the ring so far
+  uint64_t taken_bytes = 0;
+  auto more = [&]() -> uint64_t {
+    while (pieces.size() == handed && taken_bytes < kStreamBytes) {
+      std::unique_ptr<ReadBatch> b;
+      {
+        MutexLock lock(read_mu_);
+        if (read_queue_.empty()) break;
+        b = std::move(read_queue_.front());
+        read_queue_.pop_front();
+      }
+      ReadBatch& batch = *b;
+      batches.push_back(std::move(b));
+      const size_t before = pieces.size();
+      PlanRead(batch, pieces);
+      for (size_t k = before; k < pieces.size(); ++k) taken_bytes += pieces[k].length;
+      if (batch.unsettled == 0) FinishRead(batch);  // nothing to read: every key missed
+    }
+    const uint64_t n = pieces.size() - handed;
+    handed = pieces.size();
+    return n;
   };
-  std::vector<Item> items(n);
+  const Status ring = q.Run(
+      0,
+      [&](uint64_t k, UringOp& op) {
+        const ReadPiece& p = pieces[k];
+        op.file = file_.get();
+        op.kind = AsyncIo::Kind::kRead;
+        op.offset = p.offset;
+        op.data = p.data;
+        op.length = p.length;
+      },
+      [&](uint64_t k, const UringOp& op) {
+        const ReadPiece p = pieces[k];  // a copy: a retry may append to `pieces`
+        PieceDone(p, op.result, pieces);
+      },
+      more);
+  (void)ring;  // its failure reached every op it affected
+  // Every batch is answered, even one whose accounting went wrong: never a record unread.
+  for (auto& b : batches) {
+    if (!b->done) continue;
+    spdlog::error("ssd tier {}: a read batch was left unsettled; failing its unread records", options_.path);
+    for (ReadItem& it : b->items) {
+      if (it.found && it.bundle == nullptr && it.st.ok())
+        it.st = Status::Internal("ssd tier: the read of this record never completed");
+    }
+    FinishRead(*b);
+  }
+}
+
+void SsdTierImpl::PlanRead(ReadBatch& b, std::deque<ReadPiece>& pieces) {
+  const size_t n = b.keys.size();
+  b.items.resize(n);
+  std::vector<uint32_t> order;
   {
     MutexLock lock(mu_);
     for (size_t i = 0; i < n; ++i) {
-      auto e = entries_.find(keys[i]);
+      auto e = entries_.find(b.keys[i]);
       if (e == entries_.end()) {
         ++stats_.misses;
         continue;
       }
-      Item& it = items[i];
+      ReadItem& it = b.items[i];
       eviction_.Touch(e->second.id);
       it.found = true;
       it.record_bytes = e->second.record_bytes;
@@ -1086,67 +1205,148 @@ std::vector<Result<BundlePtr>> SsdTierImpl::DoGet(UringQueue& q,
       it.loc = {e->second.at, UnitsOf(it.record_bytes), e->second.checksum};
       it.offset = e->second.at * kUnit;
       ++pins_[it.loc.at];
+      order.push_back(static_cast<uint32_t>(i));
     }
   }
-  std::vector<std::pair<uint32_t, uint32_t>> ops;
-  const uint64_t io = options_.io_bytes;
-  for (size_t i = 0; i < n; ++i) {
-    Item& it = items[i];
-    if (!it.found) continue;
-    // The bundle will own this memory: the registered arena when it has room, else the heap.
-    if (arena_) it.buf = arena_->TryAllocate(it.aligned);
-    if (!it.buf) it.buf = RecordBuffer::Allocate(it.aligned);
-    for (uint64_t c = 0; c * io < it.aligned; ++c) {
-      ops.emplace_back(static_cast<uint32_t>(i), static_cast<uint32_t>(c));
-      ++it.chunks_left;
+  b.unsettled = order.size();
+  std::sort(order.begin(), order.end(), [&](uint32_t x, uint32_t y) {
+    return b.items[x].offset < b.items[y].offset || (b.items[x].offset == b.items[y].offset && x < y);
+  });
+  // A gap as long as an I/O could leave an I/O covering no record: gaps stay shorter.
+  const uint64_t gap_limit = std::min(options_.read_gap_bytes, options_.io_bytes - kUnit);
+  const uint64_t group_limit = options_.read_coalesce_bytes;
+  std::vector<ReadGroup> ranges;
+  for (uint32_t i : order) {
+    const ReadItem& it = b.items[i];
+    if (!ranges.empty()) {
+      ReadGroup& g = ranges.back();
+      const uint64_t end = g.offset + g.bytes;
+      if (it.offset >= end && it.offset - end <= gap_limit && it.offset + it.aligned - g.offset <= group_limit) {
+        g.bytes = it.offset + it.aligned - g.offset;
+        g.items.push_back(i);
+        continue;
+      }
     }
+    ReadGroup g;
+    g.offset = it.offset;
+    g.bytes = it.aligned;
+    g.items.push_back(i);
+    ranges.push_back(std::move(g));
   }
-  uint64_t io_errors = 0;
-  const Status ring = q.Run(
-      ops.size(),
-      [&](uint64_t k, UringOp& op) {
-        const auto [i, c] = ops[k];
-        Item& it = items[i];
-        const uint64_t off = uint64_t{c} * io;
-        op.file = file_.get();
-        op.kind = AsyncIo::Kind::kRead;
-        op.offset = it.offset + off;
-        op.data = it.buf.data() + off;
-        op.length = std::min(io, it.aligned - off);
-      },
-      [&](uint64_t k, const UringOp& op) {
-        const uint32_t i = ops[k].first;
-        Item& it = items[i];
-        if (op.result < 0 && it.st.ok()) {
-          ++io_errors;
-          it.st = ErrnoStatus(-op.result,
-                              fmt::format("ssd tier: read {} at {}", data_path_, op.offset));
-        }
-        if (--it.chunks_left > 0 || !it.st.ok()) return;
-        // The whole record is here: check it now, while later reads are in flight. The extent's
-        // padding is not the bundle's: zero it, as a RecordBuffer promises.
-        std::memset(it.buf.data() + it.record_bytes, 0, it.aligned - it.record_bytes);
-        Result<BundlePtr> b = Bundle::AdoptRecord(std::move(it.buf), it.record_bytes, keys[i]);
-        if (!b.ok()) {
-          it.st = b.status().WithContext(fmt::format("ssd tier: {} at {}", data_path_, it.offset));
-        } else if ((*b)->checksum() != it.loc.checksum) {
-          it.st = Status::Corruption(fmt::format(
-              "ssd tier: {} at {}: bundle {} holds checksum {:016x}, the index expects {:016x} (a "
-              "stale record)",
-              data_path_, it.offset, keys[i].ToString(), (*b)->checksum(), it.loc.checksum));
-        } else {
-          it.bundle = std::move(*b);
-        }
-      });
-  (void)ring;
+  // The bundles will own this memory: the registered arena when it has room, else the heap. A
+  // range the arena cannot hold is halved (by records) until the parts fit, so that reads keep
+  // landing in registered, pre-faulted memory; a single record it cannot hold goes to the heap.
+  std::function<void(ReadGroup)> place = [&](ReadGroup g) {
+    RecordBuffer buf;
+    if (arena_) buf = arena_->TryAllocate(g.bytes);
+    if (!buf && arena_ && g.items.size() > 1) {
+      for (int half = 0; half < 2; ++half) {
+        const size_t mid = g.items.size() / 2;
+        ReadGroup part;
+        part.items.assign(g.items.begin() + (half ? static_cast<std::ptrdiff_t>(mid) : 0),
+                          half ? g.items.end() : g.items.begin() + static_cast<std::ptrdiff_t>(mid));
+        const ReadItem& first = b.items[part.items.front()];
+        const ReadItem& last = b.items[part.items.back()];
+        part.offset = first.offset;
+        part.bytes = last.offset + last.aligned - first.offset;
+        place(std::move(part));
+      }
+      return;
+    }
+    if (!buf) buf = RecordBuffer::Allocate(g.bytes);
+    g.data = buf.data();
+    b.groups.push_back(std::move(g));
+    ReadGroup& placed = b.groups.back();
+    placed.data = buf.data();
+    if (placed.items.size() == 1) {
+      b.items[placed.items[0]].buf = std::move(buf);
+    } else {
+      placed.owner = std::make_shared<RecordBuffer>(std::move(buf));
+      for (uint32_t i : placed.items) {
+        ReadItem& it = b.items[i];
+        it.buf = RecordBuffer(placed.data + (it.offset - placed.offset), it.aligned,
+                              [owner = placed.owner](std::byte*) { (void)owner; });
+      }
+    }
+  };
+  for (ReadGroup& g : ranges) place(std::move(g));
+  for (uint32_t gi = 0; gi < b.groups.size(); ++gi) AddGroupPieces(b, gi, pieces);
+}
 
+void SsdTierImpl::AddGroupPieces(ReadBatch& b, uint32_t group, std::deque<ReadPiece>& pieces) {
+  const ReadGroup& g = b.groups[group];
+  const uint64_t io = options_.io_bytes;
+  for (uint64_t off = 0; off < g.bytes; off += io)
+    pieces.push_back({&b, group, g.offset + off, std::min(io, g.bytes - off), g.data + off});
+  for (uint32_t i : g.items) {
+    ReadItem& it = b.items[i];
+    const uint64_t rel = it.offset - g.offset;
+    it.pieces_left = static_cast<uint32_t>((rel + it.aligned - 1) / io - rel / io + 1);
+  }
+}
+
+void SsdTierImpl::PieceDone(const ReadPiece& p, int result, std::deque<ReadPiece>& pieces) {
+  ReadBatch& b = *p.batch;
+  const ReadGroup& g = b.groups[p.group];
+  const bool failed = result < 0;
+  if (failed) ++b.io_errors;
+  const bool coalesced = g.items.size() > 1;
+  const std::vector<uint32_t> items = g.items;  // ItemRead may add groups
+  for (uint32_t i : items) {
+    ReadItem& it = b.items[i];
+    if (it.offset >= p.offset + p.length || it.offset + it.aligned <= p.offset) continue;
+    if (failed && it.st.ok()) {
+      it.st = ErrnoStatus(-result, fmt::format("ssd tier: read {} at {}", data_path_, p.offset));
+    }
+    if (--it.pieces_left == 0) ItemRead(b, i, coalesced, pieces);
+  }
+}
+
+void SsdTierImpl::ItemRead(ReadBatch& b, uint32_t i, bool coalesced, std::deque<ReadPiece>& pieces) {
+  ReadItem& it = b.items[i];
+  if (!it.st.ok()) {
+    if (coalesced && !it.retried) {
+      // The failed I/O covered other records too: read this one alone, so that only a record
+      // whose own bytes cannot be read fails.
+      it.retried = true;
+      it.st = Status::OK();
+      ReadGroup g;
+      g.offset = it.offset;
+      g.bytes = it.aligned;
+      g.data = it.buf.data();
+      g.items.push_back(i);
+      b.groups.push_back(std::move(g));
+      AddGroupPieces(b, static_cast<uint32_t>(b.groups.size() - 1), pieces);
+      return;
+    }
+  } else {
+    // The whole record is here: check it now, while later reads are in flight. The extent's
+    // padding is not the bundle's: zero it, as a RecordBuffer promises.
+    std::memset(it.buf.data() + it.record_bytes, 0, it.aligned - it.record_bytes);
+    Result<BundlePtr> r = Bundle::AdoptRecord(std::move(it.buf), it.record_bytes, b.keys[i]);
+    if (!r.ok()) {
+      it.st = r.status().WithContext(fmt::format("ssd tier: {} at {}", data_path_, it.offset));
+    } else if ((*r)->checksum() != it.loc.checksum) {
+      it.st = Status::Corruption(fmt::format(
+          "ssd tier: {} at {}: bundle {} holds checksum {:016x}, the index expects {:016x} (a "
+          "stale record)",
+          data_path_, it.offset, b.keys[i].ToString(), (*r)->checksum(), it.loc.checksum));
+    } else {
+      it.bundle = std::move(*r);
+    }
+  }
+  if (--b.unsettled == 0) FinishRead(b);
+}
+
+void SsdTierImpl::FinishRead(ReadBatch& b) {
+  const size_t n = b.keys.size();
   std::vector<BundleKey> corrupt_keys;
   std::vector<Location> corrupt_at;
   for (size_t i = 0; i < n; ++i) {
-    if (items[i].found && items[i].st.Is(StatusCode::kCorruption)) {
-      spdlog::warn("{}; erasing it", items[i].st.ToString());
-      corrupt_keys.push_back(keys[i]);
-      corrupt_at.push_back(items[i].loc);
+    if (b.items[i].found && b.items[i].st.Is(StatusCode::kCorruption)) {
+      spdlog::warn("{}; erasing it", b.items[i].st.ToString());
+      corrupt_keys.push_back(b.keys[i]);
+      corrupt_at.push_back(b.items[i].loc);
     }
   }
   if (!corrupt_keys.empty()) {
@@ -1157,35 +1357,44 @@ std::vector<Result<BundlePtr>> SsdTierImpl::DoGet(UringQueue& q,
 
   std::vector<Result<BundlePtr>> out;
   out.reserve(n);
-  MutexLock lock(mu_);
-  for (size_t i = 0; i < n; ++i) {
-    Item& it = items[i];
-    if (!it.found) {
-      out.emplace_back(Status::NotFound("ssd tier: no bundle " + keys[i].ToString()));
-      continue;
+  {
+    MutexLock lock(mu_);
+    for (size_t i = 0; i < n; ++i) {
+      ReadItem& it = b.items[i];
+      if (!it.found) {
+        out.emplace_back(Status::NotFound("ssd tier: no bundle " + b.keys[i].ToString()));
+        continue;
+      }
+      UnpinLocked(it.loc.at);
+      if (it.st.ok()) {
+        ++stats_.hits;
+        stats_.bytes_read += it.aligned;
+        out.emplace_back(std::move(it.bundle));
+      } else if (IsOtherBundleVersion(it.st)) {
+        // Another release's record (a directory handed between releases): a miss, counted, its
+        // entry and bytes left in place for its writer and for eviction.
+        auto e = entries_.find(b.keys[i]);
+        if (e != entries_.end() && e->second.at == it.loc.at) e->second.other_version = true;
+        ++stats_.other_version;
+        ++stats_.misses;
+        out.emplace_back(Status::NotFound(std::string(it.st.message())));
+      } else {
+        if (it.st.Is(StatusCode::kCorruption)) ++stats_.corrupt;
+        out.emplace_back(std::move(it.st));
+      }
     }
-    UnpinLocked(it.loc.at);
-    if (it.st.ok()) {
-      ++stats_.hits;
-      stats_.bytes_read += it.aligned;
-      out.emplace_back(std::move(it.bundle));
-    } else if (IsOtherBundleVersion(it.st)) {
-      // Another release's record (a directory handed between releases): a miss, counted, its
-      // entry and bytes left in place for its writer and for eviction.
-      auto e = entries_.find(keys[i]);
-      if (e != entries_.end() && e->second.at == it.loc.at) e->second.other_version = true;
-      ++stats_.other_version;
-      ++stats_.misses;
-      out.emplace_back(Status::NotFound(std::string(it.st.message())));
-    } else {
-      if (it.st.Is(StatusCode::kCorruption)) ++stats_.corrupt;
-      out.emplace_back(std::move(it.st));
+    stats_.io_errors += b.io_errors;
+    for (const ReadGroup& g : b.groups) {
+      ++details_.read_groups;
+      if (g.items.size() > 1) details_.coalesced_records += g.items.size();
     }
   }
-  stats_.io_errors += io_errors;
-  return out;
+  // The memory of records that failed goes back now, not when the stream ends.
+  b.items.clear();
+  for (ReadGroup& g : b.groups) g.owner.reset();
+  BundlesCallback done = std::move(b.done);
+  done(std::move(out));
 }
-
 }  // namespace
 
 Result<std::unique_ptr<SsdTier>> SsdTier::Open(const SsdTierOptions& options, FileSystem* fs) {

@@ -61,7 +61,8 @@ Status UringQueue::RegisterRegion(std::byte* base, uint64_t bytes) {
   return Status::OK();
 }
 
-Status UringQueue::Run(uint64_t count, const Prepare& prepare, const Complete& complete) {
+Status UringQueue::Run(uint64_t count, const Prepare& prepare, const Complete& complete,
+                       const More& more) {
   Impl& im = *impl_;
   std::vector<uint32_t> free_slots;
   free_slots.reserve(depth_);
@@ -91,13 +92,18 @@ Status UringQueue::Run(uint64_t count, const Prepare& prepare, const Complete& c
       if (busy[b]) finish(b, -err);
     }
     flush_finished();
-    while (next < count) {
-      Impl::Slot& s = im.slots[0];
-      s.index = next++;
-      s.op = UringOp{};
-      prepare(s.index, s.op);
-      s.op.result = -err;
-      complete(s.index, s.op);
+    for (;;) {
+      while (next < count) {
+        Impl::Slot& s = im.slots[0];
+        s.index = next++;
+        s.op = UringOp{};
+        prepare(s.index, s.op);
+        s.op.result = -err;
+        complete(s.index, s.op);
+      }
+      const uint64_t m = more ? more() : 0;
+      if (m == 0) break;
+      count += m;
     }
   };
   if (!broken_.ok()) {
@@ -145,9 +151,16 @@ Status UringQueue::Run(uint64_t count, const Prepare& prepare, const Complete& c
 
   std::vector<std::pair<uint32_t, int>> reaped;
   reaped.reserve(depth_);
-  while (next < count || in_flight > 0 || !finished.empty()) {
+  // More ops of a stream, when every op so far has been handed out.
+  auto ask_more = [&] {
+    if (next < count || !more) return next < count;
+    count += more();
+    return next < count;
+  };
+  for (;;) {
+    if (next >= count && in_flight == 0 && finished.empty() && !ask_more()) break;
     uint32_t queued = 0;
-    while (next < count && !free_slots.empty()) {
+    while (!free_slots.empty() && ask_more()) {
       const uint32_t b = free_slots.back();
       free_slots.pop_back();
       busy[b] = true;

@@ -52,7 +52,15 @@ class UringQueue {
 
   // Runs ops 0..count-1, at most depth() in flight. When the ring itself fails, the ops not
   // finished complete with its error, which is returned, and the queue is not used again.
-  Status Run(uint64_t count, const Prepare& prepare, const Complete& complete);
+  //
+  // With `more`, the batch is a stream: whenever every op so far has been handed out and a slot
+  // is free (and once more before returning), `more()` is asked how many ops follow (0: none
+  // now); they take the next indices. So a caller keeps the ring full across requests that
+  // arrive while it runs, and `complete` may queue ops of its own (a retry) for `more` to
+  // return. After a ring failure, the ops `more` still returns complete with its error.
+  using More = std::function<uint64_t()>;
+  Status Run(uint64_t count, const Prepare& prepare, const Complete& complete,
+             const More& more = nullptr);
 
   uint32_t depth() const { return depth_; }
   bool registered() const { return region_ != nullptr; }

@@ -36,7 +36,15 @@ SPARSEKV_BENCH_COMMAND(restore) {
                   "SSD tier's registered read arena (0: the tier's default)")
       ->capture_default_str();
   cmd->add_flag("--with-fio", args->options.with_fio,
-                "ssd: also run fio (io_uring, O_DIRECT, 1 MiB reads, depth 1 and 16) each round");
+                "ssd: also run fio (io_uring, O_DIRECT reads at its best block size and depth, which the "
+                "tier then uses), before each restore and after the last");
+  cmd->add_option("--fio-bs", args->options.fio_block_bytes, "fio's block size in bytes (0: the best of a sweep)")
+      ->capture_default_str();
+  cmd->add_option("--fio-depth", args->options.fio_depth, "fio's depth (0: the best of a sweep)")
+      ->capture_default_str();
+  cmd->add_flag("--fio-tier-file", args->options.fio_on_tier_file,
+                "ssd: the interleaved fio runs read the tier's own data file (read-only), as freshly stored as "
+                "the restore's bytes, instead of fio's own file");
   cmd->add_option("--eviction-blocks", args->options.eviction_blocks,
                   "L1 blocks of the write-back eviction phase (time under the manager's lock per evicted "
                   "block, with and without evicting ahead); 0 skips it")
@@ -93,11 +101,14 @@ SPARSEKV_BENCH_COMMAND(restore) {
       std::printf("pread    %7.2f GB/s   (O_DIRECT, 1 MiB, depth 1; restore/pread %.2f)\n",
                   j["pread_bytes_per_s"].get<double>() / gb, j["restore_vs_pread"].get<double>());
     }
-    if (j.contains("fio_qd1_read_bytes_per_s")) {
-      std::printf("fio      %7.2f GB/s at depth 1, %.2f GB/s at depth 16   (restore/best %.2f)\n",
-                  j["fio_qd1_read_bytes_per_s"].get<double>() / gb,
-                  j["fio_qd16_read_bytes_per_s"].get<double>() / gb,
-                  j["restore_vs_fio_best"].get<double>());
+    if (j.contains("restore_vs_fio")) {
+      std::printf("fio      %7.2f GB/s at bs %llu depth %u (median), interleaved; restore/fio per round:",
+                  j["fio_read_bytes_per_s"].get<double>() / gb,
+                  static_cast<unsigned long long>(j["fio_best_bs"].get<uint64_t>()), j["fio_best_iodepth"].get<unsigned>());
+      for (const auto& r : j["restore_vs_fio"]["runs"]) {
+        std::printf(" %.2f", (r.contains("vs_fio_around") ? r["vs_fio_around"] : r["vs_fio_before"]).get<double>());
+      }
+      std::printf("   (median %.2f)\n", j["restore_vs_fio_best"].get<double>());
     } else if (j.contains("fio_error")) {
       std::printf("fio: %s\n", j["fio_error"].get<std::string>().c_str());
     }

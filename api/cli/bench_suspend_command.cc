@@ -32,6 +32,13 @@ SPARSEKV_BENCH_COMMAND(suspend) {
   cmd->add_flag("!--no-host", o.host, "Skip the host tier runs");
   cmd->add_flag("!--no-ssd", o.ssd, "Skip the SSD tier runs");
   cmd->add_flag("--no-fio", args->no_fio, "Do not run fio");
+  cmd->add_option("--fio-bs", o.fio_block_bytes,
+                  "SSD: fio's read block size in bytes, also the tier's I/O size (0: the best of a sweep)")
+      ->capture_default_str();
+  cmd->add_option("--fio-depth", o.fio_depth, "SSD: fio's read depth (0: the best of a sweep)")->capture_default_str();
+  cmd->add_option("--rounds", o.rounds, "SSD: resumes, alternating with fio reads (fio, resume, ..., fio)")
+      ->check(CLI::Range(1, 100))
+      ->capture_default_str();
   cmd->add_flag("--cold-host-tier", o.cold_host_tier,
                 "Do not populate the host tier's arena first: suspends pay the zeroing of fresh pages");
   cmd->add_option("--turns", o.turns, "Turns of the conversation")->capture_default_str();
@@ -56,6 +63,14 @@ SPARSEKV_BENCH_COMMAND(suspend) {
       if (s.contains("suspend_vs_fio_write")) {
         std::printf("  vs fio %.2f / %.2f", s["suspend_vs_fio_write"].get<double>(), s["resume_vs_fio_read"].get<double>());
       }
+      if (s.contains("resume_vs_fio")) {
+        std::printf("\n    fio read at bs %llu depth %u, interleaved; resume/fio per round:",
+                    static_cast<unsigned long long>(s["fio_best_bs"].get<uint64_t>()), s["fio_best_iodepth"].get<unsigned>());
+        for (const auto& r : s["resume_vs_fio"]["runs"]) {
+          std::printf(" %.2f", (r.contains("vs_fio_around") ? r["vs_fio_around"] : r["vs_fio_before"]).get<double>());
+        }
+      }
+      if (s.contains("fio_error")) std::printf("  fio: %s", s["fio_error"].get<std::string>().c_str());
       if (s.contains("cut_to_fit_memory")) std::printf("  (cut to fit memory)");
       std::printf("\n");
     }

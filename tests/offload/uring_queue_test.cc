@@ -122,6 +122,53 @@ TEST_P(UringQueueTest, HooksInjectFaultsIntoTheRing) {
   EXPECT_EQ(std::count(w.begin(), w.end(), -ENOSPC), 1);
 }
 
+// A stream: ops arrive in installments from `more` (one of them empty-handed while ops are in
+// flight), and a completion queues a retry of its own; every op completes exactly once.
+TEST_P(UringQueueTest, StreamTakesOpsFromMoreUntilItHasNone) {
+  Open(FileSystem::Default());
+  for (int r : WriteAll()) ASSERT_EQ(r, static_cast<int>(kIo));
+  std::vector<uint64_t> op_of;  // op index -> which kIo slot it reads
+  std::vector<int> completions;
+  uint64_t handed = 0, installments = 0, next_slot = 0;
+  bool retried = false;
+  std::vector<int64_t> diffs(kOps, -2);
+  auto more = [&]() -> uint64_t {
+    if (op_of.size() == handed && installments < 6) {
+      ++installments;
+      if (installments % 2 == 1) {  // 8, 0, 8, 0, 8, 0 new ops
+        for (uint64_t k = 0; k < 8; ++k) op_of.push_back(next_slot++);
+      }
+    }
+    const uint64_t n = op_of.size() - handed;
+    handed = op_of.size();
+    completions.resize(op_of.size(), 0);
+    return n;
+  };
+  Status s = queue_->Run(
+      0,
+      [&](uint64_t k, UringOp& op) {
+        std::memset(MemoryOf(op_of[k]), 0, kIo);
+        op = {file_.get(), AsyncIo::Kind::kRead, op_of[k] * kIo, MemoryOf(op_of[k]), kIo, 0, 0};
+      },
+      [&](uint64_t k, const UringOp& op) {
+        ++completions[k];
+        ASSERT_EQ(op.result, static_cast<int>(kIo));
+        const uint64_t i = op_of[k];
+        int64_t d = 0;
+        for (uint64_t b = 0; b < kIo; ++b) d += MemoryOf(i)[b] != PatternByte(i, b);
+        diffs[i] = d;
+        if (i == 5 && !retried) {
+          retried = true;
+          op_of.push_back(5);  // read slot 5 again: `more` hands it out
+        }
+      },
+      more);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  ASSERT_EQ(op_of.size(), kOps + 1);
+  for (int c : completions) EXPECT_EQ(c, 1);
+  for (int64_t d : diffs) EXPECT_EQ(d, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Buffers, UringQueueTest, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "Registered" : "Plain"; });
 

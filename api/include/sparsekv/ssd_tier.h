@@ -61,6 +61,13 @@ struct SsdTierOptions {
   uint32_t io_threads = 1;
   // The largest single I/O; larger records take several. A multiple of 4 KiB. Default: 1 MiB.
   uint64_t io_bytes = 1ull << 20;
+  // Reads of records whose extents lie next to each other (in one Get batch) are coalesced:
+  // one contiguous range of the file, up to this many bytes, read in I/Os of io_bytes into one
+  // buffer that the records share. At most one 4 KiB unit: no coalescing. Default: 8 MiB.
+  uint64_t read_coalesce_bytes = 8ull << 20;
+  // ... also across a gap of at most this many bytes between two extents (read and thrown
+  // away; kept below io_bytes). A multiple of 4 KiB. Default: 32 KiB.
+  uint64_t read_gap_bytes = 32ull << 10;
   // Bytes of the registered read arena that returned bundles live in (pinned memory); it must
   // hold the bundles of the batches in flight and those callers keep. Default: 256 MiB.
   uint64_t read_arena_bytes = 256ull << 20;
@@ -102,6 +109,8 @@ struct SsdTierDetails {
   uint64_t fixed_ios = 0;           // submissions into the registered arena
   uint64_t plain_ios = 0;           // submissions from or into other memory (writes, arena full)
   uint64_t arena_bytes_in_use = 0;  // read arena held by returned bundles and reads in flight
+  uint64_t read_groups = 0;         // contiguous ranges Get read (each in I/Os of io_bytes)
+  uint64_t coalesced_records = 0;   // records Get read in a range shared with others
 };
 
 class SsdTier : public Tier {
