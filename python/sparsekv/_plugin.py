@@ -38,11 +38,12 @@ CONNECTION_OPTIONS = {
 }
 
 
-def check_options(extra, options, who, where, engine_keys=()):
+def check_options(extra, options, who, where, engine_keys=(), log=None):
     """The options of `options` (name -> (check, what, default)) read from the JSON object
     `extra`. A bad value of a known key raises ValueError naming the key and what it must be; a
     key neither known here nor in `engine_keys` is warned about (with the closest known key) and
-    ignored, so that a newer engine's keys do not stop it."""
+    ignored, so that a newer engine's keys do not stop it. `log`: the caller's logger (default
+    this module's)."""
     if extra is None:
         extra = {}
     if not isinstance(extra, dict):
@@ -59,7 +60,7 @@ def check_options(extra, options, who, where, engine_keys=()):
     for key in sorted(str(k) for k in extra if k not in options and k not in engine_keys):
         close = _difflib.get_close_matches(key, known, n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(known)}"
-        _log.warning("%s: %s key '%s' is not one this plug-in knows; ignored (%s)", who, where, key, hint)
+        (log or _log).warning("%s: %s key '%s' is not one this plug-in knows; ignored (%s)", who, where, key, hint)
     return out
 
 

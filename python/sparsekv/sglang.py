@@ -64,7 +64,6 @@ from them.
 
 import collections as _collections
 import ctypes as _ctypes
-import difflib as _difflib
 import hashlib as _hashlib
 import importlib as _importlib
 import logging as _logging
@@ -76,6 +75,7 @@ from enum import Enum as _Enum
 from typing import Any, List, Optional
 
 from . import Client, Error
+from ._plugin import check_options as _check_options
 
 _log = _logging.getLogger(__name__)
 
@@ -279,26 +279,8 @@ _SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "pr
 def _options(extra):
     """This backend's options from the extra config. A bad value of a known key raises ValueError
     naming the key; a key nobody here knows (a newer SGLang's, or a typo) is warned about,
-    naming the closest known key, and otherwise ignored."""
-    if extra is None:
-        extra = {}
-    if not isinstance(extra, dict):
-        raise ValueError(f"sparsekv HiCache backend: the extra config must be a JSON object, not {type(extra).__name__}")
-    out = {}
-    for name, (ok, what, default) in _OPTIONS.items():
-        v = extra.get(name, default)
-        if not ok(v):
-            raise ValueError(f"sparsekv HiCache backend: extra config '{name}' must be {what}; got {v!r}")
-        out[name] = v
-    known = sorted(set(_OPTIONS) | _SGLANG_KEYS)
-    for key in sorted(str(k) for k in extra if k not in _OPTIONS and k not in _SGLANG_KEYS):
-        close = _difflib.get_close_matches(key, known, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(known)}"
-        _log.warning("sparsekv HiCache backend: extra config key '%s' is not one this backend knows; "
-                     "ignored (%s)", key, hint)
-    if out["transport"] == "shm" and not out["address"].startswith("unix:"):
-        raise ValueError("sparsekv HiCache backend: extra config 'transport' 'shm' needs a 'unix:' address")
-    return out
+    naming the closest known key, and otherwise ignored (_plugin.check_options)."""
+    return _check_options(extra, _OPTIONS, "sparsekv HiCache backend", "extra config", _SGLANG_KEYS, log=_log)
 
 
 def _name(pool):
