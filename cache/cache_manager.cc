@@ -148,6 +148,7 @@ class CacheManager::Impl {
   std::shared_ptr<const std::function<void()>> LowNotifyLocked() const SPARSEKV_REQUIRES(mu_);
   void SetBlockEvictHook(BlockEvictHook hook) SPARSEKV_EXCLUDES(mu_);
   SubscriptionId Subscribe(KvEventListener listener) SPARSEKV_EXCLUDES(mu_);
+  SubscriptionId SubscribeBatch(KvEventBatchListener listener) SPARSEKV_EXCLUDES(mu_);
   void Unsubscribe(SubscriptionId id) SPARSEKV_EXCLUDES(mu_, delivery_mu_);
   CacheStats Stats() const SPARSEKV_EXCLUDES(mu_);
   Status CheckInvariants() const SPARSEKV_EXCLUDES(mu_);
@@ -217,12 +218,12 @@ class CacheManager::Impl {
   void Internal(const Status& st) SPARSEKV_REQUIRES(mu_);
 
   // ---- events ----
-  void QueueEventLocked(KvEventType type, KindSet kinds, std::vector<BlockHash> hashes,
-                        BlockHash parent, std::vector<TokenId> tokens = {}) SPARSEKV_REQUIRES(mu_);
-  // Queues a "stored" event for a run of consecutive new blocks (and their tokens, when kept)
-  // and empties the run.
+  void QueueEventLocked(KvEventType type, KindSet kinds, std::span<const BlockHash> hashes,
+                        BlockHash parent, std::span<const TokenId> tokens = {}) SPARSEKV_REQUIRES(mu_);
+  // Queues a "stored" event for a run of consecutive new blocks and empties the run. With
+  // `token_begin`, the run's tokens are already at the end of the queue's tokens, from there.
   void FlushStoredLocked(std::vector<BlockHash>* run, BlockHash parent, KindSet kinds,
-                         std::vector<TokenId>* run_tokens = nullptr) SPARSEKV_REQUIRES(mu_);
+                         const size_t* token_begin) SPARSEKV_REQUIRES(mu_);
   void NoteRemovedLocked(const BlockHash& hash, KindSet kinds) SPARSEKV_REQUIRES(mu_);
   void FlushRemovedLocked() SPARSEKV_REQUIRES(mu_);
   void DeliverEvents() SPARSEKV_EXCLUDES(mu_, delivery_mu_);
@@ -310,12 +311,41 @@ class CacheManager::Impl {
 
   // Events: queued under mu_ in the order of the changes, delivered under delivery_mu_ in the
   // same order (one drainer at a time, each taking the whole queue).
-  std::vector<std::pair<SubscriptionId, std::shared_ptr<KvEventListener>>> listeners_
-      SPARSEKV_GUARDED_BY(mu_);
+  // One of `each` (called per event) and `batch` (per delivered run, may take the events) is set.
+  struct Listener {
+    SubscriptionId id = 0;
+    std::shared_ptr<KvEventListener> each;
+    std::shared_ptr<KvEventBatchListener> batch;
+  };
+  // Copied on write (Subscribe, Unsubscribe): a delivery takes a reference, not a copy.
+  std::shared_ptr<const std::vector<Listener>> listeners_ SPARSEKV_GUARDED_BY(mu_) =
+      std::make_shared<const std::vector<Listener>>();
   SubscriptionId next_subscription_ SPARSEKV_GUARDED_BY(mu_) = 1;
+  uint64_t listeners_generation_ SPARSEKV_GUARDED_BY(mu_) = 0;  // +1 per change of listeners_
   std::atomic<bool> has_listeners_{false};
-  std::vector<KvEvent> pending_events_ SPARSEKV_GUARDED_BY(mu_);
-  std::vector<std::pair<KindSet, std::vector<BlockHash>>> removed_batch_ SPARSEKV_GUARDED_BY(mu_);
+  // Queued events, flat (kv_events.h, KvEventRun); every vector keeps its capacity, so a
+  // steady load queues and delivers events without allocating.
+  struct EventQueue {
+    std::vector<KvEventRecord> events;
+    std::vector<BlockHash> hashes;
+    std::vector<TokenId> tokens;
+    bool empty() const { return events.empty(); }
+    void clear() {
+      events.clear();
+      hashes.clear();
+      tokens.clear();
+    }
+  };
+  EventQueue pending_events_ SPARSEKV_GUARDED_BY(mu_);
+  EventQueue delivering_ SPARSEKV_GUARDED_BY(delivery_mu_);
+  // The listeners the last delivery used, and their generation: taken again only when changed.
+  std::shared_ptr<const std::vector<Listener>> delivery_listeners_ SPARSEKV_GUARDED_BY(delivery_mu_);
+  uint64_t delivery_generation_ SPARSEKV_GUARDED_BY(delivery_mu_) = ~uint64_t{0};
+  // Blocks removed since the last FlushRemovedLocked: runs of equal kinds, in order.
+  std::vector<BlockHash> removed_hashes_ SPARSEKV_GUARDED_BY(mu_);
+  std::vector<std::pair<KindSet, size_t>> removed_groups_ SPARSEKV_GUARDED_BY(mu_);
+  // CommitComputed's run of new blocks (scratch, kept for its capacity).
+  std::vector<BlockHash> run_hashes_ SPARSEKV_GUARDED_BY(mu_);
   uint64_t next_event_ SPARSEKV_GUARDED_BY(mu_) = 1;
   Mutex delivery_mu_;
 };
@@ -1003,41 +1033,52 @@ Status CacheManager::Impl::CheckInvariants() const {
 // Events
 
 void CacheManager::Impl::QueueEventLocked(KvEventType type, KindSet kinds,
-                                          std::vector<BlockHash> hashes, BlockHash parent,
-                                          std::vector<TokenId> tokens) {
-  KvEvent e;
+                                          std::span<const BlockHash> hashes, BlockHash parent,
+                                          std::span<const TokenId> tokens) {
+  KvEventRecord e;
   e.type = type;
   e.sequence_number = next_event_++;
   e.kinds = kinds;
-  e.block_hashes = std::move(hashes);
   e.parent_hash = parent;
   e.block_tokens = block_tokens_;
-  e.token_ids = std::move(tokens);
-  pending_events_.push_back(std::move(e));
+  e.hash_begin = pending_events_.hashes.size();
+  e.hash_count = hashes.size();
+  pending_events_.hashes.insert(pending_events_.hashes.end(), hashes.begin(), hashes.end());
+  e.token_begin = pending_events_.tokens.size();
+  e.token_count = tokens.size();
+  pending_events_.tokens.insert(pending_events_.tokens.end(), tokens.begin(), tokens.end());
+  pending_events_.events.push_back(e);
   ++stats_.events;
 }
 
 void CacheManager::Impl::FlushStoredLocked(std::vector<BlockHash>* run, BlockHash parent,
-                                           KindSet kinds, std::vector<TokenId>* run_tokens) {
+                                           KindSet kinds, const size_t* token_begin) {
   if (run->empty()) return;
-  std::vector<TokenId> tokens;
-  if (run_tokens != nullptr) tokens.swap(*run_tokens);
-  QueueEventLocked(KvEventType::kBlocksStored, kinds, std::move(*run), parent, std::move(tokens));
+  QueueEventLocked(KvEventType::kBlocksStored, kinds, *run, parent);
+  if (token_begin != nullptr) {
+    KvEventRecord& e = pending_events_.events.back();
+    e.token_begin = *token_begin;
+    e.token_count = pending_events_.tokens.size() - *token_begin;
+  }
   run->clear();
 }
 
 void CacheManager::Impl::NoteRemovedLocked(const BlockHash& hash, KindSet kinds) {
-  if (listeners_.empty()) return;
-  if (removed_batch_.empty() || removed_batch_.back().first != kinds)
-    removed_batch_.push_back({kinds, {}});
-  removed_batch_.back().second.push_back(hash);
+  if (!has_listeners_.load(std::memory_order_relaxed)) return;
+  if (removed_groups_.empty() || removed_groups_.back().first != kinds) removed_groups_.push_back({kinds, 0});
+  ++removed_groups_.back().second;
+  removed_hashes_.push_back(hash);
 }
 
 void CacheManager::Impl::FlushRemovedLocked() {
-  for (auto& [kinds, hashes] : removed_batch_) {
-    QueueEventLocked(KvEventType::kBlocksRemoved, kinds, std::move(hashes), BlockHash{});
+  size_t begin = 0;
+  for (const auto& [kinds, count] : removed_groups_) {
+    QueueEventLocked(KvEventType::kBlocksRemoved, kinds,
+                     std::span<const BlockHash>(removed_hashes_.data() + begin, count), BlockHash{});
+    begin += count;
   }
-  removed_batch_.clear();
+  removed_groups_.clear();
+  removed_hashes_.clear();
 }
 
 void CacheManager::Impl::DeliverEvents() {
@@ -1046,16 +1087,31 @@ void CacheManager::Impl::DeliverEvents() {
   MutexLock d(delivery_mu_);
   tls_delivering.push_back(this);
   for (;;) {
-    std::vector<KvEvent> batch;
-    std::vector<std::shared_ptr<KvEventListener>> listeners;
     {
       MutexLock l(mu_);
       if (pending_events_.empty()) break;
-      batch.swap(pending_events_);
-      for (const auto& entry : listeners_) listeners.push_back(entry.second);
+      delivering_.clear();
+      std::swap(delivering_, pending_events_);  // the emptied buffers go back to be filled
+      if (delivery_generation_ != listeners_generation_) {
+        delivery_listeners_ = listeners_;
+        delivery_generation_ = listeners_generation_;
+      }
     }
-    for (const KvEvent& e : batch) {
-      for (const auto& fn : listeners) (*fn)(e);
+    const std::vector<Listener>* listeners = delivery_listeners_.get();
+    const KvEventRun run{delivering_.events, delivering_.hashes, delivering_.tokens};
+    // Per-event listeners first, each event to every one of them; then the batch listeners.
+    bool each = false;
+    for (const Listener& fn : *listeners) each |= static_cast<bool>(fn.each);
+    if (each) {
+      for (size_t i = 0; i < run.events.size(); ++i) {
+        const KvEvent e = run.Event(i);
+        for (const Listener& fn : *listeners) {
+          if (fn.each) (*fn.each)(e);
+        }
+      }
+    }
+    for (const Listener& fn : *listeners) {
+      if (fn.batch) (*fn.batch)(run);
     }
   }
   tls_delivering.pop_back();
@@ -1162,25 +1218,47 @@ void CacheManager::Impl::SetBlockEvictHook(BlockEvictHook hook) {
 SubscriptionId CacheManager::Impl::Subscribe(KvEventListener listener) {
   MutexLock l(mu_);
   const SubscriptionId id = next_subscription_++;
-  listeners_.emplace_back(id, std::make_shared<KvEventListener>(std::move(listener)));
+  auto next = std::make_shared<std::vector<Listener>>(*listeners_);
+  next->push_back({id, std::make_shared<KvEventListener>(std::move(listener)), nullptr});
+  listeners_ = std::move(next);
+  ++listeners_generation_;
+  has_listeners_.store(true, std::memory_order_release);
+  return id;
+}
+
+SubscriptionId CacheManager::Impl::SubscribeBatch(KvEventBatchListener listener) {
+  MutexLock l(mu_);
+  const SubscriptionId id = next_subscription_++;
+  auto next = std::make_shared<std::vector<Listener>>(*listeners_);
+  next->push_back({id, nullptr, std::make_shared<KvEventBatchListener>(std::move(listener))});
+  listeners_ = std::move(next);
+  ++listeners_generation_;
   has_listeners_.store(true, std::memory_order_release);
   return id;
 }
 
 void CacheManager::Impl::Unsubscribe(SubscriptionId id) {
+  std::shared_ptr<const std::vector<Listener>> old;  // destroyed outside the lock
   {
     MutexLock l(mu_);
-    std::erase_if(listeners_, [id](const auto& e) { return e.first == id; });
-    if (listeners_.empty()) {
+    auto next = std::make_shared<std::vector<Listener>>(*listeners_);
+    std::erase_if(*next, [id](const Listener& e) { return e.id == id; });
+    old = std::move(listeners_);
+    listeners_ = std::move(next);
+    ++listeners_generation_;
+    if (listeners_->empty()) {
       has_listeners_.store(false, std::memory_order_release);
       pending_events_.clear();
-      removed_batch_.clear();
+      removed_groups_.clear();
+      removed_hashes_.clear();
     }
   }
   // Wait for a delivery in flight on another thread, so the listener is not called after this
   // returns (unless this is that listener).
   if (std::find(tls_delivering.begin(), tls_delivering.end(), this) == tls_delivering.end()) {
     MutexLock d(delivery_mu_);
+    delivery_listeners_.reset();  // nor kept alive by the deliveries' cached list
+    delivery_generation_ = ~uint64_t{0};
   }
 }
 
@@ -1464,10 +1542,13 @@ Status CacheManager::Impl::CommitComputed(SequenceId seq, uint64_t num_tokens) {
     if (t.hashing) {
       const uint32_t end =
           static_cast<uint32_t>(std::min<uint64_t>(num_tokens / block_tokens_, t.digests.size()));
-      const bool emit = !listeners_.empty();
-      std::vector<BlockHash> run;
-      std::vector<TokenId> run_tokens;
-      std::vector<TokenId>* keep = t.keep_tokens ? &run_tokens : nullptr;
+      const bool emit = !listeners_->empty();
+      std::vector<BlockHash>& run = run_hashes_;
+      run.clear();
+      // The run's tokens (when kept) go straight to the end of the event queue's tokens, from
+      // `run_token_begin` (nothing else is queued while a run is open).
+      size_t run_token_begin = 0;
+      const size_t* keep = t.keep_tokens ? &run_token_begin : nullptr;
       BlockHash run_parent;
       KindSet run_kinds;
       for (uint32_t b = s->registered_upto; b < end; ++b) {
@@ -1486,14 +1567,12 @@ Status CacheManager::Impl::CommitComputed(SequenceId seq, uint64_t num_tokens) {
           FlushStoredLocked(&run, run_parent, run_kinds, keep);
           const KindSet repaired = RepairBoundaryLocked(existing, *s, b);
           if (!repaired.empty() && emit) {
-            std::vector<BlockHash> one{d.hash};
-            std::vector<TokenId> block_tokens;
+            std::span<const TokenId> block_tokens;
             if (t.keep_tokens && t.kept.size() >= uint64_t{b + 1} * block_tokens_) {
-              block_tokens.assign(t.kept.begin() + uint64_t{b} * block_tokens_,
-                                  t.kept.begin() + uint64_t{b + 1} * block_tokens_);
+              block_tokens = std::span<const TokenId>(t.kept.data() + uint64_t{b} * block_tokens_, block_tokens_);
             }
-            QueueEventLocked(KvEventType::kBlocksStored, repaired, std::move(one),
-                             b == 0 ? t.root.hash : t.digests[b - 1].hash, std::move(block_tokens));
+            QueueEventLocked(KvEventType::kBlocksStored, repaired, std::span<const BlockHash>(&d.hash, 1),
+                             b == 0 ? t.root.hash : t.digests[b - 1].hash, block_tokens);
           }
           continue;
         }
@@ -1527,11 +1606,12 @@ Status CacheManager::Impl::CommitComputed(SequenceId seq, uint64_t num_tokens) {
           if (run.empty()) {
             run_parent = b == 0 ? t.root.hash : t.digests[b - 1].hash;
             run_kinds = kinds;
+            run_token_begin = pending_events_.tokens.size();
           }
           run.push_back(d.hash);
           if (keep != nullptr && t.kept.size() >= uint64_t{b + 1} * block_tokens_) {
-            run_tokens.insert(run_tokens.end(), t.kept.begin() + uint64_t{b} * block_tokens_,
-                              t.kept.begin() + uint64_t{b + 1} * block_tokens_);
+            pending_events_.tokens.insert(pending_events_.tokens.end(), t.kept.begin() + uint64_t{b} * block_tokens_,
+                                          t.kept.begin() + uint64_t{b + 1} * block_tokens_);
           }
         }
       }
@@ -1856,8 +1936,9 @@ Status CacheManager::Impl::Reset() {
     stats_.hints = 0;
     free_records_.clear();
     for (uint64_t r = max_records_; r-- > 0;) free_records_.push_back(static_cast<RecordId>(r));
-    removed_batch_.clear();
-    if (!listeners_.empty()) QueueEventLocked(KvEventType::kAllCleared, KindSet{}, {}, BlockHash{});
+    removed_groups_.clear();
+    removed_hashes_.clear();
+    if (!listeners_->empty()) QueueEventLocked(KvEventType::kAllCleared, KindSet{}, {}, BlockHash{});
   }
   DeliverEvents();
   return Status::OK();
@@ -2007,6 +2088,9 @@ uint32_t CacheManager::EvictAhead(uint32_t free_target, uint32_t max_blocks, con
 }
 SubscriptionId CacheManager::Subscribe(KvEventListener listener) {
   return impl_->Subscribe(std::move(listener));
+}
+SubscriptionId CacheManager::SubscribeBatch(KvEventBatchListener listener) {
+  return impl_->SubscribeBatch(std::move(listener));
 }
 void CacheManager::Unsubscribe(SubscriptionId id) {
   impl_->Unsubscribe(id);

@@ -31,4 +31,19 @@ std::string_view KvEventTypeName(KvEventType type) {
   return "?";
 }
 
+KvEvent KvEventRun::Event(size_t i) const {
+  const KvEventRecord& r = events[i];
+  KvEvent e;
+  e.type = r.type;
+  e.sequence_number = r.sequence_number;
+  e.kinds = r.kinds;
+  const auto h = HashesOf(r);
+  e.block_hashes.assign(h.begin(), h.end());
+  e.parent_hash = r.parent_hash;
+  e.block_tokens = r.block_tokens;
+  const auto t = TokensOf(r);
+  e.token_ids.assign(t.begin(), t.end());
+  return e;
+}
+
 }  // namespace sparsekv

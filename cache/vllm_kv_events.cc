@@ -34,7 +34,44 @@ uint64_t Uint64Of(const KvEventDigest& d) {
   return v;
 }
 
-using Packer = msgpack::packer<msgpack::sbuffer>;
+// The encoder's output: a growable byte buffer that keeps its capacity across clear(), with room
+// handed out directly (Room/Advance) for the arrays written element by element. It is the
+// packer's stream (write()).
+class OutBuffer {
+ public:
+  OutBuffer() = default;
+  explicit OutBuffer(size_t capacity) { Grow(capacity); }
+  ~OutBuffer() { std::free(data_); }
+  OutBuffer(const OutBuffer&) = delete;
+  OutBuffer& operator=(const OutBuffer&) = delete;
+  void write(const char* p, size_t n) {
+    if (n == 0) return;
+    std::memcpy(Room(n), p, n);
+    size_ += n;
+  }
+  // At least `n` writable bytes at the end.
+  char* Room(size_t n) {
+    if (cap_ - size_ < n) Grow(std::max(cap_ * 2, size_ + n));
+    return data_ + size_;
+  }
+  void Advance(size_t n) { size_ += n; }
+  void clear() { size_ = 0; }
+  const char* data() const { return data_; }
+  char* data() { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  void Grow(size_t cap) {
+    auto* p = static_cast<char*>(std::realloc(data_, cap));
+    if (p == nullptr) throw std::bad_alloc();
+    data_ = p;
+    cap_ = cap;
+  }
+  char* data_ = nullptr;
+  size_t size_ = 0, cap_ = 0;
+};
+
+using Packer = msgpack::packer<OutBuffer>;
 
 void PackStr(Packer& pk, std::string_view s) {
   pk.pack_str(static_cast<uint32_t>(s.size()));
@@ -55,6 +92,80 @@ void PackHashes(Packer& pk, const std::vector<KvEventDigest>& hashes, KvEventHas
   for (const KvEventDigest& d : hashes) PackHash(pk, d, enc);
 }
 
+// An unsigned integer in msgpack's smallest form (as packer::pack_uint64 and pack_uint32 write
+// it) at `out`; returns the bytes written (at most 9).
+inline size_t PutUint(char* out, uint64_t v) {
+  if (v < 128) {
+    out[0] = static_cast<char>(v);
+    return 1;
+  }
+  if (v < 256) {
+    out[0] = static_cast<char>(0xcc);
+    out[1] = static_cast<char>(v);
+    return 2;
+  }
+  if (v < 65536) {
+    out[0] = static_cast<char>(0xcd);
+    const uint16_t be = __builtin_bswap16(static_cast<uint16_t>(v));
+    std::memcpy(out + 1, &be, 2);
+    return 3;
+  }
+  if (v <= UINT32_MAX) {
+    out[0] = static_cast<char>(0xce);
+    const uint32_t be = __builtin_bswap32(static_cast<uint32_t>(v));
+    std::memcpy(out + 1, &be, 4);
+    return 5;
+  }
+  out[0] = static_cast<char>(0xcf);
+  const uint64_t be = __builtin_bswap64(v);
+  std::memcpy(out + 1, &be, 8);
+  return 9;
+}
+
+// Arrays are written straight into the buffer, room for the whole array taken at once.
+void PackTokens(OutBuffer& buf, Packer& pk, std::span<const uint32_t> tokens) {
+  pk.pack_array(static_cast<uint32_t>(tokens.size()));
+  char* const start = buf.Room(tokens.size() * 5);
+  char* out = start;
+  for (const uint32_t t : tokens) out += PutUint(out, t);
+  buf.Advance(static_cast<size_t>(out - start));
+}
+
+// Block hashes of a manager (BlockHash) as PackHash writes their DigestOf: uint64 is `lo`, bytes
+// are hi then lo, big-endian.
+void PackBlockHashes(OutBuffer& buf, Packer& pk, std::span<const BlockHash> hashes, KvEventHashEncoding enc) {
+  pk.pack_array(static_cast<uint32_t>(hashes.size()));
+  char* const start = buf.Room(hashes.size() * 18);
+  char* out = start;
+  for (const BlockHash& h : hashes) {
+    if (enc == KvEventHashEncoding::kUint64) {
+      out += PutUint(out, h.lo);
+    } else {
+      out[0] = static_cast<char>(0xc4);  // bin 8
+      out[1] = 16;
+      const uint64_t hi = __builtin_bswap64(h.hi), lo = __builtin_bswap64(h.lo);
+      std::memcpy(out + 2, &hi, 8);
+      std::memcpy(out + 10, &lo, 8);
+      out += 18;
+    }
+  }
+  buf.Advance(static_cast<size_t>(out - start));
+}
+
+void PackBlockHash(OutBuffer& buf, Packer& pk, const BlockHash& h, KvEventHashEncoding enc) {
+  if (enc == KvEventHashEncoding::kUint64) {
+    pk.pack_uint64(h.lo);
+  } else {
+    char d[18];
+    d[0] = static_cast<char>(0xc4);
+    d[1] = 16;
+    const uint64_t hi = __builtin_bswap64(h.hi), lo = __builtin_bswap64(h.lo);
+    std::memcpy(d + 2, &hi, 8);
+    std::memcpy(d + 10, &lo, 8);
+    buf.write(d, 18);
+  }
+}
+
 void PackMediumOrNil(Packer& pk, const std::string& medium) {
   if (medium.empty()) {
     pk.pack_nil();
@@ -65,7 +176,7 @@ void PackMediumOrNil(Packer& pk, const std::string& medium) {
 
 // One event as msgspec encodes a tag=True struct without array_like: a map, the tag first, then
 // the fields in declaration order; fields equal to their default left out (omit_defaults).
-void PackEvent(Packer& pk, const VllmKvEvent& e, KvEventHashEncoding enc) {
+void PackEvent(OutBuffer& buf, Packer& pk, const VllmKvEvent& e, KvEventHashEncoding enc) {
   switch (e.type) {
     case VllmKvEvent::Type::kBlockStored: {
       const uint32_t n = 8 + (e.group_idx ? 1 : 0) + (e.kv_cache_spec_kind ? 1 : 0);
@@ -81,8 +192,7 @@ void PackEvent(Packer& pk, const VllmKvEvent& e, KvEventHashEncoding enc) {
         pk.pack_nil();
       }
       PackStr(pk, "token_ids");
-      pk.pack_array(static_cast<uint32_t>(e.token_ids.size()));
-      for (uint32_t t : e.token_ids) pk.pack_uint32(t);
+      PackTokens(buf, pk, e.token_ids);
       PackStr(pk, "block_size");
       pk.pack_uint32(e.block_size);
       PackStr(pk, "lora_id");
@@ -115,6 +225,86 @@ void PackEvent(Packer& pk, const VllmKvEvent& e, KvEventHashEncoding enc) {
       }
       return;
     case VllmKvEvent::Type::kAllBlocksCleared:
+      pk.pack_map(1);
+      PackStr(pk, "type");
+      PackStr(pk, "AllBlocksCleared");
+      return;
+  }
+}
+
+// Whether FromCacheEvent gives a vLLM event for `e` (stored or removed window or snapshot pages
+// alone are not a block coming or going).
+bool Publishable(KvEventType type, KindSet kinds) {
+  if (type == KvEventType::kAllCleared || kinds.empty()) return true;
+  return kinds.Has(CacheKind::kMlaLatent) || kinds.Has(CacheKind::kCsaCompressed) ||
+         kinds.Has(CacheKind::kHcaCompressed) || kinds.Has(CacheKind::kIndexerKey);
+}
+
+// The publisher's queue: events in order, each a vLLM event (in `vllm`) or a manager's event
+// whose hashes and tokens are ranges of the flat `hashes` and `tokens`, with the medium its
+// Attach named. Producers append to one Pending while the publisher's thread encodes the other;
+// the two swap each tick and keep their capacity, so neither thread allocates at steady state
+// and no block of memory is freed on a thread other than the one that allocated it.
+struct QueuedItem {
+  bool from_vllm = false;
+  KvEventType type = KvEventType::kBlocksStored;
+  uint32_t block_tokens = 0;
+  uint32_t vllm_index = 0;
+  BlockHash parent;
+  size_t hash_begin = 0, hash_count = 0;
+  size_t token_begin = 0, token_count = 0;
+  const std::string* medium = nullptr;
+};
+
+struct Pending {
+  std::vector<QueuedItem> items;
+  std::vector<BlockHash> hashes;
+  std::vector<TokenId> tokens;
+  std::vector<VllmKvEvent> vllm;
+  void clear() {
+    items.clear();
+    hashes.clear();
+    tokens.clear();
+    vllm.clear();
+  }
+};
+
+void PackQueued(OutBuffer& buf, Packer& pk, const Pending& p, const QueuedItem& it, KvEventHashEncoding enc) {
+  if (it.from_vllm) {
+    PackEvent(buf, pk, p.vllm[it.vllm_index], enc);
+    return;
+  }
+  const std::span<const BlockHash> hashes(p.hashes.data() + it.hash_begin, it.hash_count);
+  switch (it.type) {
+    case KvEventType::kBlocksStored:
+      pk.pack_map(8);
+      PackStr(pk, "type");
+      PackStr(pk, "BlockStored");
+      PackStr(pk, "block_hashes");
+      PackBlockHashes(buf, pk, hashes, enc);
+      PackStr(pk, "parent_block_hash");
+      PackBlockHash(buf, pk, it.parent, enc);
+      PackStr(pk, "token_ids");
+      PackTokens(buf, pk, std::span<const TokenId>(p.tokens.data() + it.token_begin, it.token_count));
+      PackStr(pk, "block_size");
+      pk.pack_uint32(it.block_tokens);
+      PackStr(pk, "lora_id");
+      pk.pack_nil();
+      PackStr(pk, "medium");
+      PackMediumOrNil(pk, *it.medium);
+      PackStr(pk, "lora_name");
+      pk.pack_nil();
+      return;
+    case KvEventType::kBlocksRemoved:
+      pk.pack_map(3);
+      PackStr(pk, "type");
+      PackStr(pk, "BlockRemoved");
+      PackStr(pk, "block_hashes");
+      PackBlockHashes(buf, pk, hashes, enc);
+      PackStr(pk, "medium");
+      PackMediumOrNil(pk, *it.medium);
+      return;
+    case KvEventType::kAllCleared:
       pk.pack_map(1);
       PackStr(pk, "type");
       PackStr(pk, "AllBlocksCleared");
@@ -160,14 +350,24 @@ KvEventDigest DigestOf(const BlockHash& h) {
 
 namespace {
 
-void EncodeInto(msgpack::sbuffer& buf, double ts, std::span<const VllmKvEvent> events, KvEventHashEncoding hash,
+void EncodeInto(OutBuffer& buf, double ts, std::span<const VllmKvEvent> events, KvEventHashEncoding hash,
                 int data_parallel_rank) {
   Packer pk(buf);
   // EventBatch is array_like: [ts, events, data_parallel_rank].
   pk.pack_array(3);
   pk.pack_double(ts);
   pk.pack_array(static_cast<uint32_t>(events.size()));
-  for (const VllmKvEvent& e : events) PackEvent(pk, e, hash);
+  for (const VllmKvEvent& e : events) PackEvent(buf, pk, e, hash);
+  pk.pack_int(data_parallel_rank);
+}
+
+void EncodeQueued(OutBuffer& buf, double ts, const Pending& p, size_t begin, size_t end,
+                  KvEventHashEncoding hash, int data_parallel_rank) {
+  Packer pk(buf);
+  pk.pack_array(3);
+  pk.pack_double(ts);
+  pk.pack_array(static_cast<uint32_t>(end - begin));
+  for (size_t i = begin; i < end; ++i) PackQueued(buf, pk, p, p.items[i], hash);
   pk.pack_int(data_parallel_rank);
 }
 
@@ -175,22 +375,19 @@ void EncodeInto(msgpack::sbuffer& buf, double ts, std::span<const VllmKvEvent> e
 
 std::vector<uint8_t> VllmKvEventPublisher::EncodeBatch(double ts, std::span<const VllmKvEvent> events,
                                                        KvEventHashEncoding hash, int data_parallel_rank) {
-  msgpack::sbuffer buf;
+  OutBuffer buf;
   EncodeInto(buf, ts, events, hash, data_parallel_rank);
   const auto* p = reinterpret_cast<const uint8_t*>(buf.data());
   return std::vector<uint8_t>(p, p + buf.size());
 }
 
 std::optional<VllmKvEvent> VllmKvEventPublisher::FromCacheEvent(const KvEvent& e, const std::string& medium) {
+  // A stored or removed event of window or snapshot pages alone is not a block coming or going.
+  if (!Publishable(e.type, e.kinds)) return std::nullopt;
   VllmKvEvent out;
   out.medium = medium;
   switch (e.type) {
     case KvEventType::kBlocksStored:
-      // A stored event that only gives back window or snapshot pages is not a new block.
-      if (!e.kinds.Has(CacheKind::kMlaLatent) && !e.kinds.Has(CacheKind::kCsaCompressed) &&
-          !e.kinds.Has(CacheKind::kHcaCompressed) && !e.kinds.Has(CacheKind::kIndexerKey) && !e.kinds.empty()) {
-        return std::nullopt;
-      }
       out.type = VllmKvEvent::Type::kBlockStored;
       out.block_hashes.reserve(e.block_hashes.size());
       for (const BlockHash& h : e.block_hashes) out.block_hashes.push_back(DigestOf(h));
@@ -199,10 +396,6 @@ std::optional<VllmKvEvent> VllmKvEventPublisher::FromCacheEvent(const KvEvent& e
       out.block_size = e.block_tokens;
       return out;
     case KvEventType::kBlocksRemoved:
-      if (!e.kinds.Has(CacheKind::kMlaLatent) && !e.kinds.Has(CacheKind::kCsaCompressed) &&
-          !e.kinds.Has(CacheKind::kHcaCompressed) && !e.kinds.Has(CacheKind::kIndexerKey) && !e.kinds.empty()) {
-        return std::nullopt;
-      }
       out.type = VllmKvEvent::Type::kBlockRemoved;
       out.block_hashes.reserve(e.block_hashes.size());
       for (const BlockHash& h : e.block_hashes) out.block_hashes.push_back(DigestOf(h));
@@ -214,6 +407,49 @@ std::optional<VllmKvEvent> VllmKvEventPublisher::FromCacheEvent(const KvEvent& e
   }
   return std::nullopt;
 }
+
+// Payload buffers lent to ZMQ with the message (no copy) and given back by its free callback,
+// on ZMQ's I/O thread once the message is sent or dropped: a buffer comes back with its capacity,
+// so a steady stream of large batches neither copies them nor faults in fresh pages for each.
+class PayloadPool {
+ public:
+  struct Lent {
+    PayloadPool* pool = nullptr;
+    OutBuffer buf{64 * 1024};
+  };
+  ~PayloadPool() {
+    for (Lent* l : free_) delete l;
+  }
+  Lent* Take() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!free_.empty()) {
+        Lent* b = free_.back();
+        free_.pop_back();
+        b->buf.clear();
+        return b;
+      }
+    }
+    auto* b = new Lent;
+    b->pool = this;
+    return b;
+  }
+  static void GiveBack(void* /*data*/, void* hint) {
+    auto* b = static_cast<Lent*>(hint);
+    PayloadPool* pool = b->pool;
+    std::lock_guard<std::mutex> l(pool->mu_);
+    if (pool->free_.size() < kKeep) {
+      pool->free_.push_back(b);
+      return;
+    }
+    delete b;
+  }
+
+ private:
+  static constexpr size_t kKeep = 4;
+  std::mutex mu_;
+  std::vector<Lent*> free_;
+};
 
 class VllmKvEventPublisher::Impl {
  public:
@@ -251,11 +487,15 @@ class VllmKvEventPublisher::Impl {
     {
       std::lock_guard<std::mutex> l(mu_);
       for (VllmKvEvent& e : events) {
-        if (queue_.size() >= options_.max_queued_events) {
+        if (in_.items.size() >= options_.max_queued_events) {
           ++dropped;
           continue;
         }
-        queue_.push_back(std::move(e));
+        QueuedItem it;
+        it.from_vllm = true;
+        it.vllm_index = static_cast<uint32_t>(in_.vllm.size());
+        in_.vllm.push_back(std::move(e));
+        in_.items.push_back(it);
       }
       stats_.dropped_events += dropped;
       stats_.accepted_events += events.size() - dropped;
@@ -264,19 +504,61 @@ class VllmKvEventPublisher::Impl {
     return dropped;
   }
 
+  // A manager's delivered run: the publishable events are copied into the queue's flat arrays
+  // under one lock.
+  void PublishCacheEvents(const KvEventRun& run, const std::string* medium) {
+    std::lock_guard<std::mutex> l(mu_);
+    size_t accepted = 0, dropped = 0;
+    for (const KvEventRecord& e : run.events) {
+      if (!Publishable(e.type, e.kinds)) continue;
+      if (in_.items.size() >= options_.max_queued_events) {
+        ++dropped;
+        continue;
+      }
+      QueuedItem it;
+      it.type = e.type;
+      it.block_tokens = e.block_tokens;
+      it.parent = e.parent_hash;
+      it.medium = medium;
+      const auto hashes = run.HashesOf(e);
+      it.hash_begin = in_.hashes.size();
+      it.hash_count = hashes.size();
+      in_.hashes.insert(in_.hashes.end(), hashes.begin(), hashes.end());
+      const auto tokens = run.TokensOf(e);
+      it.token_begin = in_.tokens.size();
+      it.token_count = tokens.size();
+      in_.tokens.insert(in_.tokens.end(), tokens.begin(), tokens.end());
+      in_.items.push_back(it);
+      ++accepted;
+    }
+    stats_.dropped_events += dropped;
+    stats_.accepted_events += accepted;
+    if (dropped > 0) drops_pending_ = true;
+  }
+
+  // The medium names Attach was given, kept for as long as the publisher (queued events point
+  // at them).
+  const std::string* InternMedium(std::string medium) {
+    std::lock_guard<std::mutex> l(mu_);
+    for (const std::string& m : mediums_) {
+      if (m == medium) return &m;
+    }
+    return &mediums_.emplace_back(std::move(medium));
+  }
+
   void Flush() {
     std::unique_lock<std::mutex> l(mu_);
     if (stopped_) return;
     flush_waiters_ = true;
     cv_.notify_all();
     // Woken after each batch is sent: done once nothing is queued (the last batch went out).
-    done_cv_.wait(l, [&] { return (queue_.empty() && !flush_waiters_) || stopped_; });
+    done_cv_.wait(l, [&] { return (in_.items.empty() && !flush_waiters_) || stopped_; });
   }
 
   VllmKvEventStats Stats() const {
     std::lock_guard<std::mutex> l(mu_);
     VllmKvEventStats s = stats_;
-    s.queued_events = queue_.size();
+    s.queued_events = in_.items.size();
     return s;
   }
 
@@ -304,40 +586,35 @@ class VllmKvEventPublisher::Impl {
             std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count() + 1));
       }
       ServeReplay(0);
-      // Everything queued goes out now, in batches of at most max_batch_events (a queue left to
-      // grow between ticks would hold the memory of every event not yet sent).
+      // Everything queued goes out now, in batches of at most max_batch_events: the producers'
+      // buffers are swapped for the (empty) ones sent last tick.
       bool stopping = false;
-      for (;;) {
-        std::vector<VllmKvEvent> batch;
-        {
-          std::lock_guard<std::mutex> l(mu_);
-          stopping = stop_;
-          const size_t n = std::min<size_t>(queue_.size(), std::max<uint32_t>(1, options_.max_batch_events));
-          batch.reserve(n);
-          for (size_t i = 0; i < n; ++i) {
-            batch.push_back(std::move(queue_.front()));
-            queue_.pop_front();
-          }
-          if (drops_pending_) {
-            drops_pending_ = false;
-            ++stats_.sequence_gaps;
-            ++next_seq_;  // the dropped events' batch: a subscriber sees the gap
-            stats_.next_sequence = next_seq_;
-          }
-        }
-        if (batch.empty()) break;
-        Send(batch);
-      }
       {
         std::lock_guard<std::mutex> l(mu_);
-        if (queue_.empty()) flush_waiters_ = false;
+        stopping = stop_;
+        std::swap(in_, out_);
+        if (drops_pending_) {
+          drops_pending_ = false;
+          ++stats_.sequence_gaps;
+          ++next_seq_;  // the dropped events' batch: a subscriber sees the gap
+          stats_.next_sequence = next_seq_;
+        }
+      }
+      const size_t per_batch = std::max<uint32_t>(1, options_.max_batch_events);
+      for (size_t begin = 0; begin < out_.items.size(); begin += per_batch) {
+        Send(out_, begin, std::min(out_.items.size(), begin + per_batch));
+      }
+      out_.clear();
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        if (in_.items.empty()) flush_waiters_ = false;
       }
       done_cv_.notify_all();
       if (stopping) {
         const auto now = std::chrono::steady_clock::now();
         if (stop_by.time_since_epoch().count() == 0) stop_by = now + std::chrono::seconds(1);
         std::lock_guard<std::mutex> l(mu_);
-        if (queue_.empty() || now > stop_by) {
+        if (in_.items.empty() || now > stop_by) {
           stopped_ = true;
           done_cv_.notify_all();
           return;
@@ -346,17 +623,22 @@ class VllmKvEventPublisher::Impl {
     }
   }
 
-  void Send(const std::vector<VllmKvEvent>& batch) {
-    // One buffer for every batch: a fresh one per batch would fault its pages in each time.
-    buf_.clear();
-    EncodeInto(buf_, NowSeconds(), batch, options_.hash, options_.data_parallel_rank);
+  void Send(const Pending& p, size_t begin, size_t end) {
+    PayloadPool::Lent* lent = pool_.Take();
+    OutBuffer& buf = lent->buf;
+    EncodeQueued(buf, NowSeconds(), p, begin, end, options_.hash, options_.data_parallel_rank);
     uint64_t seq;
     {
       std::lock_guard<std::mutex> l(mu_);
       seq = next_seq_++;
       stats_.next_sequence = next_seq_;
       stats_.published_batches++;
-      stats_.published_events += batch.size();
+      stats_.published_events += end - begin;
+    }
+    if (replay_ && options_.buffer_batches > 0) {
+      const auto* b = reinterpret_cast<const uint8_t*>(buf.data());
+      ring_.emplace_back(seq, std::vector<uint8_t>(b, b + buf.size()));
+      while (ring_.size() > options_.buffer_batches) ring_.pop_front();
     }
     uint8_t seq_bytes[8];
     PutBigEndian64(seq, seq_bytes);
@@ -365,14 +647,12 @@ class VllmKvEventPublisher::Impl {
       // subscriber, which then sees a gap.
       pub_.send(zmq::buffer(options_.topic), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
       pub_.send(zmq::buffer(seq_bytes, 8), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
-      pub_.send(zmq::buffer(buf_.data(), buf_.size()), zmq::send_flags::dontwait);
+      // The message owns the buffer from here: ZMQ gives it back to the pool when done with it
+      // (also when the send fails and the message is closed).
+      zmq::message_t payload(buf.data(), buf.size(), &PayloadPool::GiveBack, lent);
+      pub_.send(std::move(payload), zmq::send_flags::dontwait);
     } catch (const zmq::error_t&) {
       // Counted as published: the replay buffer still has it.
-    }
-    if (replay_ && options_.buffer_batches > 0) {
-      const auto* p = reinterpret_cast<const uint8_t*>(buf_.data());
-      ring_.emplace_back(seq, std::vector<uint8_t>(p, p + buf_.size()));
-      while (ring_.size() > options_.buffer_batches) ring_.pop_front();
     }
   }
 
@@ -422,17 +702,19 @@ class VllmKvEventPublisher::Impl {
   }
 
   const VllmKvEventOptions options_;
+  PayloadPool pool_;  // before ctx_: outlives every message ZMQ still holds
   zmq::context_t ctx_;
   zmq::socket_t pub_;
   std::optional<zmq::socket_t> replay_;
   // Publisher thread only.
   std::deque<std::pair<uint64_t, std::vector<uint8_t>>> ring_;
-  msgpack::sbuffer buf_;
   std::thread thread_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_, done_cv_;
-  std::deque<VllmKvEvent> queue_;
+  Pending in_;  // guarded by mu_: what producers queue
+  Pending out_;  // the publisher thread's: what it sends this tick
+  std::deque<std::string> mediums_;
   bool drops_pending_ = false;
   bool stop_ = false;
   bool flush_waiters_ = false;
@@ -463,9 +745,11 @@ VllmKvEventStats VllmKvEventPublisher::Stats() const { return impl_->Stats(); }
 const VllmKvEventOptions& VllmKvEventPublisher::options() const { return impl_->options(); }
 
 SubscriptionId VllmKvEventPublisher::Attach(CacheManager& manager, std::string medium) {
-  return manager.Subscribe([this, medium = std::move(medium)](const KvEvent& e) {
-    if (auto v = FromCacheEvent(e, medium)) Publish(std::move(*v));
-  });
+  // A delivered run of the manager's events is appended to the queue's flat arrays under one
+  // lock and encoded on the publisher's thread.
+  const std::string* m = impl_->InternMedium(std::move(medium));
+  Impl* impl = impl_.get();
+  return manager.SubscribeBatch([impl, m](const KvEventRun& run) { impl->PublishCacheEvents(run, m); });
 }
 
 }  // namespace sparsekv

@@ -54,7 +54,7 @@ SPARSEKV_CLI_COMMAND(replay) {
     bool progress = false;
     // KV events on vLLM's wire (off while endpoint is "").
     std::string kv_endpoint, kv_replay, kv_topic, kv_hash = "uint64", requests_out;
-    uint32_t kv_hold_ms = 0, kv_rounds = 3;
+    uint32_t kv_hold_ms = 0, kv_rounds = 11;
     bool kv_vs_off = false;
   };
   auto args = std::make_shared<Args>();

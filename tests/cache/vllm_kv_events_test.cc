@@ -306,5 +306,152 @@ TEST(VllmKvEvents, ACacheManagerPublishesTokenIdsAndParents) {
   EXPECT_EQ(v->block_hashes[0], DigestOf(e.block_hashes[0]));
 }
 
+// Batch listeners see the same events as per-event listeners, in order with no gaps, and an
+// unsubscribed one is never called again (nor kept alive by the manager).
+TEST(VllmKvEvents, BatchListenersSeeWhatEventListenersSee) {
+  auto spec = ModelPreset("deepseek-v3.2-exp");
+  ASSERT_TRUE(spec.ok());
+  CacheManagerOptions mo;
+  mo.block_tokens = 4;
+  mo.capacity_blocks = 8;
+  mo.metadata_only = true;
+  mo.event_token_ids = true;
+  auto manager = CacheManager::Create(*spec, mo);
+  ASSERT_TRUE(manager.ok());
+  std::vector<KvEvent> each, batch_a, batch_b;
+  (*manager)->Subscribe([&](const KvEvent& e) { each.push_back(e); });
+  auto collect = [](std::vector<KvEvent>* out) {
+    return [out](const KvEventRun& run) {
+      for (size_t i = 0; i < run.events.size(); ++i) out->push_back(run.Event(i));
+    };
+  };
+  (*manager)->SubscribeBatch(collect(&batch_a));
+  auto token = std::make_shared<int>(0);
+  const SubscriptionId b = (*manager)->SubscribeBatch([out = &batch_b, token](const KvEventRun& run) {
+    for (size_t i = 0; i < run.events.size(); ++i) out->push_back(run.Event(i));
+  });
+  auto run_one = [&](TokenId base, size_t n) {
+    auto seq = (*manager)->CreateSequence({});
+    ASSERT_TRUE(seq.ok());
+    std::vector<TokenId> tokens(n);
+    for (size_t i = 0; i < n; ++i) tokens[i] = base + static_cast<TokenId>(i);
+    ASSERT_TRUE((*manager)->AppendTokens(*seq, tokens).ok());
+    ASSERT_TRUE((*manager)->AllocateSlots(*seq, n).ok());
+    ASSERT_TRUE((*manager)->CommitComputed(*seq, n).ok());
+    ASSERT_TRUE((*manager)->Free(*seq).ok());
+  };
+  for (TokenId r = 0; r < 6; ++r) run_one(1000 * r, 13);  // past the capacity: evictions
+  (*manager)->Unsubscribe(b);
+  EXPECT_EQ(token.use_count(), 1);  // the manager let go of the listener
+  run_one(9000, 9);
+  ASSERT_GT(each.size(), 6u);
+  ASSERT_EQ(batch_a.size(), each.size());
+  for (size_t i = 0; i < each.size(); ++i) {
+    EXPECT_EQ(each[i].sequence_number, i + 1);
+    EXPECT_EQ(batch_a[i].sequence_number, each[i].sequence_number);
+    EXPECT_EQ(batch_a[i].type, each[i].type);
+    EXPECT_EQ(batch_a[i].kinds, each[i].kinds);
+    EXPECT_EQ(batch_a[i].block_hashes, each[i].block_hashes);
+    EXPECT_EQ(batch_a[i].parent_hash, each[i].parent_hash);
+    EXPECT_EQ(batch_a[i].token_ids, each[i].token_ids);
+  }
+  ASSERT_LT(batch_b.size(), each.size());  // nothing after Unsubscribe
+  for (size_t i = 0; i < batch_b.size(); ++i) EXPECT_EQ(batch_b[i].sequence_number, each[i].sequence_number);
+}
+
+// The attached manager's events go out encoded straight from the manager's queue (no vLLM event
+// built): each must be what FromCacheEvent gives for the same event, and every payload must be
+// msgpack in its smallest forms (what msgpack-c and msgspec write), which re-packing the decoded
+// object reproduces byte for byte. A V4 cache (window and snapshot pages lost alone are not
+// published), evictions, a reset, token ids in every integer width, both hash encodings.
+void CheckAttachedManager(KvEventHashEncoding hash) {
+  auto spec = ModelPreset("deepseek-v4-flash");
+  ASSERT_TRUE(spec.ok());
+  CacheManagerOptions mo;
+  mo.block_tokens = 128;
+  mo.capacity_blocks = 24;
+  mo.metadata_only = true;
+  mo.event_token_ids = true;
+  auto manager = CacheManager::Create(*spec, mo);
+  ASSERT_TRUE(manager.ok()) << manager.status().ToString();
+  VllmKvEventOptions o;
+  o.endpoint = Endpoint("attach");
+  o.hash = hash;
+  o.max_batch_events = 3;  // several batches per tick
+  auto pub = StartPublisher(o);
+  Subscriber sub(o.endpoint);
+  std::vector<KvEvent> seen;
+  (*manager)->Subscribe([&](const KvEvent& e) { seen.push_back(e); });
+  const SubscriptionId attached = pub->Attach(**manager, "GPU");
+  // Tokens of every msgpack width: fixint, uint8, uint16, uint32.
+  const uint32_t widths[] = {0, 1, 127, 128, 200, 255, 256, 40000, 65535, 65536, 129279, 0x7fffffffu, 0xffffffffu};
+  for (uint32_t r = 0; r < 12; ++r) {
+    auto seq = (*manager)->CreateSequence({});
+    ASSERT_TRUE(seq.ok());
+    std::vector<TokenId> tokens(128 * (3 + r % 4) + 5);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      tokens[i] = i < 128 && r % 3 == 0 ? static_cast<TokenId>(i)  // a shared first block
+                                       : widths[(i * 7 + r * 13) % std::size(widths)] ^ (r << 1);
+    }
+    ASSERT_TRUE((*manager)->AppendTokens(*seq, tokens).ok());
+    ASSERT_TRUE((*manager)->AcquireCachedPrefix(*seq).ok());
+    auto slots = (*manager)->AllocateSlots(*seq, tokens.size());
+    ASSERT_TRUE(slots.ok()) << slots.status().ToString();
+    ASSERT_TRUE((*manager)->CommitComputed(*seq, tokens.size()).ok());
+    ASSERT_TRUE((*manager)->Free(*seq).ok());
+  }
+  ASSERT_TRUE((*manager)->Reset().ok());
+  pub->Flush();
+  (*manager)->Unsubscribe(attached);
+  ASSERT_GT(pub->Stats().published_batches, 2u);
+
+  std::vector<VllmKvEvent> expected;
+  bool removed = false, cleared = false;
+  for (const KvEvent& e : seen) {
+    removed |= e.type == KvEventType::kBlocksRemoved;
+    cleared |= e.type == KvEventType::kAllCleared;
+    if (auto v = VllmKvEventPublisher::FromCacheEvent(e, "GPU")) expected.push_back(std::move(*v));
+  }
+  ASSERT_TRUE(removed);
+  ASSERT_TRUE(cleared);
+  size_t next = 0;
+  while (next < expected.size()) {
+    auto m = sub.Receive();
+    ASSERT_TRUE(m.has_value()) << next << " of " << expected.size() << " events received";
+    msgpack::object_handle oh = msgpack::unpack(m->payload.data(), m->payload.size());
+    // Smallest forms: re-packing what was decoded gives the same bytes.
+    msgpack::sbuffer again;
+    msgpack::pack(again, oh.get());
+    ASSERT_EQ(std::string(again.data(), again.size()), m->payload) << "batch " << m->seq;
+    const msgpack::object& events = oh.get().via.array.ptr[1];
+    for (uint32_t i = 0; i < events.via.array.size; ++i, ++next) {
+      ASSERT_LT(next, expected.size());
+      const std::vector<uint8_t> want = VllmKvEventPublisher::EncodeBatch(0, std::span(&expected[next], 1), hash, 0);
+      msgpack::object_handle w = msgpack::unpack(reinterpret_cast<const char*>(want.data()), want.size());
+      EXPECT_EQ(events.via.array.ptr[i], w.get().via.array.ptr[1].via.array.ptr[0]) << "event " << next;
+    }
+  }
+}
+
+TEST(VllmKvEvents, AnAttachedManagerSendsWhatFromCacheEventGivesInSmallestForms) {
+  CheckAttachedManager(KvEventHashEncoding::kUint64);
+}
+
+TEST(VllmKvEvents, AnAttachedManagerSendsWhatFromCacheEventGivesAsBytes) {
+  CheckAttachedManager(KvEventHashEncoding::kBytes);
+}
+
+// The reference encoder's integers too: token ids of every width re-pack to the same bytes.
+TEST(VllmKvEvents, TokenIdsOfEveryWidthAreInSmallestForm) {
+  VllmKvEvent e = Stored(1);
+  e.token_ids = {0, 127, 128, 255, 256, 65535, 65536, 0xffffffffu};
+  const std::vector<uint8_t> bytes = VllmKvEventPublisher::EncodeBatch(1.5, std::span(&e, 1), KvEventHashEncoding::kUint64, 0);
+  msgpack::object_handle oh = msgpack::unpack(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  msgpack::sbuffer again;
+  msgpack::pack(again, oh.get());
+  EXPECT_EQ(std::string(again.data(), again.size()), std::string(bytes.begin(), bytes.end()));
+  EXPECT_EQ(Field(oh.get().via.array.ptr[1].via.array.ptr[0], "token_ids")->as<std::vector<uint32_t>>(), e.token_ids);
+}
+
 }  // namespace
 }  // namespace sparsekv

@@ -419,6 +419,9 @@ class CacheManager {
 
   // ---- events and statistics ----
   SubscriptionId Subscribe(KvEventListener listener);
+  // The same events, a delivered run at a time (kv_events.h, KvEventBatchListener): for a sink
+  // that takes the events' vectors instead of copying them, as VllmKvEventPublisher::Attach does.
+  SubscriptionId SubscribeBatch(KvEventBatchListener listener);
   void Unsubscribe(SubscriptionId id);
   CacheStats Stats() const;
 

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -74,6 +75,31 @@ struct KvEvent {
 // calls cause are delivered after it returns. It must not wait for another thread that is itself
 // waiting on the manager.
 using KvEventListener = std::function<void(const KvEvent&)>;
+// A run of events as the manager queued them, flat: each event's hashes and tokens are ranges of
+// the run's arrays (no vector per event). KvEventBatchListener's argument.
+struct KvEventRecord {
+  KvEventType type = KvEventType::kBlocksStored;
+  KindSet kinds;
+  uint32_t block_tokens = 0;
+  uint64_t sequence_number = 0;
+  BlockHash parent_hash;
+  size_t hash_begin = 0, hash_count = 0;
+  size_t token_begin = 0, token_count = 0;
+};
+struct KvEventRun {
+  std::span<const KvEventRecord> events;
+  std::span<const BlockHash> hashes;
+  std::span<const TokenId> tokens;
+  std::span<const BlockHash> HashesOf(const KvEventRecord& e) const { return hashes.subspan(e.hash_begin, e.hash_count); }
+  std::span<const TokenId> TokensOf(const KvEventRecord& e) const { return tokens.subspan(e.token_begin, e.token_count); }
+  // events[i] as a KvEvent (with its own vectors).
+  KvEvent Event(size_t i) const;
+};
+// Called once per run of events the manager delivers (consecutive sequence numbers, in order),
+// after every per-event listener has seen them; the run is valid during the call only. The same
+// rules as KvEventListener otherwise. For a sink that copies what it needs in bulk, as
+// VllmKvEventPublisher::Attach does: no allocation per event on the manager's side.
+using KvEventBatchListener = std::function<void(const KvEventRun&)>;
 using SubscriptionId = uint64_t;
 
 }  // namespace sparsekv
