@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -416,6 +417,10 @@ class PayloadPool {
   struct Lent {
     PayloadPool* pool = nullptr;
     OutBuffer buf{64 * 1024};
+    // Set (release) when the buffer goes to ZMQ, read (acquire) when it comes back: ZMQ hands
+    // the message between threads through its own lock-free pipes, which ThreadSanitizer does
+    // not see in an uninstrumented libzmq; this makes the order it guarantees visible.
+    std::atomic<bool> handed{false};
   };
   ~PayloadPool() {
     for (Lent* l : free_) delete l;
@@ -436,6 +441,7 @@ class PayloadPool {
   }
   static void GiveBack(void* /*data*/, void* hint) {
     auto* b = static_cast<Lent*>(hint);
+    (void)b->handed.load(std::memory_order_acquire);
     PayloadPool* pool = b->pool;
     std::lock_guard<std::mutex> l(pool->mu_);
     if (pool->free_.size() < kKeep) {
@@ -642,14 +648,17 @@ class VllmKvEventPublisher::Impl {
     }
     uint8_t seq_bytes[8];
     PutBigEndian64(seq, seq_bytes);
+    // The message owns the buffer from here: ZMQ gives it back to the pool when done with it,
+    // and so does the message's destructor when a send fails.
+    char* const data = buf.data();
+    const size_t size = buf.size();
+    lent->handed.store(true, std::memory_order_release);  // nothing here touches `lent` after this
+    zmq::message_t payload(data, size, &PayloadPool::GiveBack, lent);
     try {
       // A PUB socket never blocks: past the high-water mark ZMQ drops the message for that
       // subscriber, which then sees a gap.
       pub_.send(zmq::buffer(options_.topic), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
       pub_.send(zmq::buffer(seq_bytes, 8), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
-      // The message owns the buffer from here: ZMQ gives it back to the pool when done with it
-      // (also when the send fails and the message is closed).
-      zmq::message_t payload(buf.data(), buf.size(), &PayloadPool::GiveBack, lent);
       pub_.send(std::move(payload), zmq::send_flags::dontwait);
     } catch (const zmq::error_t&) {
       // Counted as published: the replay buffer still has it.
