@@ -29,6 +29,9 @@ class DaemonStore {
 
   // Longest run of leading hashes present in some tier, and the tier of each hash.
   virtual wire::LookupReply Lookup(uint32_t ns, std::span<const wire::WireHash> hashes) = 0;
+  // Whether Lookup answers from memory without waiting for I/O (no tier asks another machine),
+  // so a network thread may serve a LOOKUP itself instead of handing it to a worker.
+  virtual bool LooksUpWithoutBlocking() const { return false; }
   virtual std::vector<wire::ItemStatus> Put(uint32_t ns, std::span<const wire::PutItem> items) = 0;
   // As Put, for a network thread: false, having done nothing, when the store cannot take the
   // items without waiting for tier I/O. Otherwise the items' bytes are copied by the time it

@@ -139,6 +139,15 @@ std::vector<wire::ItemStatus> TieredStore::Put(uint32_t ns, std::span<const wire
   return out.get();
 }
 
+// The local tiers (host, SSD, RocksDB) answer Contains from their in-memory indexes under a
+// lock; the remote tier asks the Redis cluster.
+bool TieredStore::LooksUpWithoutBlocking() const {
+  for (size_t i = 0; i < chain_->tier_count(); ++i) {
+    if (chain_->tier(i).remote()) return false;
+  }
+  return true;
+}
+
 bool TieredStore::PutsWithoutBlocking() const { return dynamic_cast<HostTier*>(&chain_->tier(0)) != nullptr; }
 
 bool TieredStore::TryPutWithoutBlocking(uint32_t ns, std::span<const wire::PutItem> items, PutDone done) {

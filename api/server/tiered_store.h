@@ -48,6 +48,7 @@ class TieredStore : public DaemonStore {
   // key down (HostTier::EraseOlderAsync), never for the tier below to store it.
   bool TryPutWithoutBlocking(uint32_t ns, std::span<const wire::PutItem> items, PutDone done) override;
   bool PutsWithoutBlocking() const override;
+  bool LooksUpWithoutBlocking() const override;
   void Get(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) override;
   bool TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink,
                              bool check) override;
