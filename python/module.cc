@@ -18,6 +18,7 @@
 #include <cstring>
 #include <atomic>
 #include <deque>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -91,6 +92,28 @@ WireBlockHash KeyOf(const py::handle& key) {
   }
   std::memcpy(h.data(), info.ptr, 16);
   return h;
+}
+
+// Keys given as one C-contiguous buffer of n * 16 bytes (a numpy uint8 [n, 16] array, bytes of
+// n keys back to back), or as a sequence of 16-byte keys.
+std::vector<WireBlockHash> KeysOfAny(const py::object& keys) {
+  if (!py::isinstance<py::sequence>(keys) || py::isinstance<py::bytes>(keys) || py::isinstance<py::array>(keys)) {
+    py::buffer_info info = py::reinterpret_borrow<py::buffer>(keys).request();
+    const size_t bytes = static_cast<size_t>(info.size * info.itemsize);
+    const bool contiguous = info.ndim <= 1 ? (info.ndim == 0 || info.strides[0] == info.itemsize)
+                                           : info.strides.back() == info.itemsize &&
+                                                 info.strides[0] == info.shape.back() * info.itemsize;
+    if (bytes % 16 != 0 || !contiguous || info.ndim > 2) {
+      throw py::value_error("keys: a C-contiguous buffer of 16-byte keys back to back; got " + std::to_string(bytes) +
+                            " bytes in " + std::to_string(info.ndim) + " dimensions");
+    }
+    std::vector<WireBlockHash> out(bytes / 16);
+    if (bytes > 0) std::memcpy(out.data(), info.ptr, bytes);
+    return out;
+  }
+  std::vector<WireBlockHash> out;
+  for (const py::handle& k : keys) out.push_back(KeyOf(k));
+  return out;
 }
 
 std::vector<WireBlockHash> KeysOf(const py::sequence& keys) {
@@ -369,6 +392,197 @@ class PyClient {
     return out;
   }
 
+  // Values in pieces, for plug-ins that keep one value's bytes in several places (vLLM's
+  // per-layer KV cache tensors): key i's value is the concatenation of pieces
+  // [first_i, first_i + counts[i]) of (ptrs, sizes), first_i the sum of the counts before it.
+  // The addresses must lie in memory the caller holds for the call (as get_into's (pointer,
+  // length) pairs). Checked: the arrays' lengths agree.
+  struct Pieces {
+    std::vector<WireBlockHash> hashes;
+    py::array_t<uint64_t, py::array::c_style | py::array::forcecast> ptrs, sizes;
+    py::array_t<uint64_t, py::array::c_style | py::array::forcecast> counts;
+    std::vector<size_t> first;   // per key, its first piece
+    std::vector<uint64_t> total;  // per key, its bytes
+  };
+  static Pieces PiecesOf(const py::object& keys, const py::object& ptrs, const py::object& sizes,
+                         const py::object& counts) {
+    Pieces p;
+    p.hashes = KeysOfAny(keys);
+    p.ptrs = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>::ensure(ptrs);
+    p.sizes = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>::ensure(sizes);
+    p.counts = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>::ensure(counts);
+    if (!p.ptrs || !p.sizes || !p.counts) throw py::value_error("pieces: ptrs, sizes and counts are integer arrays");
+    if (p.ptrs.ndim() != 1 || p.sizes.ndim() != 1 || p.counts.ndim() != 1 ||
+        static_cast<size_t>(p.counts.size()) != p.hashes.size() || p.ptrs.size() != p.sizes.size()) {
+      throw py::value_error("pieces: " + std::to_string(p.hashes.size()) + " keys, " +
+                            std::to_string(p.counts.size()) + " counts, " + std::to_string(p.ptrs.size()) +
+                            " pointers and " + std::to_string(p.sizes.size()) + " sizes");
+    }
+    const uint64_t* c = p.counts.data();
+    const uint64_t* z = p.sizes.data();
+    size_t at = 0;
+    p.first.resize(p.hashes.size());
+    p.total.resize(p.hashes.size());
+    for (size_t i = 0; i < p.hashes.size(); ++i) {
+      if (c[i] > static_cast<uint64_t>(p.ptrs.size()) - at) {
+        throw py::value_error("pieces: the counts name more pieces than the " + std::to_string(p.ptrs.size()) +
+                              " given");
+      }
+      p.first[i] = at;
+      for (uint64_t k = 0; k < c[i]; ++k) p.total[i] += z[at + k];
+      at += c[i];
+    }
+    if (at != static_cast<size_t>(p.ptrs.size())) {
+      throw py::value_error("pieces: the counts name " + std::to_string(at) + " pieces of the " +
+                            std::to_string(p.ptrs.size()) + " given");
+    }
+    return p;
+  }
+
+  // Consecutive runs of keys of at most kPiecesChunk bytes (one key at least): the unit of a
+  // get_into_pieces or put_pieces call to the daemon.
+  static constexpr uint64_t kPiecesChunk = 16ull << 20;
+  static std::vector<std::pair<size_t, size_t>> ChunksOf(const Pieces& p) {
+    std::vector<std::pair<size_t, size_t>> out;
+    for (size_t begin = 0; begin < p.hashes.size();) {
+      size_t end = begin;
+      uint64_t bytes = 0;
+      while (end < p.hashes.size() && (end == begin || bytes + p.total[end] <= kPiecesChunk)) bytes += p.total[end++];
+      out.emplace_back(begin, end);
+      begin = end;
+    }
+    return out;
+  }
+
+  // Per key the value's size, its bytes spread over its pieces when the size is their total
+  // (else nothing is written: the caller sees the size differ), or None for a miss (absent, or
+  // dropped as damaged). Values are read in place where the daemon lends them (get_views), each
+  // then copied once into its pieces, in calls of at most 16 MiB so the lent pages stay within
+  // the daemon's pin budget; the next call is made while this one's values are copied, so the
+  // daemon's reading and checking of one overlaps the copy of the other.
+  py::list GetIntoPieces(const py::object& keys, const py::object& ptrs, const py::object& sizes,
+                         const py::object& counts) {
+    Pieces p = PiecesOf(keys, ptrs, sizes, counts);
+    const size_t n = p.hashes.size();
+    std::vector<int64_t> got(n, -1);
+    std::shared_ptr<Client> c = client();
+    Status failed;
+    {
+      py::gil_scoped_release unlocked;
+      const uint64_t* ptr = p.ptrs.data();
+      const uint64_t* size = p.sizes.data();
+      const uint64_t* count = p.counts.data();
+      const std::vector<std::pair<size_t, size_t>> chunks = ChunksOf(p);
+      auto fetch = [&c, &p](std::pair<size_t, size_t> r) {
+        return c->GetViews(std::span(p.hashes).subspan(r.first, r.second - r.first));
+      };
+      std::future<Result<ValueViews>> next;
+      if (!chunks.empty()) next = std::async(std::launch::async, fetch, chunks[0]);
+      for (size_t k = 0; k < chunks.size() && next.valid(); ++k) {
+        Result<ValueViews> views = next.get();
+        if (views.ok() && failed.ok() && k + 1 < chunks.size()) {
+          next = std::async(std::launch::async, fetch, chunks[k + 1]);
+        }
+        if (!views.ok()) {
+          if (failed.ok()) failed = views.status();
+          continue;
+        }
+        if (!failed.ok()) continue;
+        const auto [begin, end] = chunks[k];
+        for (size_t i = begin; i < end; ++i) {
+          const Status& st = views->status(i - begin);
+          if (!st.ok()) {
+            if (st.code() != StatusCode::kNotFound && st.code() != StatusCode::kCorruption) failed = st;
+            continue;
+          }
+          const std::span<const std::byte> v = views->bytes(i - begin);
+          got[i] = static_cast<int64_t>(v.size());
+          if (v.size() != p.total[i]) continue;
+          uint64_t off = 0;
+          for (size_t j = p.first[i]; j < p.first[i] + count[i]; ++j) {
+            std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(ptr[j])), v.data() + off, size[j]);
+            off += size[j];
+          }
+        }
+        views->Release();
+      }
+    }
+    if (!failed.ok()) Raise(failed);
+    py::list out;
+    for (int64_t g : got) out.append(g < 0 ? py::none() : py::object(py::int_(g)));
+    return out;
+  }
+
+  // Stores key i's value, the concatenation of its pieces: gathered into one of two buffers
+  // while the previous run is put (through a write lease straight into the daemon's memory
+  // where it grants them). Per key None or the item's error (not raised).
+  std::vector<py::object> PutPieces(const py::object& keys, const py::object& ptrs, const py::object& sizes,
+                                    const py::object& counts) {
+    Pieces p = PiecesOf(keys, ptrs, sizes, counts);
+    const size_t n = p.hashes.size();
+    std::vector<Status> results(n);
+    std::shared_ptr<Client> c = client();
+    Status failed;
+    {
+      py::gil_scoped_release unlocked;
+      std::lock_guard<std::mutex> gather_lock(gather_mu_);
+      const uint64_t* ptr = p.ptrs.data();
+      const uint64_t* size = p.sizes.data();
+      const uint64_t* count = p.counts.data();
+      const std::vector<std::pair<size_t, size_t>> chunks = ChunksOf(p);
+      std::vector<BundleRef> refs[2];
+      auto gather = [&](size_t k) {
+        const auto [begin, end] = chunks[k];
+        std::vector<std::byte>& buf = gather_[k % 2];
+        uint64_t bytes = 0;
+        for (size_t i = begin; i < end; ++i) bytes += p.total[i];
+        if (buf.size() < bytes) buf.resize(bytes);
+        refs[k % 2].clear();
+        uint64_t at = 0;
+        for (size_t i = begin; i < end; ++i) {
+          std::byte* dst = buf.data() + at;
+          uint64_t off = 0;
+          for (size_t j = p.first[i]; j < p.first[i] + count[i]; ++j) {
+            std::memcpy(dst + off, reinterpret_cast<const void*>(static_cast<uintptr_t>(ptr[j])), size[j]);
+            off += size[j];
+          }
+          refs[k % 2].push_back({p.hashes[i], std::span<const std::byte>(dst, p.total[i])});
+          at += p.total[i];
+        }
+      };
+      std::future<Result<std::vector<Status>>> putting;
+      for (size_t k = 0; k <= chunks.size(); ++k) {
+        if (k < chunks.size() && failed.ok()) gather(k);  // while run k - 1 is being put
+        if (k > 0 && putting.valid()) {
+          Result<std::vector<Status>> r = putting.get();
+          if (!r.ok()) {
+            if (failed.ok()) failed = r.status();
+          } else {
+            const size_t begin = chunks[k - 1].first;
+            for (size_t i = 0; i < r->size(); ++i) results[begin + i] = std::move((*r)[i]);
+          }
+        }
+        if (k < chunks.size() && failed.ok()) {
+          putting = std::async(std::launch::async, [&c, &refs, k] { return c->Put(refs[k % 2]); });
+        }
+      }
+    }
+    if (!failed.ok()) Raise(failed);
+    std::vector<py::object> out;
+    for (const Status& st : results) out.push_back(ErrorObject(st));
+    return out;
+  }
+
+  // lookup() with keys as one buffer and the tiers as one byte each (BlockTier: 0 absent,
+  // 1 host, 2 ssd, 3 rocksdb, 4 remote): no Python object per key either way.
+  py::tuple LookupArray(const py::object& keys) {
+    std::vector<WireBlockHash> hashes = KeysOfAny(keys);
+    const LookupResult l = Unlocked([&](Client& c) { return c.Lookup(hashes); });
+    std::string tiers(l.tiers.size(), '\0');
+    for (size_t i = 0; i < l.tiers.size(); ++i) tiers[i] = static_cast<char>(l.tiers[i]);
+    return py::make_tuple(l.prefix_blocks, py::bytes(tiers));
+  }
+
   py::tuple Lookup(const py::sequence& keys) {
     std::vector<WireBlockHash> hashes = KeysOf(keys);
     const LookupResult l = Unlocked([&](Client& c) { return c.Lookup(hashes); });
@@ -501,6 +715,9 @@ class PyClient {
 
   std::mutex mu_;
   std::shared_ptr<Client> client_;
+  // put_pieces' gathering buffer, kept (with its pages) across calls; one call at a time uses it.
+  std::mutex gather_mu_;
+  std::vector<std::byte> gather_[2];
 };
 
 // The same batch GET as PyClient::Get, timed in C++ with no Python in the loop, on a
@@ -1536,6 +1753,10 @@ PYBIND11_MODULE(_sparsekv, m) {
       .def("get_into", &PyClient::GetInto)
       .def("get_views", &PyClient::GetViews)
       .def("lookup", &PyClient::Lookup)
+      .def("lookup_array", &PyClient::LookupArray, py::arg("keys"))
+      .def("get_into_pieces", &PyClient::GetIntoPieces, py::arg("keys"), py::arg("ptrs"), py::arg("sizes"),
+           py::arg("counts"))
+      .def("put_pieces", &PyClient::PutPieces, py::arg("keys"), py::arg("ptrs"), py::arg("sizes"), py::arg("counts"))
       .def("delete", &PyClient::Delete)
       .def("hint", &PyClient::Hint, py::arg("keys"), py::arg("ttl"))
       .def("drop_hint", &PyClient::DropHint, py::arg("hint"))

@@ -227,6 +227,30 @@ class Client:
         """
         return self._c.get_views(keys)
 
+    def get_into_pieces(self, keys, ptrs, sizes, counts):
+        """Reads values whose bytes belong in several places (one block of every layer of a
+        model, each in its own tensor) with one copy each: key ``i``'s value is spread, in
+        order, over its ``counts[i]`` pieces, the next ones of ``ptrs``/``sizes`` (integer
+        arrays of addresses and lengths in memory the caller holds, as ``get_into``'s
+        ``(pointer, length)`` pairs). ``keys`` is a uint8 ``[n, 16]`` array (or bytes of n keys,
+        or a sequence of keys). Values are read in place where the daemon lends them. Returns
+        per key the value's size (its pieces written only when it equals their total), or None
+        when the key is absent (or was dropped as damaged)."""
+        return self._c.get_into_pieces(keys, ptrs, sizes, counts)
+
+    def put_pieces(self, keys, ptrs, sizes, counts):
+        """Stores key ``i``'s value as the concatenation of its ``counts[i]`` pieces (as in
+        ``get_into_pieces``), gathered in one buffer and put (through a write lease, straight
+        into the daemon's memory, where the daemon grants them). Per key None or the item's
+        error (not raised)."""
+        return self._c.put_pieces(keys, ptrs, sizes, counts)
+
+    def lookup_array(self, keys):
+        """``lookup`` without a Python object per key: ``keys`` a uint8 ``[n, 16]`` array (or
+        bytes of n keys); returns ``(prefix_blocks, tiers)`` with ``tiers`` one byte per key:
+        0 absent, 1 host, 2 ssd, 3 rocksdb, 4 remote."""
+        return self._c.lookup_array(keys)
+
     def lookup(self, keys):
         """How much of a prefix the daemon holds: ``(prefix_blocks, tiers)``, the length of the
         leading run of keys held somewhere and, per key, "host", "ssd", "rocksdb" or "absent"."""

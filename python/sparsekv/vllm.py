@@ -44,23 +44,28 @@ store keeps each file at the commit named):
   scheduler, read to choose the hook; see docs/guides/vllm.md for why this connector does not
   ride on it).
 
-How blocks are filed: one value per (group, layer, block) (two, K and V, for caches laid out
-``[2, num_blocks, ...]``), the block's bytes exactly as vLLM keeps them. Its 16-byte key is the
-first 16 bytes of vLLM's block hash XOR a mask, the BLAKE2b-128 of ``vllm|<key_tag>|<model>|
-<ranks>|g<group>|<layer>|<spec>``: ``<spec>`` every field of the layer's KV cache spec (kind,
-block size, head size, dtype, cache dtype, compress ratio, window), ``<ranks>`` ``mla-tp<size>``
-for caches every TP rank holds alike (MLA and V4's MLA-shaped groups: one copy, stored by TP rank
-0, read by every rank) or ``tp<rank>of<size>``, then ``pp``/``dcp`` when above 1. So instances of
-another model, TP size, layout or cache dtype never read each other's bytes. Values move between
-the KV cache tensors and the daemon without staging for CPU tensors: ``get_into`` straight into
-each block's memory and ``put`` from it (shared memory over a ``unix:`` address). CUDA tensors go
-through one host copy per transfer (the daemon cannot read device memory).
+How blocks are filed: one value per (block, group), as vLLM's own offload keys are (its block
+hash and the group index): the block's page of every layer of the group on this pipeline stage,
+in the group's layer order (K then V for caches laid out ``[2, num_blocks, ...]``), each exactly
+as vLLM keeps it. Its 16-byte key is the first 16 bytes of vLLM's block hash XOR a mask, the
+BLAKE2b-128 of ``vllm|<key_tag>|<model>|<ranks>|g<group>|<layer>=<spec>;...``: every layer of the
+group with every field of its KV cache spec (kind, block size, head size, dtype, cache dtype,
+compress ratio, window), ``<ranks>`` ``mla-tp<size>`` for caches every TP rank holds alike (MLA
+and V4's MLA-shaped groups: one copy, stored by TP rank 0, read by every rank) or
+``tp<rank>of<size>``, then ``pp``/``dcp`` when above 1. So instances of another model, TP size,
+layout or cache dtype never read each other's bytes, and V3.2's indexer pages always go with
+their MLA pages (they are one value). Values move between the KV cache tensors and the daemon
+with one copy each way for CPU tensors: a load reads each value in place from the daemon's
+memory (shared memory over a ``unix:`` address) and copies its pieces into the layers' blocks
+(``Client.get_into_pieces``); a store gathers the pieces (``Client.put_pieces``, through a write
+lease where the daemon grants them). CUDA tensors go through one host copy per value (the daemon
+cannot read device memory).
 
 A hit is the longest prefix, in scheduler blocks (the LCM of the groups' block sizes), for which
 every group has what resuming needs: full-history groups every block of the prefix,
 sliding-window and state groups the blocks of the last window before it (``ceil((window - 1) /
 block_size)`` blocks, as vLLM's sliding-window manager counts). The scheduler's lookup is one
-daemon call per request over one key per (group, kind of layer, block), cached per request.
+daemon call per request over one key per (group, block), cached per request.
 
 Nothing here raises in vLLM's threads once constructed: a daemon that is down gives misses
 (``(0, False)``), failed loads (their block ids through ``get_block_ids_with_load_errors``, which
@@ -223,11 +228,6 @@ class _Group:
             raise ValueError(f"{_WHO}: group {index}'s block size {self.block_size} does not divide the scheduler "
                              f"block size {scheduler_block}")
         self.per_chunk = scheduler_block // self.block_size  # blocks per scheduler block
-        # One layer of each kind (spec) answers lookups for the group: the last of its kind.
-        last = {}
-        for name, s in layers:
-            last[_spec_text(s)] = name
-        self.lookup_layers = list(last.values())
 
     def window_kept(self, j):
         """Whether block j of this group is ever needed for a hit (sliding groups keep only the
@@ -299,14 +299,15 @@ class _Layout:
         self._masks = {}
         self.stores = (not self.replicated) or self.tp_rank == 0
 
-    def mask(self, group, layer, piece=0):
-        k = (group.index, layer, piece)
-        m = self._masks.get(k)
+    def mask(self, group):
+        """The 16-byte mask of `group`'s keys: it names the scope and every layer of the group
+        with its spec, so another model, layout, parallel layout or cache dtype never shares one."""
+        m = self._masks.get(group.index)
         if m is None:
-            spec = dict(group.layers).get(layer)
-            text = f"{self.scope}|g{group.index}|{layer}|{piece}|{_spec_text(spec)}"
+            layers = ";".join(f"{name}={_spec_text(spec)}" for name, spec in group.layers)
+            text = f"{self.scope}|g{group.index}|{layers}"
             m = _np.frombuffer(_hashlib.blake2b(text.encode(), digest_size=16).digest(), dtype=_np.uint8)
-            self._masks[k] = m
+            self._masks[group.index] = m
         return m
 
 
@@ -328,14 +329,9 @@ def _hash_rows(hashes):
     return _np.frombuffer(b"".join(_hash16(h) for h in hashes), dtype=_np.uint8).reshape(n, 16)
 
 
-def _split(arr):
-    b = arr.tobytes()
-    return [b[i:i + 16] for i in range(0, len(b), 16)]
-
-
 def _keys(hashes16, mask):
-    """Keys of blocks whose 16-byte hashes are rows of `hashes16` (uint8 [n, 16]), for one mask."""
-    return _split(_np.bitwise_xor(hashes16, mask))
+    """Keys (uint8 [n, 16], C-contiguous) of blocks whose 16-byte hashes are rows of `hashes16`."""
+    return _np.ascontiguousarray(_np.bitwise_xor(hashes16, mask))
 
 
 class _RequestState:
@@ -375,6 +371,7 @@ class _LayerMemory:
                              f"strides {list(tensor.stride())})")
         self.page_bytes = int(_np.prod(inner)) * item
         self.stride = stride
+        self.bases = bases
         self.pieces = len(bases)
         self.on_cpu = tensor.device.type == "cpu"
         self.views = []
@@ -452,33 +449,29 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
         chunks = max(0, limit // L.scheduler_block)
         if chunks == 0:
             return 0
-        keys, spans = [], []  # spans: (group, its kept block indices, [key offset per lookup layer])
+        keys, spans = [], []  # spans: (group, its kept block indices, its first key)
+        at = 0
         for g in L.groups:
             js = _np.arange(chunks * g.per_chunk)
             kept = js[g.window_kept(js)]
-            gh = self._group_hashes(hashes16, g, kept)
-            starts = []
-            for layer in g.lookup_layers:
-                starts.append(len(keys))
-                keys.extend(_keys(gh, L.mask(g, layer)))
-            spans.append((g, kept, starts))
+            keys.append(_keys(self._group_hashes(hashes16, g, kept), L.mask(g)))
+            spans.append((g, kept, at))
+            at += len(kept)
         c = self.conn.client()
         if c is None:
             return 0
         try:
-            _, tiers = c.lookup(keys)
+            _, tiers = c.lookup_array(_np.concatenate(keys))
         except Exception as e:  # noqa: BLE001 - a down daemon is a miss, never an exception in vLLM
             self.counters["lookup_errors"] += 1
             self.conn.failed(c, e)
             return 0
         self.counters["lookups"] += 1
-        present = _np.array([t != "absent" for t in tiers], dtype=bool)
+        present = _np.frombuffer(tiers, dtype=_np.uint8) != 0
         ok = _np.ones(chunks + 1, dtype=bool)  # ok[k]: a hit of k scheduler blocks is usable
-        for g, kept, starts in spans:
+        for g, kept, s0 in spans:
             p = _np.zeros(chunks * g.per_chunk, dtype=bool)
-            p[kept] = True
-            for s0 in starts:
-                p[kept] &= present[s0:s0 + len(kept)]
+            p[kept] = present[s0:s0 + len(kept)]
             missing = _np.concatenate([[0], _np.cumsum(~p)])
             ends = _np.arange(chunks + 1) * g.per_chunk
             starts_k = _np.zeros_like(ends) if g.window_blocks is None else _np.maximum(ends - g.window_blocks, 0)
@@ -614,21 +607,37 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
                 if t is not None:  # a layer of another pipeline stage is absent here
                     self._layers[name] = _LayerMemory(name, t, L.num_blocks)
 
+    def _group_memory(self, group):
+        """The registered layers of `group`, in the group's order: the pieces of its values."""
+        return [self._layers[name] for name, _ in self.layout.groups[group].layers if name in self._layers]
+
     def _pieces(self, transfers):
-        """(keys, layer memories, (transfer index, block position) per key) of `transfers`."""
+        """Per value (one per block of each transfer): its key, and its pieces' addresses and
+        sizes, every registered layer of the group in order (K then V for [2, num_blocks, ...]
+        caches). Returns (keys uint8 [n, 16], ptrs, sizes, counts, where [(transfer, position)],
+        on_cpu per value)."""
         L = self.layout
-        keys, where = [], []
+        keys, ptrs, sizes, counts, where, cpu = [], [], [], [], [], []
         for ti, t in enumerate(transfers):
             g = L.groups[t.group]
+            mems = self._group_memory(t.group)
             h = _np.frombuffer(t.hashes, dtype=_np.uint8).reshape(-1, 16)
-            for name, _ in g.layers:
-                mem = self._layers.get(name)
-                if mem is None:
-                    continue
-                for piece in range(mem.pieces):
-                    keys.extend(_keys(h, L.mask(g, name, piece)))
-                    where.extend((ti, pos, mem, piece) for pos in range(len(t.block_ids)))
-        return keys, where
+            ids = _np.asarray(t.block_ids, dtype=_np.uint64)
+            keys.append(_keys(h, L.mask(g)))
+            base = _np.array([b for m in mems for b in m.bases], dtype=_np.uint64)
+            stride = _np.array([m.stride for m in mems for _ in m.bases], dtype=_np.uint64)
+            size = _np.array([m.page_bytes for m in mems for _ in m.bases], dtype=_np.uint64)
+            ptrs.append((base[None, :] + ids[:, None] * stride[None, :]).reshape(-1))
+            sizes.append(_np.tile(size, len(ids)))
+            counts.append(_np.full(len(ids), len(base), dtype=_np.uint64))
+            where.extend((ti, pos) for pos in range(len(ids)))
+            on_cpu = all(m.on_cpu for m in mems)
+            cpu.extend([on_cpu] * len(ids))
+        if not keys:
+            z = _np.zeros(0, dtype=_np.uint64)
+            return _np.zeros((0, 16), dtype=_np.uint8), z, z, z, where, cpu
+        return (_np.concatenate(keys), _np.concatenate(ptrs), _np.concatenate(sizes), _np.concatenate(counts),
+                where, cpu)
 
     def start_load_kv(self, forward_context, **kwargs):
         if not self.has_connector_metadata():
@@ -638,8 +647,7 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
         if not loads:
             return
         try:
-            keys, where = self._pieces(loads)
-            failed = self._load(keys, where, loads)
+            failed = self._load(loads)
         except Exception as e:  # noqa: BLE001 - failed loads are recomputed by vLLM, never raised
             _log.warning("%s: loading failed (%s: %s); vLLM recomputes the blocks", _WHO, type(e).__name__, e)
             failed = {(ti, pos) for ti, t in enumerate(loads) for pos in range(len(t.block_ids))}
@@ -647,36 +655,55 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._load_errors.add(loads[ti].block_ids[pos])
         self.counters["load_failures"] += len(failed)
 
-    def _load(self, keys, where, loads):
+    def _load(self, loads):
+        keys, ptrs, sizes, counts, where, cpu = self._pieces(loads)
         c = self.conn.client()
         if c is None:
-            return {(ti, pos) for ti, pos, _, _ in where}
-        cpu = [i for i, w in enumerate(where) if w[2].on_cpu]
-        gpu = [i for i, w in enumerate(where) if not w[2].on_cpu]
+            return set(where)
         failed = set()
+        starts = _np.concatenate([[0], _np.cumsum(counts)]).astype(_np.int64)
+        totals = _np.add.reduceat(sizes, starts[:-1]) if len(sizes) else _np.zeros(0, dtype=_np.uint64)
         try:
-            if cpu:
-                dests = [where[i][2].block(where[i][3], loads[where[i][0]].block_ids[where[i][1]]) for i in cpu]
-                sizes = c.get_into([keys[i] for i in cpu], dests)
-                for i, n in zip(cpu, sizes):
-                    if n != where[i][2].page_bytes:
-                        failed.add(where[i][:2])
+            if all(cpu):  # the common case: every value straight into its pieces
+                got = c.get_into_pieces(keys, ptrs, sizes, counts)
+                for i, n in enumerate(got):
+                    if n is None or n != int(totals[i]):
+                        failed.add(where[i])
                     else:
                         self.counters["bytes_loaded"] += n
-            for i in gpu:  # the daemon cannot write device memory: one host copy
-                ti, pos, mem, piece = where[i]
-                got = c.get([keys[i]])[0]
-                if got is None or len(got) != mem.page_bytes:
-                    failed.add((ti, pos))
-                    continue
-                self._device_block(mem, piece, loads[ti].block_ids[pos]).copy_(
-                    _torch_from(got, mem.page_bytes).to(mem.tensor.device))
-                self.counters["bytes_loaded"] += len(got)
+            else:
+                for i in range(len(where)):
+                    if not self._load_one(c, loads, where[i], keys[i], sizes[starts[i]:starts[i + 1]], cpu[i],
+                                          ptrs[starts[i]:starts[i + 1]]):
+                        failed.add(where[i])
         except Exception as e:  # noqa: BLE001
             self.conn.failed(c, e)
-            return {(ti, pos) for ti, pos, _, _ in where}
-        self.counters["blocks_loaded"] += len({(ti, pos) for ti, pos, _, _ in where} - failed)
+            return set(where)
+        self.counters["blocks_loaded"] += len(set(where) - failed)
         return failed
+
+    def _load_one(self, c, loads, w, key, sizes, on_cpu, ptrs):
+        """One value into memory that is not all host memory: the daemon cannot write device
+        memory, so the value comes to the host and each piece is copied to its layer."""
+        if on_cpu:
+            got = c.get_into_pieces(key.reshape(1, 16), ptrs, sizes, _np.array([len(sizes)], dtype=_np.uint64))
+            ok = got[0] is not None and got[0] == int(sizes.sum())
+            if ok:
+                self.counters["bytes_loaded"] += got[0]
+            return ok
+        got = c.get([key.tobytes()])[0]
+        if got is None or len(got) != int(sizes.sum()):
+            return False
+        ti, pos = w
+        bid = loads[ti].block_ids[pos]
+        off = 0
+        for mem in self._group_memory(loads[ti].group):
+            for piece in range(mem.pieces):
+                self._device_block(mem, piece, bid).copy_(
+                    _torch_from(got[off:off + mem.page_bytes], mem.page_bytes).to(mem.tensor.device))
+                off += mem.page_bytes
+        self.counters["bytes_loaded"] += len(got)
+        return True
 
     @staticmethod
     def _device_block(mem, piece, block_id):
@@ -698,35 +725,46 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
         if not saves or not self.layout.stores or not self.options["store"]:
             return
         try:
-            keys, where = self._pieces(saves)
-            self._store(keys, where, saves)
+            self._store(saves)
         except Exception as e:  # noqa: BLE001 - a failed store is a later miss, never an exception
             self.counters["store_failures"] += 1
             _log.warning("%s: storing failed (%s: %s)", _WHO, type(e).__name__, e)
 
-    def _store(self, keys, where, saves):
+    def _store(self, saves):
+        keys, ptrs, sizes, counts, where, cpu = self._pieces(saves)
+        n = len(where)
         c = self.conn.client()
         if c is None:
-            self.counters["store_failures"] += len(keys)
+            self.counters["store_failures"] += n
             return
-        values = []
-        for ti, pos, mem, piece in where:
-            bid = saves[ti].block_ids[pos]
-            if mem.on_cpu:
-                values.append(mem.block(piece, bid))
-            else:  # one device-to-host copy: the daemon reads host memory only
-                values.append(self._device_block(mem, piece, bid).cpu().numpy())
+        starts = _np.concatenate([[0], _np.cumsum(counts)]).astype(_np.int64)
+        totals = _np.add.reduceat(sizes, starts[:-1]) if len(sizes) else _np.zeros(0, dtype=_np.uint64)
         try:
-            errors = c.put(keys, values)
+            if all(cpu):  # gathered from the layers' blocks straight into the store
+                errors = c.put_pieces(keys, ptrs, sizes, counts)
+            else:  # one device-to-host copy per value: the daemon reads host memory only
+                values = [self._host_value(saves, where[i]) for i in range(n)]
+                errors = c.put([k.tobytes() for k in keys], values)
         except Exception as e:  # noqa: BLE001
-            self.counters["store_failures"] += len(keys)
+            self.counters["store_failures"] += n
             self.conn.failed(c, e)
             return
         bad = sum(1 for e in errors if e is not None)
         self.counters["store_failures"] += bad
-        self.counters["blocks_stored"] += len(keys) - bad
-        self.counters["bytes_stored"] += sum(len(v) if isinstance(v, memoryview) else v.nbytes
-                                             for v, e in zip(values, errors) if e is None)
+        self.counters["blocks_stored"] += n - bad
+        self.counters["bytes_stored"] += int(sum(int(totals[i]) for i, e in enumerate(errors) if e is None))
+
+    def _host_value(self, saves, w):
+        import torch
+        ti, pos = w
+        bid = saves[ti].block_ids[pos]
+        parts = []
+        for mem in self._group_memory(saves[ti].group):
+            for piece in range(mem.pieces):
+                b = self._device_block(mem, piece, bid) if not mem.on_cpu else \
+                    torch.frombuffer(mem.block(piece, bid), dtype=torch.uint8)
+                parts.append(b.reshape(-1).cpu())
+        return torch.cat(parts).numpy()
 
     def get_finished(self, finished_req_ids):
         return None, None  # loads and stores complete within the step
@@ -740,13 +778,14 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---------------- for tests and tools ----------------
 
-    def block_keys(self, group, layer, block_hashes, piece=0):
-        """The sparsekv keys under which this instance files blocks of `group` (index) and
-        `layer` whose vLLM block hashes are `block_hashes` (each the hash of the block's last
-        hash-block piece)."""
+    def block_keys(self, group, block_hashes):
+        """The sparsekv keys (16 bytes each) under which this instance files blocks of `group`
+        (index) whose vLLM block hashes are `block_hashes` (each the hash of the block's last
+        hash-block piece): one value per (block, group), every layer of the group in it."""
         g = self.layout.groups[group]
         h = _np.frombuffer(b"".join(_hash16(x) for x in block_hashes), dtype=_np.uint8).reshape(-1, 16)
-        return _keys(h, self.layout.mask(g, layer, piece))
+        k = _keys(h, self.layout.mask(g)).tobytes()
+        return [k[i:i + 16] for i in range(0, len(k), 16)]
 
 
 def _torch_from(buf, n):

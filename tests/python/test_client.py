@@ -194,3 +194,86 @@ def test_connector_example(daemon):
     assert r1 == {"loaded_blocks": 0, "computed_blocks": 6, "saved_blocks": 6}
     # The second engine loads the shared prompt's 6 blocks and computes only the question's 2.
     assert r2 == {"loaded_blocks": 6, "computed_blocks": 2, "saved_blocks": 2}
+
+
+def _pieces_of(arrays, rows):
+    """(ptrs, sizes, counts) of values made of row `r` of each array, for each r in `rows`."""
+    ptrs, sizes = [], []
+    for r in rows:
+        for a in arrays:
+            ptrs.append(a.ctypes.data + r * a.strides[0])
+            sizes.append(a.strides[0])
+    return (np.array(ptrs, dtype=np.uint64), np.array(sizes, dtype=np.uint64),
+            np.full(len(rows), len(arrays), dtype=np.uint64))
+
+
+@pytest.mark.parametrize("where", ["tcp", "unix"])
+def test_values_in_pieces_round_trip(daemon, where):
+    """put_pieces gathers each value from its pieces and get_into_pieces spreads it back, over
+    more than one 16 MiB call (the calls overlap), with keys as an array or a list."""
+    address = daemon.tcp if where == "tcp" else daemon.unix
+    rng = np.random.default_rng(5)
+    # Three "layers" of 24 blocks with rows of different sizes: 24 values of ~1.4 MiB.
+    src = [rng.integers(0, 256, (24, n), dtype=np.uint8) for n in (700_000, 4_000, 720_000)]
+    keys = np.frombuffer(os.urandom(24 * 16), dtype=np.uint8).reshape(24, 16)
+    with sparsekv.Client(address, "alpha", "alpha-token") as c:
+        ptrs, sizes, counts = _pieces_of(src, range(24))
+        assert c.put_pieces(keys, ptrs, sizes, counts) == [None] * 24
+        whole = c.get([keys[5].tobytes()])[0]
+        assert bytes(whole) == b"".join(a[5].tobytes() for a in src)
+        dst = [np.zeros_like(a) for a in src]
+        ptrs, sizes, counts = _pieces_of(dst, range(24))
+        got = c.get_into_pieces([k.tobytes() for k in keys], ptrs, sizes, counts)
+        assert got == [sum(a.shape[1] for a in src)] * 24
+        for a, b in zip(src, dst):
+            assert np.array_equal(a, b)
+        n, tiers = c.lookup_array(np.concatenate([keys[:3], keys[-1:] ^ 1]))
+        assert n == 3 and tiers[:3] == b"\x01\x01\x01" and tiers[3] == 0
+
+
+def test_values_in_pieces_refuse_what_does_not_fit(daemon):
+    """A miss is None and a value of another size than its pieces' total writes nothing; arrays
+    that disagree are refused before anything is sent."""
+    with sparsekv.Client(daemon.unix, "alpha", "alpha-token") as c:
+        a = np.arange(4 * 1000, dtype=np.uint8).reshape(4, 1000)
+        keys = np.frombuffer(os.urandom(4 * 16), dtype=np.uint8).reshape(4, 16)
+        assert c.put([keys[0].tobytes(), keys[1].tobytes()], [a[0].tobytes(), b"short"]) == [None, None]
+        dst = np.full_like(a, 7)
+        ptrs, sizes, counts = _pieces_of([dst], range(3))
+        got = c.get_into_pieces(keys[:3], ptrs, sizes, counts)
+        assert got == [1000, 5, None]
+        assert np.array_equal(dst[0], a[0]) and (dst[1] == 7).all() and (dst[2] == 7).all()
+        with pytest.raises(ValueError, match="pieces"):
+            c.get_into_pieces(keys[:3], ptrs, sizes, counts[:2])
+        with pytest.raises(ValueError, match="pieces"):
+            c.put_pieces(keys[:3], ptrs, sizes[:-1], counts)
+        with pytest.raises(ValueError, match="pieces"):
+            c.put_pieces(keys[:3], ptrs, sizes, counts + 1)
+        with pytest.raises(ValueError, match="keys"):
+            c.lookup_array(np.zeros(15, dtype=np.uint8))
+        assert c.lookup_array(keys[3:])[1] == b"\x00"  # nothing was stored by the refused calls
+
+
+def test_put_pieces_from_threads_at_once(daemon):
+    """One client's put_pieces from four threads at once: each value is its own pieces'."""
+    with sparsekv.Client(daemon.unix, "alpha", "alpha-token") as c:
+        rng = np.random.default_rng(9)
+        data = [rng.integers(0, 256, (6, 3_000_000), dtype=np.uint8) for _ in range(4)]
+        keys = [np.frombuffer(os.urandom(6 * 16), dtype=np.uint8).reshape(6, 16) for _ in range(4)]
+        errors = []
+
+        def put(t):
+            try:
+                assert c.put_pieces(keys[t], *_pieces_of([data[t]], range(6))) == [None] * 6
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=put, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        for t in range(4):
+            for r in (0, 5):
+                assert bytes(c.get([keys[t][r].tobytes()])[0]) == data[t][r].tobytes()

@@ -104,14 +104,16 @@ def test_daemon_killed_gives_misses_then_hits_from_ssd_after_restart():
         assert d.stop() == 0
 
 
-def _v4_keys(inst, req_tokens, group, blocks, layers=None):
-    """Keys of V4 blocks `blocks` of `group`, every layer of the group (or `layers`)."""
+def _v4_keys(inst, req_tokens, group, blocks):
+    """Keys of V4 blocks `blocks` of `group` (one value each: every layer of the group)."""
     from vllm.v1.request import Request
     r = Request("k", req_tokens, block_hasher=inst.block_hasher)
-    keys = []
-    for layer in layers or inst.group_layers[group]:
-        keys += inst.worker.block_keys(group, layer, [inst.block_hash(r, group, j) for j in blocks])
-    return keys
+    return inst.worker.block_keys(group, [inst.block_hash(r, group, j) for j in blocks])
+
+
+def replace(address, keys, value):
+    with sparsekv.Client(address) as c:
+        assert all(e is None for e in c.put(keys, [value] * len(keys)))
 
 
 # V4 groups in vllm_engine: 0 compressed KV + C4 indexer (256-token blocks), 1 sliding window
@@ -138,12 +140,13 @@ def test_v4_hit_stops_where_a_group_lacks_what_resuming_needs(daemon, case, grou
     b.close()
 
 
-def test_v4_window_block_missing_in_one_layer_fails_its_load_and_vllm_recomputes(daemon):
+def test_v4_window_block_that_no_longer_fits_fails_its_load_and_vllm_recomputes(daemon):
     tokens = E.prompt(PROMPT, salt=7)
     a = E.Instance("v4", daemon.unix, seed=41, num_blocks=V4_BLOCKS)
     a.run("w", tokens)
-    # Layer 0's window block only: the lookup answers for the group's last layer, the load finds it gone.
-    delete(daemon.unix, _v4_keys(a, tokens, 1, [19], layers=[a.group_layers[1][0]]))
+    # The window block's value replaced by one of another size (as another layout would file):
+    # the lookup sees it present, the load finds it is not this instance's block.
+    replace(daemon.unix, _v4_keys(a, tokens, 1, [19]), b"x" * 4096)
     b = E.Instance("v4", daemon.unix, seed=42, num_blocks=V4_BLOCKS)
     r = b.run("y", tokens, writer_seed=41)
     assert r["ext"] == 1280 and len(r["load_errors"]) == 1 and r["recomputed_from"] == 19 * 64, r
@@ -157,20 +160,23 @@ def test_v32_deleted_indexer_page_cuts_the_hit(daemon):
     a.run("w", tokens)
     from vllm.v1.request import Request
     req = Request("k", tokens, block_hasher=a.block_hasher)
-    indexer = [n for n in a.group_layers[0] if "indexer" in n]
-    keys = []
-    for layer in indexer:  # block 5's indexer page, every layer
-        keys += a.worker.block_keys(0, layer, [req.block_hashes[5]])
-    delete(daemon.unix, keys)
+    # Block 5's value: its MLA and indexer pages of every layer go together, so no hit reaches past
+    # a block without its indexer pages.
+    assert any("indexer" in n for n in a.group_layers[0]) and any("indexer" not in n for n in a.group_layers[0])
+    delete(daemon.unix, a.worker.block_keys(0, [req.block_hashes[5]]))
     b = E.Instance("v32", daemon.unix, seed=52, num_blocks=64)
     assert b.lookup("x", tokens) == (5 * 64, False)
     r = b.run("y", tokens, writer_seed=51)
     assert r["ext"] == 320 and r["loaded_ok"] == r["loaded"] == 5 and r["load_errors"] == []
-    # One layer's indexer page of block 3: found missing at load; vLLM recomputes from block 3.
+    # Block 3's value cut short (its last layer's indexer page missing): found wrong at load; vLLM
+    # recomputes from block 3.
     tokens = E.prompt(PROMPT, salt=9)
     a.run("w2", tokens)
     req = Request("k", tokens, block_hasher=a.block_hasher)
-    delete(daemon.unix, a.worker.block_keys(0, indexer[0], [req.block_hashes[3]]))
+    key = a.worker.block_keys(0, [req.block_hashes[3]])
+    with sparsekv.Client(daemon.unix) as c:
+        whole = bytes(c.get(key)[0])
+    replace(daemon.unix, key, whole[:-64 * 132])
     r = b.run("z", tokens, writer_seed=51)
     assert r["ext"] == 1280 and len(r["load_errors"]) == 1 and r["recomputed_from"] == 3 * 64, r
     a.close()
