@@ -621,6 +621,8 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
         for ti, t in enumerate(transfers):
             g = L.groups[t.group]
             mems = self._group_memory(t.group)
+            if not mems:  # none of the group's layers is on this pipeline stage
+                continue
             h = _np.frombuffer(t.hashes, dtype=_np.uint8).reshape(-1, 16)
             ids = _np.asarray(t.block_ids, dtype=_np.uint64)
             keys.append(_keys(h, L.mask(g)))
