@@ -315,6 +315,11 @@ class HostTierImpl final : public HostTier {
   }
 
   std::optional<std::vector<BundleKey>> ListKeys() const override { return Keys(); }
+  bool SetKeyJournal(std::shared_ptr<KeyJournal> journal) override {
+    MutexLock lock(mu_);
+    journal_ = std::move(journal);
+    return true;
+  }
   std::vector<BundleKey> Keys() const override {
     MutexLock lock(mu_);
     std::vector<BundleKey> keys;
@@ -415,6 +420,7 @@ class HostTierImpl final : public HostTier {
     stats_.bytes -= e.record_bytes;
     if (!evicted) eviction_.Erase(id);
     e.indexed = false;
+    if (journal_) journal_->Note(it->first, false);
     index_.erase(it);
     if (e.readers == 0) ReleaseEntryLocked(id);
   }
@@ -543,6 +549,7 @@ class HostTierImpl final : public HostTier {
     e.indexed = true;
     eviction_.Insert(id, e.key, e.record_bytes);
     index_.emplace(e.key, id);
+    if (journal_) journal_->Note(e.key, true);
     stats_.bytes += e.record_bytes;
     stats_.bytes_written += e.record_bytes;
     ++stats_.puts;
@@ -636,6 +643,7 @@ class HostTierImpl final : public HostTier {
   std::vector<Entry> entries_ SPARSEKV_GUARDED_BY(mu_);
   std::vector<EntryId> spare_ids_ SPARSEKV_GUARDED_BY(mu_);
   Index index_ SPARSEKV_GUARDED_BY(mu_);
+  std::shared_ptr<KeyJournal> journal_ SPARSEKV_GUARDED_BY(mu_);  // SetKeyJournal
   offload::TierEviction eviction_ SPARSEKV_GUARDED_BY(mu_);  // the indexed entries' eviction order
   EvictionListener listener_ SPARSEKV_GUARDED_BY(mu_);
   // Keys evicted for the listener and not yet handed to it, and the signal that they were.

@@ -96,6 +96,11 @@ class RocksDbTierImpl final : public RocksDbTier {
   std::string_view name() const override { return options_.name; }
   uint64_t capacity_bytes() const override { return options_.capacity_bytes; }
   uint64_t max_record_bytes() const override { return options_.max_record_bytes; }
+  bool SetKeyJournal(std::shared_ptr<KeyJournal> journal) override {
+    MutexLock lock(mu_);
+    journal_ = std::move(journal);
+    return true;
+  }
   std::optional<std::vector<BundleKey>> ListKeys() const override {
     MutexLock lock(mu_);
     std::vector<BundleKey> out;
@@ -253,6 +258,7 @@ class RocksDbTierImpl final : public RocksDbTier {
       SPARSEKV_REQUIRES(mu_) {
     Entry e{bytes, checksum, version, lru_.insert(lru_.end(), key), false};
     entries_.emplace(key, e);
+    if (journal_) journal_->Note(key, true);
     stats_.bytes += bytes;
     max_version_ = std::max(max_version_, version);
   }
@@ -260,6 +266,7 @@ class RocksDbTierImpl final : public RocksDbTier {
       SPARSEKV_REQUIRES(mu_) {
     stats_.bytes -= it->second.record_bytes;
     lru_.erase(it->second.lru);
+    if (journal_) journal_->Note(it->first, false);
     entries_.erase(it);
   }
 
@@ -282,6 +289,7 @@ class RocksDbTierImpl final : public RocksDbTier {
   Mutex index_mu_;  // taken before mu_
   mutable Mutex mu_;
   std::unordered_map<BundleKey, Entry, BundleKeyHasher> entries_ SPARSEKV_GUARDED_BY(mu_);
+  std::shared_ptr<KeyJournal> journal_ SPARSEKV_GUARDED_BY(mu_);  // SetKeyJournal
   std::list<BundleKey> lru_ SPARSEKV_GUARDED_BY(mu_);  // front: least recent
   uint64_t next_sequence_ SPARSEKV_GUARDED_BY(mu_) = 1;
   uint64_t max_version_ SPARSEKV_GUARDED_BY(mu_) = 0;

@@ -290,6 +290,11 @@ class SsdTierImpl final : public SsdTier {
   }
 
   std::optional<std::vector<BundleKey>> ListKeys() const override { return Keys(); }
+  bool SetKeyJournal(std::shared_ptr<KeyJournal> journal) override {
+    MutexLock lock(mu_);
+    journal_ = std::move(journal);
+    return true;
+  }
   std::vector<BundleKey> Keys() const override {
     MutexLock lock(mu_);
     std::vector<BundleKey> out;
@@ -439,6 +444,7 @@ class SsdTierImpl final : public SsdTier {
   Mutex index_mu_;
   mutable Mutex mu_;
   std::unordered_map<BundleKey, Entry, BundleKeyHasher> entries_ SPARSEKV_GUARDED_BY(mu_);
+  std::shared_ptr<KeyJournal> journal_ SPARSEKV_GUARDED_BY(mu_);  // SetKeyJournal
   offload::TierEviction eviction_ SPARSEKV_GUARDED_BY(mu_);  // the entries' eviction order
   std::vector<BundleKey> id_keys_ SPARSEKV_GUARDED_BY(mu_);     // per eviction id: its key
   std::vector<uint32_t> spare_ids_ SPARSEKV_GUARDED_BY(mu_);
@@ -725,6 +731,7 @@ void SsdTierImpl::RemoveEntryLocked(
   }
   spare_ids_.push_back(id);
   stats_.bytes -= it->second.record_bytes;
+  if (journal_) journal_->Note(it->first, false);
   entries_.erase(it);
 }
 
@@ -739,6 +746,7 @@ void SsdTierImpl::AddEntryLocked(const BundleKey& key, Entry e) {
   }
   eviction_.Insert(e.id, key, e.record_bytes);
   entries_.emplace(key, e);
+  if (journal_) journal_->Note(key, true);
 }
 
 void SsdTierImpl::FreeExtentLocked(uint64_t at, uint64_t units) {

@@ -1,8 +1,10 @@
 // TierEventTracker: sparsekvd's tiers on vLLM's KV-event wire (sparsekv/vllm_kv_events.h).
 //
-// Every `tick_ms` it lists what each local tier holds (Tier::ListKeys; pins count as host
-// memory) and publishes the difference from what it published before, per medium: host memory
-// "CPU", SSD and RocksDB "DISK". So PUT, promotion, demotion to the SSD tier, eviction, DELETE,
+// Every `tick_ms` it takes the keys each local tier added and removed since the last tick
+// (Tier::SetKeyJournal; pins count as host memory) and publishes the difference from what it
+// published before, per medium: host memory "CPU", SSD and RocksDB "DISK". A tick costs
+// O(changes), not O(blocks held); the tiers are listed (Tier::ListKeys) only at the first tick,
+// after dropped events, when a journal overflowed, or for a tier that keeps none. So PUT, promotion, demotion to the SSD tier, eviction, DELETE,
 // FLUSHDB and corruption all reach subscribers as BlockStored / BlockRemoved within a tick, and
 // the index a subscriber keeps equals the tiers' contents at each tick (a block stored and gone
 // within one tick is not reported). When every medium empties at once it publishes
@@ -54,6 +56,11 @@ class TierEventTracker {
   // Lists the tiers now and publishes the differences (tests; the thread does it every tick).
   void Tick();
   VllmKvEventStats Stats() const { return publisher_->Stats(); }
+  // Full listings of the tiers done so far (the first tick's, and after drops or overflows).
+  uint64_t listings() const {
+    std::lock_guard<std::mutex> l(tick_mu_);
+    return listings_;
+  }
   // Prometheus text: sparsekv_kv_events_* counters.
   void RenderMetrics(std::string& out) const;
 
@@ -69,16 +76,23 @@ class TierEventTracker {
   std::vector<std::string> media_;  // per chain tier
   bool has_remote_ = false;
 
-  std::mutex tick_mu_;  // one Tick at a time
+  // The full path: lists every local tier (its journal emptied first) and publishes the
+  // difference from what was published.
+  std::vector<VllmKvEvent> ListAndDiff(const std::vector<BundleKey>& pins);
+
+  mutable std::mutex tick_mu_;  // one Tick at a time
   std::unordered_map<std::string, std::unordered_set<BundleKey, BundleKeyHasher>> published_;
+  // Per chain tier: its journal (null for the remote tier or a tier that keeps none) and the
+  // keys it held at the last tick, as its journal told.
+  std::vector<std::shared_ptr<KeyJournal>> journals_;
+  std::vector<std::unordered_set<BundleKey, BundleKeyHasher>> tier_keys_;
+  uint64_t listings_ = 0;  // full listings done (tests)
   bool first_tick_ = true;
   // The publisher dropped some of a tick's events (its queue was full): the next tick with room
   // publishes AllBlocksCleared and the whole contents again.
   bool resync_ = false;
   std::atomic<uint64_t> resyncs_{0};
-  // What the tiers' counters and the pins were at the last listing (Tick skips when unchanged).
-  std::vector<uint64_t> last_marks_;
-  std::vector<BundleKey> last_pins_;
+  std::vector<BundleKey> last_pins_;  // sorted
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -408,6 +408,8 @@ def test_index_per_medium_equals_the_daemon_after_a_mixed_load():
         # The restarted daemon served every replay the subscriber asked of it (one when it joined
         # after the daemon's first batch, as it usually does; none when it was in time for it).
         assert m["sparsekv_kv_events_replay_requests_total"] == sub.replays_since_restart
+        # Ticks follow the tiers' journals: the restarted daemon listed its tiers once, at start.
+        assert m["sparsekv_kv_events_listings_total"] == 1
 
         # A subscriber that starts late catches up through replay alone.
         late = Subscriber(d.kv_endpoint, d.kv_replay, "kv@")

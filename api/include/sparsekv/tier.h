@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <functional>
 #include <future>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -82,6 +84,38 @@ struct TierMetric {
   double value = 0;
 };
 
+// The keys a tier added and removed, in the order it did (Tier::SetKeyJournal): a reader that
+// mirrors the tier's key set (sparsekvd's KV-event tracker) applies them instead of listing the
+// tier. Thread-safe; a tier notes under its own lock, so the order is the tier's.
+class KeyJournal {
+ public:
+  explicit KeyJournal(size_t max_entries) : max_entries_(max_entries) {}
+  void Note(const BundleKey& key, bool present) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (changes_.size() >= max_entries_) {
+      overflowed_ = true;  // the reader lists the tier instead
+      return;
+    }
+    changes_.emplace_back(key, present);
+  }
+  // The changes noted since the last Take, in order. `*overflowed` true when some were not kept
+  // (more than max_entries between two takes): the reader must list the tier to know its keys.
+  std::vector<std::pair<BundleKey, bool>> Take(bool* overflowed) {
+    std::lock_guard<std::mutex> l(mu_);
+    *overflowed = overflowed_;
+    overflowed_ = false;
+    std::vector<std::pair<BundleKey, bool>> out;
+    out.swap(changes_);
+    return out;
+  }
+
+ private:
+  const size_t max_entries_;
+  std::mutex mu_;
+  std::vector<std::pair<BundleKey, bool>> changes_;
+  bool overflowed_ = false;
+};
+
 class Tier {
  public:
   using StatusesCallback = std::function<void(std::vector<Status>)>;
@@ -124,6 +158,9 @@ class Tier {
   // Every key the tier holds, when it keeps an index in memory (host, SSD, RocksDB); a tier
   // that cannot list its keys cheaply (a remote cluster) returns nullopt.
   virtual std::optional<std::vector<BundleKey>> ListKeys() const { return std::nullopt; }
+  // From now on, notes every key added to or removed from what ListKeys lists in `journal`
+  // (null stops it); false when the tier cannot (its reader lists it instead).
+  virtual bool SetKeyJournal(std::shared_ptr<KeyJournal> journal) { return false; }
   // Figures beyond TierStats, for /metrics.
   virtual std::vector<TierMetric> Metrics() const { return {}; }
 
