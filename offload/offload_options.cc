@@ -181,7 +181,8 @@ class Section {
 Status ParseHost(const Section& s, OffloadOptions& o) {
   SPARSEKV_RETURN_IF_ERROR(s.IsObject());
   SPARSEKV_RETURN_IF_ERROR(s.OnlyKeys(
-      {"enabled", "capacity_bytes", "max_record_bytes", "slot_bytes", "huge_pages", "eviction", "hint_bound"}));
+      {"enabled", "capacity_bytes", "max_record_bytes", "slot_bytes", "huge_pages", "populate", "eviction",
+       "hint_bound"}));
   SPARSEKV_RETURN_IF_ERROR(s.Enum("eviction", &ParseEvictionPolicy, &o.host.eviction));
   SPARSEKV_RETURN_IF_ERROR(s.Fraction("hint_bound", &o.host.hint_bound));
   SPARSEKV_RETURN_IF_ERROR(s.Bool("enabled", &o.host_enabled));
@@ -189,6 +190,7 @@ Status ParseHost(const Section& s, OffloadOptions& o) {
   // "slot_bytes" is the name this limit had when every record took a slot of that size.
   SPARSEKV_RETURN_IF_ERROR(s.Bytes("slot_bytes", 0, &o.host.max_record_bytes));
   SPARSEKV_RETURN_IF_ERROR(s.Bytes("max_record_bytes", 0, &o.host.max_record_bytes));
+  SPARSEKV_RETURN_IF_ERROR(s.Bool("populate", &o.host.populate));
   return s.Bool("huge_pages", &o.host.huge_pages);
 }
 
@@ -197,7 +199,7 @@ Status ParseSsd(const Section& s, OffloadOptions& o) {
   SPARSEKV_RETURN_IF_ERROR(
       s.OnlyKeys({"enabled", "path", "capacity_bytes", "queue_depth", "io_threads", "io_bytes",
                   "max_record_bytes", "slab_grow_bytes", "durability", "register_buffers",
-                  "read_arena_bytes", "eviction", "hint_bound"}));
+                  "read_arena_bytes", "read_coalesce_bytes", "read_gap_bytes", "eviction", "hint_bound"}));
   SsdTierOptions& t = o.ssd;
   SPARSEKV_RETURN_IF_ERROR(s.Enum("eviction", &ParseEvictionPolicy, &t.eviction));
   SPARSEKV_RETURN_IF_ERROR(s.Fraction("hint_bound", &t.hint_bound));
@@ -215,6 +217,16 @@ Status ParseSsd(const Section& s, OffloadOptions& o) {
   SPARSEKV_RETURN_IF_ERROR(s.Bytes("slab_grow_bytes", kDirectIoAlignment, &t.slab_grow_bytes));
   SPARSEKV_RETURN_IF_ERROR(s.Enum("durability", &ParseDurability, &t.durability));
   SPARSEKV_RETURN_IF_ERROR(s.Bytes("read_arena_bytes", 0, &t.read_arena_bytes));
+  SPARSEKV_RETURN_IF_ERROR(s.Bytes("read_coalesce_bytes", 0, &t.read_coalesce_bytes));
+  SPARSEKV_RETURN_IF_ERROR(s.Bytes("read_gap_bytes", 0, &t.read_gap_bytes));
+  if (t.read_coalesce_bytes > (1ull << 30)) {
+    return Status::InvalidArgument(fmt::format(
+        "offload.ssd.read_coalesce_bytes: expected at most 1 GiB, got {}", t.read_coalesce_bytes));
+  }
+  if (t.read_gap_bytes % kDirectIoAlignment != 0) {
+    return Status::InvalidArgument(fmt::format(
+        "offload.ssd.read_gap_bytes: expected a multiple of 4096, got {}", t.read_gap_bytes));
+  }
   return s.Bool("register_buffers", &t.register_buffers);
 }
 
@@ -303,6 +315,7 @@ std::string OffloadOptionsToJson(const OffloadOptions& o) {
                {"capacity_bytes", o.host.capacity_bytes},
                {"max_record_bytes", o.host.max_record_bytes},
                {"huge_pages", o.host.huge_pages},
+               {"populate", o.host.populate},
                {"eviction", std::string(EvictionPolicyName(o.host.eviction))},
                {"hint_bound", o.host.hint_bound}};
   j["ssd"] = {{"enabled", o.ssd_enabled},
@@ -316,6 +329,8 @@ std::string OffloadOptionsToJson(const OffloadOptions& o) {
               {"durability", std::string(DurabilityName(o.ssd.durability))},
               {"register_buffers", o.ssd.register_buffers},
               {"read_arena_bytes", o.ssd.read_arena_bytes},
+              {"read_coalesce_bytes", o.ssd.read_coalesce_bytes},
+              {"read_gap_bytes", o.ssd.read_gap_bytes},
               {"eviction", std::string(EvictionPolicyName(o.ssd.eviction))},
               {"hint_bound", o.ssd.hint_bound}};
   j["rocksdb"] = {{"enabled", o.rocksdb_enabled},

@@ -137,19 +137,22 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
       bool keys_ok = n.is_object();
       if (keys_ok) {
         for (auto k = n.begin(); k != n.end(); ++k) {
-          keys_ok = keys_ok && (k.key() == "name" || k.key() == "token" || k.key() == "max_connections");
+          keys_ok = keys_ok && (k.key() == "name" || k.key() == "token" || k.key() == "max_connections" ||
+                                k.key() == "max_leased_bytes");
         }
       }
       if (!keys_ok || !n.contains("name") || !n["name"].is_string() || n["name"].get<std::string>().empty() ||
           (n.contains("token") && !n["token"].is_string()) ||
-          (n.contains("max_connections") && !n["max_connections"].is_number_unsigned())) {
+          (n.contains("max_connections") && !n["max_connections"].is_number_unsigned()) ||
+          (n.contains("max_leased_bytes") && !n["max_leased_bytes"].is_number_unsigned())) {
         return Status::InvalidArgument(fmt::format(
             "config namespaces[{}] must be {{\"name\": non-empty string, \"token\": string, \"max_connections\": "
-            "count (optional)}}",
+            "count (optional), \"max_leased_bytes\": byte count (optional)}}",
             i));
       }
       DaemonNamespace ns{n["name"].get<std::string>(), n.value("token", ""),
-                         static_cast<uint32_t>(std::min<uint64_t>(n.value("max_connections", uint64_t{0}), 1u << 30))};
+                         static_cast<uint32_t>(std::min<uint64_t>(n.value("max_connections", uint64_t{0}), 1u << 30)),
+                         n.value("max_leased_bytes", uint64_t{0})};
       for (const DaemonNamespace& other : c.namespaces) {
         if (other.name == ns.name) {
           return Status::InvalidArgument(fmt::format("config namespaces: '{}' is listed twice", ns.name));
@@ -203,7 +206,10 @@ std::string DaemonConfigToJson(const DaemonConfig& c) {
   json namespaces = json::array();
   for (const DaemonNamespace& n : c.namespaces) {
     namespaces.push_back(
-        {{"name", n.name}, {"token", n.token.empty() ? "" : "(set)"}, {"max_connections", n.max_connections}});
+        {{"name", n.name},
+         {"token", n.token.empty() ? "" : "(set)"},
+         {"max_connections", n.max_connections},
+         {"max_leased_bytes", n.max_leased_bytes}});
   }
   json j{{"model", c.model},
          {"kv_format", c.kv_format},

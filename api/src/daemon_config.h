@@ -18,6 +18,9 @@ struct DaemonNamespace {
   std::string token;
   // Connections of this namespace at once (0: only max_connections). Default: 0.
   uint32_t max_connections = 0;
+  // Bytes of write leases its sessions may hold uncommitted at once (NamespaceConfig's
+  // max_leased_bytes; 0: a quarter of the host arena). Default: 0.
+  uint64_t max_leased_bytes = 0;
 };
 
 // KV events on vLLM's wire (sparsekv/vllm_kv_events.h, server/kv_event_tracker.h); off while

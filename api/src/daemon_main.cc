@@ -175,7 +175,7 @@ int Run(DaemonConfig config) {
   so.write_lease_timeout_ms = config.write_lease_timeout_ms;
   so.block_tokens = config.block_tokens;
   so.namespaces.clear();
-  for (const DaemonNamespace& n : config.namespaces) so.namespaces.push_back({n.name, n.token, n.max_connections});
+  for (const DaemonNamespace& n : config.namespaces) so.namespaces.push_back({n.name, n.token, n.max_connections, n.max_leased_bytes});
   so.handle_signals = true;
   so.on_sighup = [path = config.log_file] { OpenLog(path); };
 

@@ -18,15 +18,20 @@ TEST(OffloadOptions, DefaultsAndFullSection) {
   EXPECT_EQ(d->ssd.durability, Durability::kFdatasync);
   auto o = ParseOffloadOptionsJson(R"({
     "write_policy": "write-through", "prefetch_blocks": 8,
-    "host": {"capacity_bytes": "4GiB", "max_record_bytes": 9437184},
+    "host": {"capacity_bytes": "4GiB", "max_record_bytes": 9437184, "populate": true},
     "ssd": {"enabled": true, "path": "l3", "capacity_bytes": "64 GiB", "queue_depth": 32, "io_threads": 2,
-            "io_bytes": "2MiB", "durability": "dsync", "register_buffers": false},
+            "io_bytes": "2MiB", "durability": "dsync", "register_buffers": false,
+            "read_coalesce_bytes": "16MiB", "read_gap_bytes": "64KiB"},
     "rocksdb": {"enabled": true, "min_blob_size": "64KiB", "durability": "none", "use_direct_io": true}})");
   ASSERT_TRUE(o.ok()) << o.status().ToString();
   EXPECT_EQ(o->chain.write_policy, WritePolicy::kWriteThrough);
   EXPECT_EQ(o->chain.prefetch_blocks, 8u);
   EXPECT_EQ(o->host.capacity_bytes, 4ull << 30);
   EXPECT_EQ(o->host.max_record_bytes, 9437184u);
+  EXPECT_TRUE(o->host.populate);
+  EXPECT_FALSE(d->host.populate);
+  EXPECT_EQ(o->ssd.read_coalesce_bytes, 16u << 20);
+  EXPECT_EQ(o->ssd.read_gap_bytes, 64u << 10);
   EXPECT_EQ(o->ssd.capacity_bytes, 64ull << 30);
   EXPECT_EQ(o->ssd.queue_depth, 32u);
   EXPECT_EQ(o->ssd.io_bytes, 2u << 20);
@@ -56,6 +61,9 @@ TEST(OffloadOptions, ErrorsNameTheKeyAndWhatWasExpected) {
        "offload.ssd.durability: unknown durability 'sometimes'"},
       {R"({"ssd": {"capacity_bytes": "lots"}})", "offload.ssd.capacity_bytes: expected a size"},
       {R"({"ssd": {"io_bytes": 5000}})", "offload.ssd.io_bytes: expected a multiple of 4096"},
+      {R"({"ssd": {"read_gap_bytes": 5000}})", "offload.ssd.read_gap_bytes: expected a multiple of 4096, got 5000"},
+      {R"({"ssd": {"read_coalesce_bytes": "2GiB"}})", "offload.ssd.read_coalesce_bytes: expected at most 1 GiB"},
+      {R"({"host": {"populate": 1}})", "offload.host.populate: expected true or false"},
       {R"({"host": {"enabled": "yes"}})", "offload.host.enabled: expected true or false"},
       {R"({"rocksdb": {"colour": 1}})", "offload.rocksdb.colour: unknown key"},
       {R"({"write_policy": "sideways"})", "offload.write_policy: unknown write policy 'sideways'"},

@@ -57,3 +57,34 @@ def test_daemon_and_namespace_keys():
     t = tables()
     assert set(t["Daemon keys"]) == set(effective), set(t["Daemon keys"]) ^ set(effective)
     assert set(t["Namespaces"]) == set(effective["namespaces"][0]), set(t["Namespaces"]) ^ set(effective["namespaces"][0])
+
+
+def test_a_namespaces_lease_quota_is_taken_from_the_config():
+    """`max_leased_bytes` of a namespace entry bounds its write leases: a batch past it is
+    refused its lease (counted in /metrics) and stored over the staging area instead; a value
+    that is not a byte count refuses the start, naming the entry."""
+    import urllib.request
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics = f"127.0.0.1:{s.getsockname()[1]}"
+    d = Daemon(extra_config={"write_leases": True, "metrics_listen": metrics,
+                             "namespaces": [{"name": "default", "token": "", "max_leased_bytes": 65536}]})
+    try:
+        with sparsekv.Client(d.unix, "default", "") as c:
+            keys = [i.to_bytes(16, "little") for i in range(4)]
+            values = [os.urandom(1 << 20) for _ in keys]
+            assert c.put(keys, values) == [None] * 4
+            assert c.get(keys) == values
+        text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
+        refused = re.search(r"^sparsekv_write_lease_refused_total (\S+)$", text, re.M)
+        assert refused and float(refused.group(1)) >= 1, text[-3000:]
+    finally:
+        assert d.stop() == 0
+    try:
+        Daemon(extra_config={"namespaces": [{"name": "default", "max_leased_bytes": "lots"}]}, start_timeout=5)
+    except RuntimeError as e:
+        assert "namespaces[0]" in str(e) and "max_leased_bytes" in str(e), str(e)
+    else:
+        raise AssertionError("a namespace with max_leased_bytes \"lots\" started")
