@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -1002,36 +1003,122 @@ class Client::Impl {
                      });
   }
 
+  // A PUT batch goes in parts of about kPutPartBytes, each its own request, sent without
+  // waiting for the one before: the daemon stores one part (a copy into the host tier, hashed)
+  // while this thread copies or sends the next, so that the two copies of a PUT run on two
+  // cores at once instead of one after the other. Pipelined requests may be served in any
+  // order (api/PROTOCOL.md), so a batch that names a key twice goes one part at a time, its
+  // later item stored last as in one request.
+  static constexpr uint64_t kPutPartBytes = 1u << 20;
+  static constexpr uint64_t kPutSocketWindowBytes = 64u << 20;  // sent and not yet answered
+  struct PutCall {
+    Waiter waiter;
+    uint64_t id = 0;
+    std::vector<size_t> items;    // of the batch
+    uint64_t begin = 0, end = 0;  // PUT-area bytes it uses (shared memory), or bytes sent (socket)
+  };
+
+  static bool NamesAKeyTwice(std::span<const BundleRef> bundles) {
+    if (bundles.size() < 2) return false;
+    std::vector<WireBlockHash> keys;
+    keys.reserve(bundles.size());
+    for (const BundleRef& b : bundles) keys.push_back(b.hash);
+    std::sort(keys.begin(), keys.end());
+    return std::adjacent_find(keys.begin(), keys.end()) != keys.end();
+  }
+
+  // The answer of the oldest part in flight, into `out`. On a timeout or a broken connection the
+  // parts still in flight are forgotten and the reason returned.
+  Status FinishOldestPut(std::deque<std::unique_ptr<PutCall>>& flight, std::vector<Status>& out) {
+    std::unique_ptr<PutCall> call = std::move(flight.front());
+    flight.pop_front();
+    if (Status st = WaitAll(std::span(&call, 1)); !st.ok()) {
+      WaitAll(flight).IgnoreError();
+      flight.clear();
+      return st;
+    }
+    SPARSEKV_ASSIGN_OR_RETURN(auto part, ParseStatusList(std::move(*call->waiter.result), call->items.size()));
+    for (size_t k = 0; k < part.size(); ++k) out[call->items[k]] = std::move(part[k]);
+    return Status::OK();
+  }
+
+  // Waits for every part still in flight, even after a failure (no reply may land in a call
+  // gone); the first failure is kept in `failed`.
+  void FinishAllPuts(std::deque<std::unique_ptr<PutCall>>& flight, std::vector<Status>& out, Status& failed) {
+    while (!flight.empty()) {
+      Status st = FinishOldestPut(flight, out);
+      if (failed.ok()) failed = st;
+    }
+  }
+
   Result<std::vector<Status>> PutShared(std::span<const BundleRef> bundles) {
-    std::vector<Status> out;
-    out.reserve(bundles.size());
+    std::vector<Status> out(bundles.size());
     SPARSEKV_RETURN_IF_ERROR(Acquire(kPutArea));
     struct ReleaseAtEnd {
       Impl* impl;
       ~ReleaseAtEnd() { impl->Release(kPutArea); }
     } release{this};
+    const uint64_t area = staging_bytes_ / 2;
+    const bool one_at_a_time = NamesAKeyTwice(bundles);
+    auto padded = [](uint64_t n) { return (n + 63) & ~uint64_t{63}; };
+    std::deque<std::unique_ptr<PutCall>> flight;
+    Status failed;
+    uint64_t cursor = 0;  // where the next part goes in the PUT area (a ring)
     size_t i = 0;
-    while (i < bundles.size()) {
-      w::ShmPutRequest req;
-      size_t off = 0;
-      const size_t first = i;
-      while (i < bundles.size() && off + bundles[i].bytes.size() <= staging_bytes_ / 2 &&
-             req.slots.size() < w::kMaxBatchItems) {
-        std::memcpy(staging_ + off, bundles[i].bytes.data(), bundles[i].bytes.size());
-        req.slots.push_back({bundles[i].hash, off, static_cast<uint32_t>(bundles[i].bytes.size())});
-        off += (bundles[i].bytes.size() + 63) & ~size_t{63};
-        ++i;
-      }
-      if (i == first) {  // larger than the staging area: the socket carries it
-        SPARSEKV_ASSIGN_OR_RETURN(auto one, PutSocket(bundles.subspan(i, 1)));
-        out.push_back(one[0]);
-        ++i;
+    while (i < bundles.size() && failed.ok()) {
+      if (bundles[i].bytes.size() > area) {  // larger than the PUT area: the socket carries it
+        FinishAllPuts(flight, out, failed);  // in order, should the batch name its key again
+        if (!failed.ok()) break;
+        auto one = PutSocket(bundles.subspan(i, 1));
+        if (!one.ok()) {
+          failed = one.status();
+          break;
+        }
+        out[i++] = std::move((*one)[0]);
         continue;
       }
-      auto reply = Call(w::Opcode::kShmPut, w::Encode(req));
-      if (!reply.ok()) AbandonAreas();
-      SPARSEKV_ASSIGN_OR_RETURN(auto part, ParseStatusList(std::move(reply), req.slots.size()));
-      out.insert(out.end(), part.begin(), part.end());
+      auto call = std::make_unique<PutCall>();
+      uint64_t bytes = 0;
+      const size_t first = i;
+      while (i < bundles.size() && bundles[i].bytes.size() <= area && call->items.size() < w::kMaxBatchItems &&
+             (i == first || (bytes + padded(bundles[i].bytes.size()) <= kPutPartBytes &&
+                             bytes + padded(bundles[i].bytes.size()) <= area))) {
+        bytes += padded(bundles[i].bytes.size());
+        call->items.push_back(i++);
+      }
+      if (cursor + bytes > area) cursor = 0;
+      call->begin = cursor;
+      call->end = cursor + bytes;
+      // The room must be free: no part in flight may still be read from it.
+      auto overlaps = [&] {
+        if (one_at_a_time) return !flight.empty();
+        return std::any_of(flight.begin(), flight.end(),
+                           [&](const auto& f) { return f->begin < call->end && call->begin < f->end; });
+      };
+      while (overlaps() && failed.ok()) failed = FinishOldestPut(flight, out);
+      if (!failed.ok()) break;
+      w::ShmPutRequest req;
+      uint64_t off = call->begin;
+      for (size_t k : call->items) {
+        std::memcpy(staging_ + off, bundles[k].bytes.data(), bundles[k].bytes.size());
+        req.slots.push_back({bundles[k].hash, off, static_cast<uint32_t>(bundles[k].bytes.size())});
+        off += padded(bundles[k].bytes.size());
+      }
+      cursor = call->end;
+      auto id = SendFrame(w::Opcode::kShmPut, w::Encode(req), &call->waiter);
+      if (!id.ok()) {
+        failed = id.status();
+        break;
+      }
+      call->id = *id;
+      flight.push_back(std::move(call));
+    }
+    FinishAllPuts(flight, out, failed);
+    if (!failed.ok()) {
+      // The daemon may still be reading the PUT area for a part whose answer never came: no
+      // later PUT may write there on this connection.
+      AbandonAreas();
+      return failed;
     }
     return out;
   }
@@ -1039,10 +1126,10 @@ class Client::Impl {
   // PUTs written into the host arena under write leases (api/PROTOCOL.md). The batch goes in
   // groups of at most kLeaseBytes, each under its own PUT_LEASE, the next group's asked for
   // before this one is written so that its round trip overlaps the copy. Each value is copied
-  // into its room with its record's checksum computed over the bytes as they land (one pass),
-  // and PUT_COMMITs go out every kCommitBytes without waiting: the daemon checks one part while
-  // this thread writes the next. Items the daemon would not lease (its quota, no room) go
-  // through the staging area.
+  // into its room, and PUT_COMMITs go out every kCommitBytes without waiting: the daemon checks
+  // each record's header and computes its checksum (the commit's checksum 0) while this thread
+  // writes the next part. Items the daemon would not lease (its quota, no room) go through the
+  // staging area.
   static constexpr uint64_t kCommitBytes = 1u << 20;
   static constexpr uint64_t kLeaseBytes = 16u << 20;
   bool leases() const { return arena_rw_ != nullptr; }
@@ -1167,24 +1254,18 @@ class Client::Impl {
         }
         const w::ShmSlot& room = r->items.slots[slot++];
         const uint64_t n = bundles[i].bytes.size();
-        constexpr uint64_t kHeaderTail = 48;  // the record's header bytes its checksum covers
+        constexpr uint64_t kHeaderTail = 48;  // the record's header bytes before the value
         if (room.bytes != n || room.offset < kHeaderTail || room.offset > arena_bytes_ ||
             n > arena_bytes_ - room.offset) {
           failed = Status::Internal("PUT_LEASE named room outside the host arena");
           break;
         }
-        std::byte* dst = arena_rw_ + room.offset;
-        const std::byte* src = bundles[i].bytes.data();
-        XXH3_state_t state;
-        XXH3_64bits_reset(&state);
-        XXH3_64bits_update(&state, dst - kHeaderTail, kHeaderTail);
-        constexpr uint64_t kChunk = 64 << 10;  // hashed right after its copy, still in cache
-        for (uint64_t at = 0; at < n; at += kChunk) {
-          const uint64_t len = std::min(kChunk, n - at);
-          std::memcpy(dst + at, src + at, len);
-          XXH3_64bits_update(&state, dst + at, len);
-        }
-        c.checksums.push_back(XXH3_64bits_digest(&state));
+        // Checksum 0: the daemon computes the record's checksum over the bytes as they lie when
+        // it takes the commit, on its own core, while this thread writes the next part (measured
+        // on a 2-vCPU EPYC VM, 6 MiB x 16: 0.71-0.74x memcpy with the hash computed here as the
+        // bytes land, 0.74-0.90x without).
+        std::memcpy(arena_rw_ + room.offset, bundles[i].bytes.data(), n);
+        c.checksums.push_back(0);
         current->items.push_back(i);
         since += n;
         left -= n;
@@ -1218,31 +1299,51 @@ class Client::Impl {
   Result<std::vector<Status>> PutSocket(std::span<const BundleRef> bundles) {
     const uint64_t limit = hello_.max_payload_bytes;
     auto alone = [&](size_t i) { return 4 + 16 + 4 + uint64_t{bundles[i].bytes.size()}; };
-    std::vector<Status> out;
-    out.reserve(bundles.size());
+    std::vector<Status> out(bundles.size());
+    // Parts of about kPutPartBytes sent while the daemon stores the ones before (PutShared's
+    // comment), at most kPutSocketWindowBytes unanswered.
+    const uint64_t part_limit = std::min<uint64_t>(limit, kPutPartBytes);
+    const bool one_at_a_time = NamesAKeyTwice(bundles);
+    std::deque<std::unique_ptr<PutCall>> flight;
+    uint64_t sent = 0;  // bytes of the batch sent so far
+    Status failed;
     size_t i = 0;
-    while (i < bundles.size()) {
+    while (i < bundles.size() && failed.ok()) {
+      if (alone(i) > limit) {
+        out[i] = Status::ResourceExhausted(fmt::format(
+            "a value of {} bytes does not fit sparsekvd's largest frame of {} bytes", bundles[i].bytes.size(), limit));
+        ++i;
+        continue;
+      }
       w::PutRequest req;
+      auto call = std::make_unique<PutCall>();
       uint64_t size = 4;
       while (i < bundles.size() && req.items.size() < w::kMaxBatchItems && alone(i) <= limit) {
         const uint64_t item = 16 + 4 + bundles[i].bytes.size();
-        if (!req.items.empty() && size + item > limit) break;
+        if (!req.items.empty() && size + item > part_limit) break;
         req.items.push_back({bundles[i].hash, bundles[i].bytes});
+        call->items.push_back(i++);
         size += item;
-        ++i;
       }
-      if (!req.items.empty()) {
-        std::vector<std::byte> framing;
-        const auto pieces = w::EncodePieces(req, framing);
-        SPARSEKV_ASSIGN_OR_RETURN(auto part, ParseStatusList(Call(w::Opcode::kPut, pieces), req.items.size()));
-        out.insert(out.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
+      call->begin = sent;
+      call->end = sent += size;
+      while (!flight.empty() && failed.ok() &&
+             (one_at_a_time || call->end - flight.front()->begin > kPutSocketWindowBytes)) {
+        failed = FinishOldestPut(flight, out);
       }
-      if (i < bundles.size() && alone(i) > limit) {
-        out.push_back(Status::ResourceExhausted(fmt::format(
-            "a value of {} bytes does not fit sparsekvd's largest frame of {} bytes", bundles[i].bytes.size(), limit)));
-        ++i;
+      if (!failed.ok()) break;
+      std::vector<std::byte> framing;
+      const auto pieces = w::EncodePieces(req, framing);
+      auto id = SendFrame(w::Opcode::kPut, pieces, &call->waiter);
+      if (!id.ok()) {
+        failed = id.status();
+        break;
       }
+      call->id = *id;
+      flight.push_back(std::move(call));
     }
+    FinishAllPuts(flight, out, failed);
+    SPARSEKV_RETURN_IF_ERROR(failed);
     return out;
   }
 
@@ -2047,6 +2148,7 @@ Result<size_t> Client::ProcessReplies() { return impl_->ProcessReplies(); }
 
 bool Client::shared_memory() const { return impl_->shared(); }
 bool Client::shared_arena() const { return impl_->arena_ != nullptr; }
+bool Client::write_leases() const { return impl_->leases(); }
 uint64_t Client::session_id() const { return impl_->hello_.session_id; }
 uint32_t Client::block_tokens() const { return impl_->hello_.block_tokens; }
 uint32_t Client::max_payload_bytes() const { return impl_->hello_.max_payload_bytes; }

@@ -237,6 +237,143 @@ TEST_F(DataPathTest, GetIntoLandsInTheCallersMemoryOverEveryTransport) {
   }
 }
 
+// A PUT batch goes in parts sent without waiting for the one before (client.cc, PutShared and
+// PutSocket). With a 512 KiB PUT area and 1 MiB frames, a 6 MiB batch wraps the area a dozen
+// times and spans a dozen frames: every value must land whole, none overwritten by the next
+// part while the daemon still read it, and a key named twice keeps its later value.
+TEST_F(DataPathTest, PipelinedPutPartsLandWholeAndAKeyNamedTwiceKeepsItsLastValue) {
+  for (Transport t : {Transport::kTcp, Transport::kUnixSocket, Transport::kSharedMemory}) {
+    SCOPED_TRACE(Name(t));
+    auto c = Connect(t);
+    ASSERT_NE(c, nullptr);
+    const uint64_t first = 900000 + 1000 * static_cast<uint64_t>(t);
+    for (int round = 0; round < 3; ++round) {
+      std::vector<std::vector<std::byte>> values;
+      std::vector<WireBlockHash> hashes;
+      std::vector<BundleRef> refs;
+      for (uint64_t i = 0; i < 48; ++i) {
+        // Sizes from 1 KiB to 250 KiB, not multiples of 64: parts end at odd places.
+        const size_t bytes = 1000 + ((i * 7919 + static_cast<uint64_t>(round) * 104729) % (250 * 1024));
+        values.push_back(Value(first + i + 100 * static_cast<uint64_t>(round), bytes));
+        hashes.push_back(H(first + i));
+      }
+      for (uint64_t i = 0; i < values.size(); ++i) refs.push_back({hashes[i], values[i]});
+      auto st = c->Put(refs);
+      ASSERT_TRUE(st.ok()) << st.status().ToString();
+      ASSERT_EQ(st->size(), values.size());
+      for (const Status& x : *st) ASSERT_TRUE(x.ok()) << x.ToString();
+      auto got = c->Get(hashes);
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      for (size_t i = 0; i < values.size(); ++i) {
+        ASSERT_TRUE((*got)[i].status.ok()) << i << ": " << (*got)[i].status.ToString();
+        ASSERT_TRUE((*got)[i].bytes == values[i]) << "round " << round << ", value " << i << " came back different";
+      }
+    }
+    // One key three times among others, each time with other bytes: the last one stays.
+    std::vector<std::vector<std::byte>> values;
+    std::vector<BundleRef> refs;
+    const WireBlockHash twice = H(first + 500);
+    for (uint64_t i = 0; i < 30; ++i) values.push_back(Value(first + 600 + i, 200 * 1024 + i));
+    for (uint64_t i = 0; i < values.size(); ++i) {
+      refs.push_back({(i == 3 || i == 17 || i == 29) ? twice : H(first + 700 + i), values[i]});
+    }
+    auto st = c->Put(refs);
+    ASSERT_TRUE(st.ok()) << st.status().ToString();
+    for (const Status& x : *st) ASSERT_TRUE(x.ok()) << x.ToString();
+    auto got = c->Get(std::vector<WireBlockHash>{twice});
+    ASSERT_TRUE(got.ok() && (*got)[0].status.ok());
+    EXPECT_TRUE((*got)[0].bytes == values[29]) << "a key named twice in a batch kept an earlier value";
+  }
+}
+
+// Parts too large for the network thread (an SHM_PUT of more than 1 MiB, a PUT frame of more
+// than 8 MiB) are stored by the daemon's workers, several at once: a batch that names one key
+// in every item must still leave its last value, over shared memory and over TCP.
+TEST(PipelinedPuts, AKeyNamedInEveryItemOfABatchStoredOnWorkersKeepsTheLastValue) {
+  const auto dir = std::filesystem::temp_directory_path() / ("skv_dp_dup_" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  TieredStoreOptions so;
+  so.offload.host.capacity_bytes = 512ull << 20;
+  so.offload.host.max_record_bytes = 12ull << 20;
+  so.offload.host.backing = ArenaBacking::kMemfd;
+  ServerOptions opts;
+  opts.tcp_listen = "127.0.0.1:0";
+  opts.unix_path = (dir / "d.sock").string();
+  opts.metrics_listen = "";
+  opts.staging_bytes = 64ull << 20;
+  opts.max_frame_bytes = 64u << 20;
+  opts.worker_threads = 4;
+  std::unique_ptr<TieredStore> store;
+  std::unique_ptr<Server> server;
+  ASSERT_NO_FATAL_FAILURE(testing::StartInProcess(so, opts, store, server));
+  for (const bool shm : {true, false}) {
+    SCOPED_TRACE(shm ? "shared memory" : "tcp");
+    ClientOptions o;
+    o.address = shm ? "unix:" + opts.unix_path : server->tcp_address();
+    o.shared_memory = shm;
+    o.timeout = std::chrono::milliseconds(20000);
+    auto c = Client::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    // 1.5 MiB values go one to an SHM_PUT (a worker's); over TCP 9 MiB values, one to a frame.
+    const size_t bytes = shm ? (3u << 19) : (9u << 20);
+    const int items = shm ? 16 : 5;
+    const WireBlockHash key = H(shm ? 77 : 78);
+    // Values made once: the rounds store them again and again (a race needs many tries).
+    std::vector<std::vector<std::byte>> made;
+    for (int i = 0; i < items + 3; ++i) made.push_back(Value(1000 + static_cast<uint64_t>(i), bytes));
+    for (int round = 0; round < (shm ? 40 : 8); ++round) {
+      std::vector<std::vector<std::byte>> values;
+      std::vector<BundleRef> refs;
+      for (int i = 0; i < items; ++i) values.push_back(made[(i + round) % made.size()]);
+      for (const auto& v : values) refs.push_back({key, v});
+      auto st = (*c)->Put(refs);
+      ASSERT_TRUE(st.ok()) << st.status().ToString();
+      for (const Status& x : *st) ASSERT_TRUE(x.ok()) << x.ToString();
+      auto got = (*c)->Get(std::vector<WireBlockHash>{key});
+      ASSERT_TRUE(got.ok() && (*got)[0].status.ok());
+      ASSERT_TRUE((*got)[0].bytes == values.back()) << "round " << round << ": an earlier item's value was kept";
+    }
+  }
+  // The daemon's own order, without the client's care: two PUTs of one key sent back to back
+  // over TCP, the first too large for the network thread (a worker stores it), the second
+  // small (the network thread could store it at once). The second must win.
+  {
+    ClientOptions o;
+    o.address = server->tcp_address();
+    o.shared_memory = false;
+    o.timeout = std::chrono::milliseconds(20000);
+    auto c = Client::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    const auto big = Value(5, 9u << 20);
+    for (int round = 0; round < 6; ++round) {
+      const WireBlockHash key = H(90 + static_cast<uint64_t>(round));
+      const auto small = Value(6 + static_cast<uint64_t>(round), 1000);
+      std::atomic<int> answered{0};
+      std::atomic<bool> all_ok{true};
+      auto done = [&](Result<std::vector<Status>> r) {
+        if (!r.ok() || !(*r)[0].ok()) all_ok = false;
+        ++answered;
+      };
+      const BundleRef first{key, big}, second{key, small};
+      (*c)->PutAsync(std::span<const BundleRef>(&first, 1), done);
+      (*c)->PutAsync(std::span<const BundleRef>(&second, 1), done);
+      for (int i = 0; i < 2000 && answered < 2; ++i) {
+        ASSERT_TRUE((*c)->ProcessReplies().ok());
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      ASSERT_EQ(answered, 2);
+      ASSERT_TRUE(all_ok);
+      auto got = (*c)->Get(std::vector<WireBlockHash>{key});
+      ASSERT_TRUE(got.ok() && (*got)[0].status.ok());
+      ASSERT_TRUE((*got)[0].bytes == small) << "round " << round << ": the PUT sent first was stored last";
+    }
+  }
+  server.reset();
+  store.reset();
+  std::filesystem::remove_all(dir);
+}
+
 TEST_F(DataPathTest, GetIntoFromManyThreadsOnOneClientKeepsEveryReplyWithItsCaller) {
   // Replies are read by whichever thread holds the reader role: each must land in its own
   // caller's memory.

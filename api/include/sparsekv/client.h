@@ -244,6 +244,9 @@ class Client {
   bool shared_memory() const;
   // The daemon lends GETs in place from its host arena, mapped read-only (a one-namespace daemon).
   bool shared_arena() const;
+  // PUTs are written straight into the host arena under write leases (asked for with
+  // ClientOptions::write_leases and granted by a daemon with `write_leases` on).
+  bool write_leases() const;
   uint64_t session_id() const;
   uint32_t block_tokens() const;
   uint32_t max_payload_bytes() const;
