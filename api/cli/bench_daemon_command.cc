@@ -92,6 +92,18 @@ SPARSEKV_BENCH_COMMAND(daemon) {
                     b["shm_vs_memcpy"].get<double>(), b["tcp_vs_socket"].get<double>(),
                     b["faults_per_gb"].get<double>());
       }
+      std::printf("PUT (GB/s; baselines measured beside the PUTs):\n%12s %7s %8s %8s %8s %8s %8s %10s %10s %9s\n",
+                  "value bytes", "values", "shm", "lease", "memcpy", "tcp", "socket", "shm/memcpy", "lease/mcpy",
+                  "tcp/sock");
+      for (const auto& b : j["batch"]) {
+        std::printf("%12llu %7llu %8.2f %8.2f %8.2f %8.2f %8.2f %10.2f %10.2f %9.2f\n",
+                    static_cast<unsigned long long>(b["value_bytes"].get<uint64_t>()),
+                    static_cast<unsigned long long>(b["values"].get<uint64_t>()),
+                    b["put_shm_bytes_per_s"].get<double>() / 1e9, b["put_lease_bytes_per_s"].get<double>() / 1e9,
+                    b["put_memcpy_bytes_per_s"].get<double>() / 1e9, b["put_tcp_bytes_per_s"].get<double>() / 1e9,
+                    b["put_socket_bytes_per_s"].get<double>() / 1e9, b["put_shm_vs_memcpy"].get<double>(),
+                    b["put_lease_vs_memcpy"].get<double>(), b["put_tcp_vs_socket"].get<double>());
+      }
       if (j.contains("restore")) {
         const auto& r2 = j["restore"];
         std::printf("restore %u blocks (%.2f GB): in process %.2f s (rate of %u blocks), through the daemon %.2f s "

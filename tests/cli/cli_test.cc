@@ -250,7 +250,9 @@ TEST(Cli, BenchDaemonBatchShortRun) {
   EXPECT_EQ(j["batch"][1]["value_bytes"], 1048576);
   for (const auto& b : j["batch"]) {
     for (const char* k : {"shm_bytes_per_s", "tcp_bytes_per_s", "memcpy_bytes_per_s", "socket_bytes_per_s",
-                          "put_shm_bytes_per_s", "put_tcp_bytes_per_s"}) {
+                          "put_shm_bytes_per_s", "put_tcp_bytes_per_s", "put_lease_bytes_per_s",
+                          "put_memcpy_bytes_per_s", "put_socket_bytes_per_s", "put_shm_vs_memcpy",
+                          "put_lease_vs_memcpy", "put_tcp_vs_socket"}) {
       EXPECT_GT(b[k].get<double>(), 0) << k;
     }
     EXPECT_GE(b["faults_per_gb"].get<double>(), 0);
