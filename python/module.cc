@@ -513,61 +513,26 @@ class PyClient {
     return out;
   }
 
-  // Stores key i's value, the concatenation of its pieces: gathered into one of two buffers
-  // while the previous run is put (through a write lease straight into the daemon's memory
-  // where it grants them). Per key None or the item's error (not raised).
+  // Stores key i's value, the concatenation of its pieces (Client::PutPieces): each value is
+  // gathered straight into the staging area, or its write lease where the daemon grants them,
+  // while the daemon stores the part before. Per key None or the item's error (not raised).
   std::vector<py::object> PutPieces(const py::object& keys, const py::object& ptrs, const py::object& sizes,
                                     const py::object& counts) {
     Pieces p = PiecesOf(keys, ptrs, sizes, counts);
     const size_t n = p.hashes.size();
-    std::vector<Status> results(n);
-    std::shared_ptr<Client> c = client();
-    Status failed;
-    {
-      py::gil_scoped_release unlocked;
-      std::lock_guard<std::mutex> gather_lock(gather_mu_);
-      const uint64_t* ptr = p.ptrs.data();
-      const uint64_t* size = p.sizes.data();
-      const uint64_t* count = p.counts.data();
-      const std::vector<std::pair<size_t, size_t>> chunks = ChunksOf(p);
-      std::vector<BundleRef> refs[2];
-      auto gather = [&](size_t k) {
-        const auto [begin, end] = chunks[k];
-        std::vector<std::byte>& buf = gather_[k % 2];
-        uint64_t bytes = 0;
-        for (size_t i = begin; i < end; ++i) bytes += p.total[i];
-        if (buf.size() < bytes) buf.resize(bytes);
-        refs[k % 2].clear();
-        uint64_t at = 0;
-        for (size_t i = begin; i < end; ++i) {
-          std::byte* dst = buf.data() + at;
-          uint64_t off = 0;
-          for (size_t j = p.first[i]; j < p.first[i] + count[i]; ++j) {
-            std::memcpy(dst + off, reinterpret_cast<const void*>(static_cast<uintptr_t>(ptr[j])), size[j]);
-            off += size[j];
-          }
-          refs[k % 2].push_back({p.hashes[i], std::span<const std::byte>(dst, p.total[i])});
-          at += p.total[i];
-        }
-      };
-      std::future<Result<std::vector<Status>>> putting;
-      for (size_t k = 0; k <= chunks.size(); ++k) {
-        if (k < chunks.size() && failed.ok()) gather(k);  // while run k - 1 is being put
-        if (k > 0 && putting.valid()) {
-          Result<std::vector<Status>> r = putting.get();
-          if (!r.ok()) {
-            if (failed.ok()) failed = r.status();
-          } else {
-            const size_t begin = chunks[k - 1].first;
-            for (size_t i = 0; i < r->size(); ++i) results[begin + i] = std::move((*r)[i]);
-          }
-        }
-        if (k < chunks.size() && failed.ok()) {
-          putting = std::async(std::launch::async, [&c, &refs, k] { return c->Put(refs[k % 2]); });
-        }
-      }
+    const uint64_t* ptr = p.ptrs.data();
+    const uint64_t* size = p.sizes.data();
+    const uint64_t* count = p.counts.data();
+    std::vector<std::span<const std::byte>> spans(static_cast<size_t>(p.ptrs.size()));
+    for (size_t j = 0; j < spans.size(); ++j) {
+      spans[j] = {reinterpret_cast<const std::byte*>(static_cast<uintptr_t>(ptr[j])), static_cast<size_t>(size[j])};
     }
-    if (!failed.ok()) Raise(failed);
+    std::vector<PiecesRef> values(n);
+    for (size_t i = 0; i < n; ++i) {
+      values[i] = {p.hashes[i],
+                   std::span<const std::span<const std::byte>>(spans.data() + p.first[i], static_cast<size_t>(count[i]))};
+    }
+    const std::vector<Status> results = Unlocked([&](Client& c) { return c.PutPieces(values); });
     std::vector<py::object> out;
     for (const Status& st : results) out.push_back(ErrorObject(st));
     return out;
@@ -715,9 +680,6 @@ class PyClient {
 
   std::mutex mu_;
   std::shared_ptr<Client> client_;
-  // put_pieces' gathering buffer, kept (with its pages) across calls; one call at a time uses it.
-  std::mutex gather_mu_;
-  std::vector<std::byte> gather_[2];
 };
 
 // The same batch GET as PyClient::Get, timed in C++ with no Python in the loop, on a

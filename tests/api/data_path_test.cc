@@ -269,6 +269,35 @@ TEST_F(DataPathTest, PipelinedPutPartsLandWholeAndAKeyNamedTwiceKeepsItsLastValu
         ASSERT_TRUE((*got)[i].bytes == values[i]) << "round " << round << ", value " << i << " came back different";
       }
     }
+    // The same through PutPieces: each value in 1 to 7 pieces of odd sizes, gathered as sent.
+    {
+      std::vector<std::vector<std::byte>> values;
+      std::vector<WireBlockHash> hashes;
+      std::vector<std::vector<std::span<const std::byte>>> pieces(40);
+      std::vector<PiecesRef> refs;
+      for (uint64_t i = 0; i < 40; ++i) {
+        values.push_back(Value(first + 300 + i, 1000 + (i * 15013) % (240 * 1024)));
+        hashes.push_back(H(first + 300 + i));
+        const size_t cuts = 1 + i % 7;
+        size_t at = 0;
+        for (size_t k = 0; k < cuts; ++k) {
+          const size_t len = k + 1 == cuts ? values[i].size() - at : values[i].size() / (cuts + 1) + k;
+          pieces[i].push_back(std::span<const std::byte>(values[i]).subspan(at, len));
+          at += len;
+        }
+      }
+      for (uint64_t i = 0; i < 40; ++i) refs.push_back({hashes[i], pieces[i]});
+      auto st = c->PutPieces(refs);
+      ASSERT_TRUE(st.ok()) << st.status().ToString();
+      ASSERT_EQ(st->size(), refs.size());
+      for (const Status& x : *st) ASSERT_TRUE(x.ok()) << x.ToString();
+      auto got = c->Get(hashes);
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      for (size_t i = 0; i < values.size(); ++i) {
+        ASSERT_TRUE((*got)[i].status.ok()) << i << ": " << (*got)[i].status.ToString();
+        ASSERT_TRUE((*got)[i].bytes == values[i]) << "PutPieces: value " << i << " came back different";
+      }
+    }
     // One key three times among others, each time with other bytes: the last one stays.
     std::vector<std::vector<std::byte>> values;
     std::vector<BundleRef> refs;

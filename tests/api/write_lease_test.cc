@@ -295,6 +295,33 @@ TEST_F(WriteLeaseTest, ABatchOfSeveralLeasesReadsBack) {
   }
 }
 
+// Values in pieces (Client::PutPieces) are gathered straight into their leased rooms.
+TEST_F(WriteLeaseTest, ValuesInPiecesAreGatheredIntoTheirRooms) {
+  auto shm = Connect(true);
+  ASSERT_NE(shm, nullptr);
+  ASSERT_TRUE(shm->write_leases());
+  std::vector<std::vector<std::byte>> values;
+  std::vector<std::vector<std::span<const std::byte>>> pieces(6);
+  std::vector<PiecesRef> refs;
+  std::vector<WireBlockHash> hashes;
+  for (uint64_t i = 0; i < 6; ++i) {
+    values.push_back(Value(800 + i, (1u << 20) + 977 * i));
+    hashes.push_back(H(800 + i));
+    const size_t cut = values[i].size() / 3 + i;
+    pieces[i] = {std::span<const std::byte>(values[i]).first(cut), std::span<const std::byte>(values[i]).subspan(cut)};
+  }
+  for (size_t i = 0; i < values.size(); ++i) refs.push_back({hashes[i], pieces[i]});
+  auto put = shm->PutPieces(refs);
+  ASSERT_TRUE(put.ok()) << put.status().ToString();
+  for (const Status& st : *put) ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(Counter("sparsekv_write_lease_items_total"), 6);
+  for (size_t i = 0; i < values.size(); ++i) {
+    auto got = Read(hashes[i]);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_TRUE(*got == values[i]) << "value " << i << " came back wrong";
+  }
+}
+
 // The arena passed under write leases is writable, but still sealed against resizing; a client
 // that does not ask for leases (as every client before them) gets the read-only descriptor and a
 // HELLO reply without the write-lease byte.

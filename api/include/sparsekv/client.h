@@ -70,6 +70,13 @@ struct BundleRef {
   std::span<const std::byte> bytes;
 };
 
+// A value given in pieces: its bytes are the pieces' concatenation (a block's page in each of
+// an engine's layer tensors, say). Client::PutPieces gathers them as it writes the value out.
+struct PiecesRef {
+  WireBlockHash hash{};
+  std::span<const std::span<const std::byte>> pieces;
+};
+
 struct GetResult {
   Status status;                   // NotFound, Corruption, ... per item
   std::vector<std::byte> bytes;    // the bundle when status is OK
@@ -148,6 +155,10 @@ class Client {
 
   Result<LookupResult> Lookup(std::span<const WireBlockHash> hashes);
   Result<std::vector<Status>> Put(std::span<const BundleRef> bundles);
+  // Put of values given in pieces, each gathered straight into the shared-memory staging area
+  // or its write lease (no buffer of the whole value on those paths; over a socket a value of
+  // several pieces is gathered into one first). Results as Put's.
+  Result<std::vector<Status>> PutPieces(std::span<const PiecesRef> values);
   Result<std::vector<GetResult>> Get(std::span<const WireBlockHash> hashes);
   // Get into `results` (resized to hashes.size()), reusing each item's buffer: a value of the
   // size the buffer had costs no allocation and no first touch of fresh pages. Same outcomes.
