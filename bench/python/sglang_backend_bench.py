@@ -109,17 +109,21 @@ def main():
     ap.add_argument("--pages", type=int, nargs="+", default=[128, 1])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument("--write-leases", action="store_true",
+                    help="start the daemon with write_leases on (backups written straight into its memory)")
     a = ap.parse_args()
     torch.set_num_threads(1)  # memcpy on one thread, as the client copies
     daemon = None
     if a.unix is None:
         from daemon_process import Daemon
         biggest = max(a.pages) * TOKENS * LAYERS * (KV_BYTES + INDEX_BYTES)
-        daemon = Daemon(host_bytes=str(max(256 << 20, 3 * biggest)))
+        daemon = Daemon(host_bytes=str(max(256 << 20, 3 * biggest)),
+                        extra_config={"write_leases": True} if a.write_leases else None)
         a.unix, a.tcp = daemon.unix, daemon.tcp
     try:
         out = {"cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                            if line.startswith("model name")), "unknown"), "runs": []}
+                            if line.startswith("model name")), "unknown"), "write_leases": a.write_leases,
+               "runs": []}
         for address in (a.unix, a.tcp):
             if address is None:
                 continue
