@@ -163,12 +163,14 @@ void TieredStore::StartPut(uint32_t ns, std::span<const wire::PutItem> items, Pu
   // With a host tier first, each value is written straight into its memory as a record (one
   // copy-and-hash pass from the request buffer, or from the client's shared-memory staging)
   // and handed to the chain pinned there; the chain's put then only refreshes it. A batch pins
-  // at most half of what hints do not protect (so that the pins of the batch before, which
-  // may linger a moment after its answer, and this one's never leave the hinted bundles the
-  // only ones to evict); the rest, and anything the tier refuses, goes as a bundle of its own.
+  // at most a quarter of what hints do not protect: a connection's PUTs are stored one after
+  // another, and the pins of the one answered a moment ago are let go by the tier chain's
+  // threads just after its answer, so two batches' pins may be held at once, and together they
+  // must never leave the hinted bundles the only ones to evict. The rest, and anything the tier
+  // refuses, goes as a bundle of its own.
   auto* host = dynamic_cast<HostTier*>(&chain_->tier(0));
   const uint64_t in_place_limit =
-      host != nullptr ? (host->capacity_bytes() - std::min(host->capacity_bytes(), host->Stats().protected_bytes)) / 2
+      host != nullptr ? (host->capacity_bytes() - std::min(host->capacity_bytes(), host->Stats().protected_bytes)) / 4
                       : 0;
   uint64_t in_place = 0;
   for (size_t i = 0; i < items.size(); ++i) {
