@@ -1070,6 +1070,14 @@ class Client::Impl {
     return Status::OK();
   }
 
+  // Sends one part of a PUT batch and adds it to those in flight.
+  Status SendPart(w::Opcode op, Pieces pieces, std::unique_ptr<PutCall> call,
+                  std::deque<std::unique_ptr<PutCall>>& flight) {
+    SPARSEKV_ASSIGN_OR_RETURN(call->id, SendFrame(op, pieces, &call->waiter));
+    flight.push_back(std::move(call));
+    return Status::OK();
+  }
+
   // Waits for every part still in flight, even after a failure (no reply may land in a call
   // gone); the first failure is kept in `failed`.
   void FinishAllPuts(std::deque<std::unique_ptr<PutCall>>& flight, std::vector<Status>& out, Status& failed) {
@@ -1135,13 +1143,9 @@ class Client::Impl {
         off += padded(n);
       }
       cursor = call->end;
-      auto id = SendFrame(w::Opcode::kShmPut, w::Encode(req), &call->waiter);
-      if (!id.ok()) {
-        failed = id.status();
-        break;
-      }
-      call->id = *id;
-      flight.push_back(std::move(call));
+      const std::vector<std::byte> encoded = w::Encode(req);
+      const std::span<const std::byte> payload(encoded);
+      failed = SendPart(w::Opcode::kShmPut, Pieces(&payload, 1), std::move(call), flight);
     }
     FinishAllPuts(flight, out, failed);
     if (!failed.ok()) {
@@ -1366,14 +1370,7 @@ class Client::Impl {
       }
       if (!failed.ok()) break;
       std::vector<std::byte> framing;
-      const auto pieces = w::EncodePieces(req, framing);
-      auto id = SendFrame(w::Opcode::kPut, pieces, &call->waiter);
-      if (!id.ok()) {
-        failed = id.status();
-        break;
-      }
-      call->id = *id;
-      flight.push_back(std::move(call));
+      failed = SendPart(w::Opcode::kPut, w::EncodePieces(req, framing), std::move(call), flight);
     }
     FinishAllPuts(flight, out, failed);
     SPARSEKV_RETURN_IF_ERROR(failed);
