@@ -684,7 +684,11 @@ class VllmKvEventPublisher::Impl {
       const auto* b = static_cast<const uint8_t*>(frames[2].data());
       for (int i = 0; i < 8; ++i) start = (start << 8) | b[i];
       const std::string id(static_cast<const char*>(frames[0].data()), frames[0].size());
-      uint64_t sent = 0;
+      {
+        // Counted before the answer goes: a requester that has read the answer sees it counted.
+        std::lock_guard<std::mutex> l(mu_);
+        ++stats_.replay_requests;
+      }
       try {
         for (const auto& [seq, payload] : ring_) {
           if (seq < start) continue;
@@ -695,7 +699,8 @@ class VllmKvEventPublisher::Impl {
           replay_->send(zmq::buffer(options_.topic), zmq::send_flags::sndmore);
           replay_->send(zmq::buffer(seq_bytes, 8), zmq::send_flags::sndmore);
           replay_->send(zmq::buffer(payload), zmq::send_flags::none);
-          ++sent;
+          std::lock_guard<std::mutex> l(mu_);  // counted before the end marker goes
+          ++stats_.replayed_batches;
         }
         replay_->send(zmq::buffer(id), zmq::send_flags::sndmore);
         replay_->send(zmq::message_t(), zmq::send_flags::sndmore);
@@ -704,9 +709,6 @@ class VllmKvEventPublisher::Impl {
         replay_->send(zmq::message_t(), zmq::send_flags::none);
       } catch (const zmq::error_t&) {
       }
-      std::lock_guard<std::mutex> l(mu_);
-      ++stats_.replay_requests;
-      stats_.replayed_batches += sent;
     }
   }
 
