@@ -205,15 +205,25 @@ class HostTierImpl final : public HostTier {
     return r;
   }
 
-  Result<BundlePtr> CommitReserved(const Reservation& r, uint64_t checksum) override {
+  Result<BundlePtr> CommitReserved(const Reservation& r, uint64_t checksum, uint64_t resequence) override {
     BundleKey key;
     uint64_t sequence, units;
     {
       MutexLock lock(mu_);
-      const Entry& e = entries_[r.id];
+      Entry& e = entries_[r.id];
+      // Unpublished, so no reader knows the entry's sequence yet: the version may take a later one.
+      if (resequence > e.sequence) e.sequence = resequence;
       key = e.key;
       sequence = e.sequence;
       units = e.units;
+    }
+    if (resequence != 0) {
+      // A record the daemon wrote itself: its header is written again, with the sequence it has now.
+      const uint64_t sizes[1] = {r.record_bytes - r.header_bytes};
+      if (!Bundle::WriteRecordHeader({r.record, r.header_bytes}, key, sizes, sequence).ok()) {
+        AbortReserved(r);
+        return Status::Internal("host tier: the reserved header cannot be written again");
+      }
     }
     // The header as Reserve wrote it, built again from the tier's own metadata: the shared
     // bytes are compared with it, never parsed, so a writer changing them meanwhile can make

@@ -88,10 +88,12 @@ class DaemonStore {
     virtual uint64_t value_offset() const = 0;  // of the value's first byte, from the arena's base
     virtual uint64_t value_bytes() const = 0;
   };
-  // Reserves room for a new version of `hash` of `bytes` bytes. Errors: NotSupported (no shared
-  // host arena), as a PUT's (too large, no room).
+  // Reserves room for a new version of `hash` of `bytes` bytes. With `shared` (a write lease,
+  // for a client to fill) the arena must be one another process can map; without (a room the
+  // daemon fills itself, CommitWritten) any host memory serves. Errors: NotSupported (no such
+  // arena), as a PUT's (too large, no room).
   virtual Result<std::unique_ptr<PutReservation>> ReservePut(uint32_t ns, const wire::WireHash& hash,
-                                                             uint64_t bytes) {
+                                                             uint64_t bytes, bool shared = true) {
     return Status::NotSupported("this store takes no write leases");
   }
   // Checks each reserved record against `checksums[i]` (the record's XXH3-64) and publishes
@@ -101,6 +103,13 @@ class DaemonStore {
   virtual void CommitPuts(uint32_t ns, std::vector<std::unique_ptr<PutReservation>> reserved,
                           std::vector<uint64_t> checksums, PutDone done) {
     done(std::vector<wire::ItemStatus>(reserved.size(), {StatusCode::kNotSupported, "no write leases"}));
+  }
+  // A room the daemon filled itself (no client could write it: a large RESP SET received
+  // straight into it). Unlike CommitPuts, the version is ordered as of this call, not of its
+  // reservation, as a PUT made now would be: a PUT of the same key acknowledged while the room
+  // was being filled does not win over it. The record is hashed here; `done` as CommitPuts's.
+  virtual void CommitWritten(uint32_t ns, std::unique_ptr<PutReservation> room, PutDone done) {
+    done(std::vector<wire::ItemStatus>(1, {StatusCode::kNotSupported, "no reservations"}));
   }
 
   virtual std::vector<wire::ItemStatus> Pin(uint32_t ns, std::span<const wire::WireHash> hashes,

@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -325,6 +326,35 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
 
   void FinishPut(Reply r, const std::vector<wire::ItemStatus>& st);
 
+  // ---- a large SET received straight into host memory ----
+
+  // A plain `SET key value` whose value is at least kRoomBytes: once its `$<len>` line has come,
+  // room for its record is reserved in the store's host memory (DaemonStore::ReservePut), the
+  // record's header written there, and the value's bytes are read from the socket into it, not
+  // into the receive buffer: one copy (the kernel's) instead of two. The record is hashed and
+  // published at its commit, ordered as of then (DaemonStore::CommitWritten). The room counts
+  // against the pin budget while it fills; the request's deadline runs as for any request, and a
+  // connection that closes or times out mid-value gives the room back unpublished.
+  static constexpr uint64_t kRoomBytes = 1u << 20;
+  struct Room {
+    std::unique_ptr<DaemonStore::PutReservation> reservation;
+    DaemonStore::Keep pins;
+    std::byte* value = nullptr;  // where the value's bytes go
+    uint64_t bytes = 0, got = 0;
+    uint64_t record = 0;  // header and value
+    std::string key;
+  };
+  // Starts a room for the partial request `in` (the buffer from begin_) when it is such a SET;
+  // its buffered value bytes are moved into the room and the buffer emptied. False: nothing done.
+  bool StartRoom(std::string_view in);
+  void ReadRoom();
+  // The value is in: with the CRLF after it (buffered), the SET is committed and answered.
+  void FinishRoom();
+  // Stores through `start` (which hands the store its answer callback, false when the store did
+  // not take the request); as StorePut.
+  void StoreWith(Reply r, size_t count, bool per_item, uint64_t bytes,
+                 const std::function<bool(DaemonStore::PutDone)>& start);
+
   static std::string PutError(const wire::ItemStatus& s);
 
   // An error when `key` = `value` is larger than the store can take: refused before anything
@@ -440,6 +470,7 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
   std::string key_copy_;
   Cmd cmd_ = kUnknown;
   std::unique_ptr<Reply> pending_put_;
+  std::unique_ptr<Room> room_;
   bool put_per_item_ = false;
   bool last_read_full_ = false;
   bool shrinking_ = false;  // a read cancelled to give the grown buffer back

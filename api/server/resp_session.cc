@@ -20,6 +20,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
+#include <future>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -101,6 +103,7 @@ void RespConnection::BeginDrain() {
 void RespConnection::MaybeRead() {
   if (reading_ || closing_ || busy_ || closed_ || eof_ || parked_) return;
   if (out_bytes_ >= host_.options->max_inflight_bytes) return;  // DoWrite's completion reads again
+  if (room_ && room_->got < room_->bytes) return ReadRoom();
   // Room for what the request under way needs, but grown as its bytes arrive (at most doubling
   // what is held, plus a chunk), never at the size a header claims: `*1048576` or `$60000000`
   // followed by nothing costs the daemon a chunk, not 4 or 60 MiB.
@@ -212,6 +215,18 @@ void RespConnection::Process() {
       DoWrite();
       return;
     }
+    if (room_) {
+      if (room_->got < room_->bytes || end_ - begin_ < 2) {
+        need_ = 2;
+        if (eof_) {  // cut off by the peer's close: dropped, its room given back
+          room_.reset();
+          closing_ = true;
+        }
+        break;
+      }
+      FinishRoom();
+      continue;
+    }
     const std::string_view in(buf_ + begin_, end_ - begin_);
     if (in.empty()) {
       begin_ = end_ = 0;
@@ -223,7 +238,11 @@ void RespConnection::Process() {
     resp::Parsed p = resp::ParseRequest(in, ns_ != 0 ? fe_.limits() : fe_.unauth_limits_, args_, inline_);
     if (p.outcome == resp::Outcome::kNeedMore) {
       need_ = p.need;
-      if (eof_) closing_ = true;  // a request cut off by the peer's close is dropped
+      if (eof_) {
+        closing_ = true;  // a request cut off by the peer's close is dropped
+      } else if (StartRoom(in)) {
+        need_ = 0;
+      }
       break;
     }
     if (p.outcome == resp::Outcome::kError) {
@@ -653,18 +672,25 @@ void RespConnection::Set(Reply r) {
 }
 
 void RespConnection::StorePut(Reply r, std::span<const wire::PutItem> items, bool per_item) {
+  uint64_t bytes = 0;
+  for (const auto& it : items) bytes += it.bundle.size();
+  StoreWith(std::move(r), items.size(), per_item, bytes, [&](DaemonStore::PutDone done) {
+    return host_.store->TryPutWithoutBlocking(ns_, items, std::move(done));
+  });
+}
+
+void RespConnection::StoreWith(Reply r, size_t count, bool per_item, uint64_t bytes,
+                               const std::function<bool(DaemonStore::PutDone)>& start) {
   put_per_item_ = per_item;
   struct Wait {
     std::vector<wire::ItemStatus> result;
     std::atomic<bool> claimed{false};
   };
   auto wait = std::make_shared<Wait>();
-  uint64_t bytes = 0;
-  for (const auto& it : items) bytes += it.bundle.size();
   host_.metrics->BytesIn(bytes);
   auto self = shared_from_this();
   host_.begin_async();
-  const bool taken = host_.store->TryPutWithoutBlocking(ns_, items, [wait, self](std::vector<wire::ItemStatus> st) {
+  const bool taken = start([wait, self](std::vector<wire::ItemStatus> st) {
     wait->result = std::move(st);
     if (wait->claimed.exchange(true, std::memory_order_acq_rel)) {
       // Answered later, on the connection's strand. The server may stop once end_async has
@@ -682,7 +708,7 @@ void RespConnection::StorePut(Reply r, std::span<const wire::PutItem> items, boo
     host_.end_async();
     if (!per_item) return OnWorker(std::move(r));
     // (ServeBatch checked PutsWithoutBlocking: a store that changed its mind answers errors.)
-    std::vector<wire::ItemStatus> busy(items.size(), {StatusCode::kUnavailable, "the store cannot take a batch now"});
+    std::vector<wire::ItemStatus> busy(count, {StatusCode::kUnavailable, "the store cannot take a batch now"});
     return FinishPut(std::move(r), busy);
   }
   if (wait->claimed.exchange(true, std::memory_order_acq_rel)) {
@@ -693,6 +719,151 @@ void RespConnection::StorePut(Reply r, std::span<const wire::PutItem> items, boo
   // (end_async runs in the callback, which has not run yet.)
   busy_ = true;
   pending_put_ = std::make_unique<Reply>(std::move(r));
+}
+
+bool RespConnection::StartRoom(std::string_view in) {
+  if (ns_ == 0 || fe_.monitors_n_.load(std::memory_order_relaxed) > 0) return false;
+  // `*3\r\n$3\r\nSET\r\n`, the key's bulk string, then `$<len>\r\n` of the value.
+  static constexpr std::string_view kHead = "*3\r\n$3\r\n";
+  size_t pos = kHead.size() + 5;
+  if (in.size() < pos || in.substr(0, kHead.size()) != kHead || in.substr(kHead.size() + 3, 2) != "\r\n") return false;
+  for (size_t i = 0; i < 3; ++i) {
+    if (std::tolower(static_cast<unsigned char>(in[kHead.size() + i])) != "set"[i]) return false;
+  }
+  auto bulk_length = [&](uint64_t& len) {
+    if (pos >= in.size() || in[pos] != '$') return false;
+    const size_t eol = in.find("\r\n", pos);
+    if (eol == std::string_view::npos || eol - pos > 21) return false;
+    const auto [end, ec] = std::from_chars(in.data() + pos + 1, in.data() + eol, len);
+    if (ec != std::errc() || end != in.data() + eol) return false;
+    pos = eol + 2;
+    return true;
+  };
+  uint64_t key_bytes = 0, bytes = 0;
+  if (!bulk_length(key_bytes) || key_bytes > resp::kMaxKeyBytes || in.size() < pos + key_bytes + 2) return false;
+  const std::string_view key = in.substr(pos, key_bytes);
+  if (in.substr(pos + key_bytes, 2) != "\r\n") return false;
+  pos += key_bytes + 2;
+  if (!bulk_length(bytes) || bytes < kRoomBytes || bytes > fe_.limits().max_bulk_bytes) return false;
+  const uint64_t buffered = in.size() - pos;
+  if (buffered >= bytes) return false;  // the value is all here (its CRLF is not): the parser's to judge
+  // Anything the store would refuse, or cannot take from this thread, goes the usual way and is
+  // answered as it would be.
+  const uint64_t header = resp::HeaderBytes(key);
+  if (header + bytes > host_.store->MaxValueBytes() || !host_.store->PutsWithoutBlocking()) return false;
+  const DaemonStore::Arena arena = host_.store->SharedArena();
+  if (arena.base == nullptr || !host_.pins_below_cap(bytes)) return false;
+  auto reserved = host_.store->ReservePut(ns_, resp::KeyHash(key), header + bytes, /*shared=*/false);
+  if (!reserved.ok()) return false;
+  const uint64_t at = (*reserved)->value_offset();
+  if ((*reserved)->value_bytes() != header + bytes || at > arena.bytes || arena.bytes - at < header + bytes) {
+    return false;  // (not this store's arena: the reservation is given back)
+  }
+  auto room = std::make_unique<Room>();
+  room->pins = host_.charge_pins(bytes);
+  room->reservation = std::move(*reserved);
+  // The daemon's own memory, mapped read-only by shared-memory clients unless write leases are
+  // on; nothing of it is published until the commit has checked the header and hashed it.
+  std::byte* record = const_cast<std::byte*>(arena.base) + at;
+  if (header > 0) resp::WriteHeader(key, bytes, record);
+  room->value = record + header;
+  room->bytes = bytes;
+  room->record = header + bytes;
+  room->key.assign(key);
+  std::memcpy(room->value, in.data() + pos, buffered);
+  room->got = buffered;
+  room_ = std::move(room);
+  begin_ = end_ = 0;  // all of it was the request's, and is in the room now
+  return true;
+}
+
+void RespConnection::ReadRoom() {
+  Room& room = *room_;
+  const auto n = static_cast<size_t>(std::min<uint64_t>(room.bytes - room.got, 4u << 20));
+  reading_ = true;
+  // Read straight into the record. The room outlives the read: it goes only in this handler, or
+  // with the connection (whose handlers hold it), never while the kernel may still write it.
+  socket_.async_read_some(
+      asio::buffer(room.value + room.got, n),
+      asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t k) {
+        self->reading_ = false;
+        self->room_->got += k;
+        if (ec == asio::error::operation_aborted && self->shrinking_ && !self->closed_) {
+          self->shrinking_ = false;
+          return self->MaybeRead();
+        }
+        if (ec) {
+          // The value never came whole: the room goes back unpublished, and the request with it.
+          self->room_.reset();
+          self->eof_ = true;
+          self->closing_ = true;
+          self->Process();
+          return self->MaybeClose();
+        }
+        self->shrinking_ = false;
+        self->last_active_ = Clock::now();
+        if (self->room_->got == self->room_->bytes) return self->Process();
+        self->MaybeRead();
+      }));
+}
+
+void RespConnection::FinishRoom() {
+  if (buf_[begin_] != '\r' || buf_[begin_ + 1] != '\n') {
+    // As the parser answers a bulk string not followed by CRLF.
+    room_.reset();
+    fe_.protocol_errors_.fetch_add(1, std::memory_order_relaxed);
+    host_.metrics->BadFrame();
+    Reply r(protocol_, TakeSpare());
+    r.W().Error("ERR Protocol error: expected CRLF after a bulk string");
+    closing_ = true;
+    Queue(std::move(r));
+    return;
+  }
+  std::shared_ptr<Room> room(std::move(room_));
+  request_begin_ = begin_;
+  consumed_ = 2;
+  // Served as Serve serves a SET.
+  skip_this_ = std::exchange(skip_next_, false);
+  cmd_ = kSet;
+  last_cmd_at_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  last_cmd_.store(kSet, std::memory_order_relaxed);
+  Count(kSet, 1);
+  if (fe_.monitors_n_.load(std::memory_order_relaxed) > 0) {
+    args_.assign({"SET", room->key, {reinterpret_cast<const char*>(room->value), room->bytes}});
+    fe_.FeedMonitors(*this);
+  }
+  Reply r(protocol_, TakeSpare());
+  const wire::WireHash h = resp::KeyHash(room->key);
+  std::unique_lock<std::mutex> stripe(fe_.Stripe(h), std::try_to_lock);
+  if (stripe.owns_lock()) {
+    StoreWith(std::move(r), 1, /*per_item=*/false, room->record, [&](DaemonStore::PutDone done) {
+      host_.store->CommitWritten(ns_, std::move(room->reservation), std::move(done));
+      return true;
+    });
+    return;
+  }
+  // Another thread holds the key's stripe (a read-modify-write of the key): committed on a worker,
+  // once it is free.
+  busy_ = true;
+  auto reply = std::make_shared<Reply>(std::move(r));
+  host_.submit(id_, [self = shared_from_this(), reply, room, h] {
+    std::vector<wire::ItemStatus> st;
+    {
+      std::lock_guard<std::mutex> l(self->fe_.Stripe(h));
+      auto answered = std::make_shared<std::promise<std::vector<wire::ItemStatus>>>();
+      auto got = answered->get_future();
+      self->host_.store->CommitWritten(self->ns_, std::move(room->reservation),
+                                       [answered](std::vector<wire::ItemStatus> s) { answered->set_value(std::move(s)); });
+      st = got.get();
+    }
+    self->host_.metrics->BytesIn(room->record);
+    asio::post(self->strand_, [self, reply, st = std::move(st)] {
+      self->busy_ = false;
+      self->put_per_item_ = false;
+      self->FinishPut(std::move(*reply), st);
+      self->Process();
+    });
+  });
 }
 
 void RespConnection::FinishPut(Reply r, const std::vector<wire::ItemStatus>& st) {
@@ -882,7 +1053,7 @@ void RespConnection::OnTick() {
     host_.metrics->HandshakeTimedOut();
     return CloseNow();
   }
-  if (!parked_ && end_ > begin_ && past(request_started_, o.frame_timeout_ms)) {
+  if (!parked_ && (end_ > begin_ || room_) && past(request_started_, o.frame_timeout_ms)) {
     // A request that does not finish arriving (slowloris) holds its buffer: closed. Time parked
     // on the daemon's budget does not count (Resume moves the start by it).
     fe_.timeouts_.fetch_add(1, std::memory_order_relaxed);
@@ -890,8 +1061,8 @@ void RespConnection::OnTick() {
     return CloseNow();
   }
   const uint32_t idle = fe_.idle_timeout_ms_.load(std::memory_order_relaxed);  // 0: none (CONFIG SET timeout 0)
-  if (end_ == begin_ && idle != 0 && past(last_active_, idle)) return CloseNow();
-  if (end_ == begin_ && cap_ > kSmall && reading_ && !shrinking_ && past(last_active_, 2 * fe_.tick_.count())) {
+  if (end_ == begin_ && !room_ && idle != 0 && past(last_active_, idle)) return CloseNow();
+  if (end_ == begin_ && !room_ && cap_ > kSmall && reading_ && !shrinking_ && past(last_active_, 2 * fe_.tick_.count())) {
     shrinking_ = true;
     boost::system::error_code ec;
     socket_.cancel(ec);

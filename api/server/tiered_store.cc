@@ -261,9 +261,9 @@ class HostReservation final : public DaemonStore::PutReservation {
   }
   uint64_t value_bytes() const override { return r_.record_bytes - r_.header_bytes; }
   // The commit: the reservation ends here either way.
-  Result<BundlePtr> Commit(uint64_t checksum) {
+  Result<BundlePtr> Commit(uint64_t checksum, uint64_t resequence = 0) {
     HostTier* host = std::exchange(host_, nullptr);
-    return host->CommitReserved(r_, checksum);
+    return host->CommitReserved(r_, checksum, resequence);
   }
   const wire::WireHash& hash() const { return hash_; }
 
@@ -277,9 +277,11 @@ class HostReservation final : public DaemonStore::PutReservation {
 }  // namespace
 
 Result<std::unique_ptr<DaemonStore::PutReservation>> TieredStore::ReservePut(uint32_t ns, const wire::WireHash& hash,
-                                                                             uint64_t bytes) {
+                                                                             uint64_t bytes, bool shared) {
   auto* host = dynamic_cast<HostTier*>(&chain_->tier(0));
-  if (host == nullptr || host->arena().fd < 0) return Status::NotSupported("no shared host arena to lease from");
+  if (host == nullptr || (shared && host->arena().fd < 0)) {
+    return Status::NotSupported("no shared host arena to lease from");
+  }
   ExpireHints();  // before the reservation evicts
   const BundleKey key{ns, FromWire(hash)};
   SPARSEKV_ASSIGN_OR_RETURN(HostTier::Reservation r, host->Reserve(key, bytes, chain_->NextSequence()));
@@ -288,6 +290,17 @@ Result<std::unique_ptr<DaemonStore::PutReservation>> TieredStore::ReservePut(uin
 
 void TieredStore::CommitPuts(uint32_t ns, std::vector<std::unique_ptr<PutReservation>> reserved,
                              std::vector<uint64_t> checksums, PutDone done) {
+  Commit(ns, std::move(reserved), std::move(checksums), /*resequence=*/false, std::move(done));
+}
+
+void TieredStore::CommitWritten(uint32_t ns, std::unique_ptr<PutReservation> room, PutDone done) {
+  std::vector<std::unique_ptr<PutReservation>> rooms;
+  rooms.push_back(std::move(room));
+  Commit(ns, std::move(rooms), {0}, /*resequence=*/true, std::move(done));
+}
+
+void TieredStore::Commit(uint32_t ns, std::vector<std::unique_ptr<PutReservation>> reserved,
+                         std::vector<uint64_t> checksums, bool resequence, PutDone done) {
   auto p = std::make_shared<PendingPut>();
   p->out.resize(reserved.size());
   for (size_t i = 0; i < reserved.size(); ++i) {
@@ -298,7 +311,7 @@ void TieredStore::CommitPuts(uint32_t ns, std::vector<std::unique_ptr<PutReserva
     }
     const uint64_t bytes = r->value_bytes();
     const wire::WireHash hash = r->hash();
-    Result<BundlePtr> b = r->Commit(checksums[i]);
+    Result<BundlePtr> b = r->Commit(checksums[i], resequence ? chain_->NextSequence() : 0);
     reserved[i].reset();
     if (!b.ok()) {
       // Superseded: a PUT acknowledged since the reservation holds a newer version, which a

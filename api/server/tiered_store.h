@@ -65,9 +65,10 @@ class TieredStore : public DaemonStore {
   // tiers below, the pins, the events). The version is taken at the reservation: a PUT of the
   // same key acknowledged between a reservation and its commit wins over it.
   Result<std::unique_ptr<PutReservation>> ReservePut(uint32_t ns, const wire::WireHash& hash,
-                                                     uint64_t bytes) override;
+                                                     uint64_t bytes, bool shared = true) override;
   void CommitPuts(uint32_t ns, std::vector<std::unique_ptr<PutReservation>> reserved, std::vector<uint64_t> checksums,
                   PutDone done) override;
+  void CommitWritten(uint32_t ns, std::unique_ptr<PutReservation> room, PutDone done) override;
   std::vector<wire::ItemStatus> Pin(uint32_t ns, std::span<const wire::WireHash> hashes, uint8_t priority) override;
   std::vector<wire::ItemStatus> Unpin(uint32_t ns, std::span<const wire::WireHash> hashes) override;
   std::vector<wire::ItemStatus> Delete(uint32_t ns, std::span<const wire::WireHash> hashes) override;
@@ -104,6 +105,10 @@ class TieredStore : public DaemonStore {
   // Put's work: the bytes are copied before it returns; `done` is called once the chain answers.
   void StartPut(uint32_t ns, std::span<const wire::PutItem> items, PutDone done);
   void CountPuts(uint32_t ns, uint64_t ok, uint64_t failed, uint64_t bytes);
+  // CommitPuts and CommitWritten: with `resequence`, each version takes a new sequence at its
+  // commit (HostTier::CommitReserved).
+  void Commit(uint32_t ns, std::vector<std::unique_ptr<PutReservation>> reserved, std::vector<uint64_t> checksums,
+              bool resequence, PutDone done);
   // A put's bundles on their way to the chain: the answer of each item, the bundles made, and
   // for each bundle its item, hash and value size.
   struct PendingPut {

@@ -90,7 +90,10 @@ class HostTier : public Tier {
   // record's XXH3-64, bundle.h), then publishes it and returns it pinned, as PutGathered does.
   // Errors, with the extent freed and nothing published: Corruption (a header or checksum
   // mismatch: a torn or forged write), FailedPrecondition (a newer version landed meanwhile).
-  virtual Result<BundlePtr> CommitReserved(const Reservation& r, uint64_t checksum) = 0;
+  // With `resequence` (a sequence newer than the reservation's, 0: none), the version takes it,
+  // as if put now, and the header is written again: only for a record the daemon wrote itself,
+  // with `checksum` 0 (a writer that followed the header Reserve wrote would not match it).
+  virtual Result<BundlePtr> CommitReserved(const Reservation& r, uint64_t checksum, uint64_t resequence = 0) = 0;
   // Gives a reservation's extent back, unpublished.
   virtual void AbortReserved(const Reservation& r) = 0;
   // Checks a bundle GetPinned(key, false) returned; a damaged one is dropped from the tier and
