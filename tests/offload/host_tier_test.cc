@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 
+#include <cstring>
 #include <thread>
 
 #include "tests/offload/key_journal_check.h"
@@ -231,6 +232,37 @@ TEST(HostTier, PutGatheredStoresTheRecordMakeWouldBuildAndPinsIt) {
   const std::vector<std::span<const std::byte>> too_big = {big};
   EXPECT_EQ(tier->PutGathered(KeyOf(8), too_big, 9).status().code(),
             StatusCode::kInvalidArgument);
+}
+
+// A reservation committed with a new sequence (a record the daemon filled itself, as a large
+// RESP SET) is ordered as of its commit: it replaces a version published while it was filled,
+// which a commit at its reservation's sequence could not.
+TEST(HostTier, AReservationCommittedWithANewSequenceWinsOverOnePublishedMeanwhile) {
+  for (const bool resequence : {false, true}) {
+    auto tier = OpenHost(4);
+    auto r = tier->Reserve(KeyOf(1), 5000, 10);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    std::vector<std::byte> value(5000);
+    for (size_t i = 0; i < value.size(); ++i) value[i] = std::byte(i * 31 + 7);
+    std::memcpy(r->record + r->header_bytes, value.data(), value.size());
+    // Another version of the key, newer than the reservation, published while it fills.
+    ASSERT_TRUE(tier->PutGathered(KeyOf(1), std::vector<std::span<const std::byte>>{std::span(value).first(100)}, 11)
+                    .ok());
+    auto done = tier->CommitReserved(*r, 0, resequence ? 12 : 0);
+    auto got = tier->Get({KeyOf(1)}).get();
+    ASSERT_TRUE(got[0].ok()) << got[0].status().ToString();
+    if (!resequence) {
+      EXPECT_EQ(done.status().code(), StatusCode::kFailedPrecondition);
+      EXPECT_EQ((*got[0])->payload().size(), 100u) << "the newer version stays";
+      continue;
+    }
+    ASSERT_TRUE(done.ok()) << done.status().ToString();
+    EXPECT_EQ((*done)->sequence(), 12u);
+    ASSERT_EQ((*got[0])->payload().size(), value.size());
+    EXPECT_EQ(std::memcmp((*got[0])->payload().data(), value.data(), value.size()), 0);
+    EXPECT_EQ((*got[0])->sequence(), 12u);
+    EXPECT_EQ(tier->Stats().items, 1u);
+  }
 }
 
 TEST(HostTier, RejectsBadOptions) {
