@@ -831,6 +831,7 @@ void RespConnection::FinishRoom() {
   if (fe_.monitors_n_.load(std::memory_order_relaxed) > 0) {
     args_.assign({"SET", room->key, {reinterpret_cast<const char*>(room->value), room->bytes}});
     fe_.FeedMonitors(*this);
+    args_.clear();  // (views into the room, which the store owns once committed)
   }
   Reply r(protocol_, TakeSpare());
   const wire::WireHash h = resp::KeyHash(room->key);

@@ -1045,6 +1045,25 @@ def test_monitor(server):
     mon.close()
 
 
+def test_monitor_sees_a_large_set_begun_before_it(server):
+    """A MONITOR that starts while a large SET's value is arriving still sees that SET."""
+    k = f"monbig:{RUN}"
+    v = b"m" * ((2 << 20) + 1)
+    data = resp_command("SET", k, v)
+    c = Raw(server.resp_port, timeout=30)
+    c.send(data[:1 << 20])
+    time.sleep(0.2)
+    mon = Raw(server.resp_port, timeout=30)
+    assert mon.cmd("MONITOR") == "OK"
+    c.send(data[1 << 20:])
+    assert c.reply() == "OK"
+    line = mon.line()
+    assert re.fullmatch(rb'\+\d+\.\d{6} \[0 [^\]]+\] "SET" "%s" "m{%d}"' % (k.encode(), len(v)), line), line[:200]
+    assert c.cmd("DEL", k) == 1
+    c.close()
+    mon.close()
+
+
 @sparsekv_only
 def test_monitor_sees_only_its_namespace(server):
     mon = redis.Redis(host="127.0.0.1", port=server.resp_port, username="alpha", password="alpha-token")
