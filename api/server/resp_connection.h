@@ -333,8 +333,9 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
   // record's header written there, and the value's bytes are read from the socket into it, not
   // into the receive buffer: one copy (the kernel's) instead of two. The record is hashed and
   // published at its commit, ordered as of then (DaemonStore::CommitWritten). The room counts
-  // against the pin budget while it fills; the request's deadline runs as for any request, and a
-  // connection that closes or times out mid-value gives the room back unpublished.
+  // against the budget of lent host pages (the server's pin_cap_) while it fills; the request's
+  // deadline runs as for any request, and a connection that closes or times out mid-value gives
+  // the room back unpublished.
   static constexpr uint64_t kRoomBytes = 1u << 20;
   struct Room {
     std::unique_ptr<DaemonStore::PutReservation> reservation;
