@@ -217,21 +217,16 @@ class HostTierImpl final : public HostTier {
       sequence = e.sequence;
       units = e.units;
     }
-    if (resequence != 0) {
-      // A record the daemon wrote itself: its header is written again, with the sequence it has now.
-      const uint64_t sizes[1] = {r.record_bytes - r.header_bytes};
-      if (!Bundle::WriteRecordHeader({r.record, r.header_bytes}, key, sizes, sequence).ok()) {
-        AbortReserved(r);
-        return Status::Internal("host tier: the reserved header cannot be written again");
-      }
-    }
     // The header as Reserve wrote it, built again from the tier's own metadata: the shared
     // bytes are compared with it, never parsed, so a writer changing them meanwhile can make
     // the check fail but never make it read outside the extent.
     std::byte want[BundleHeaderBytes(1)];
     const uint64_t sizes[1] = {r.record_bytes - r.header_bytes};
     Status bad;
-    if (!Bundle::WriteRecordHeader(want, key, sizes, sequence).ok()) {
+    const bool built = Bundle::WriteRecordHeader(want, key, sizes, sequence).ok();
+    // A record the daemon wrote itself, given a later sequence: its header takes the new one.
+    if (built && resequence != 0) std::memcpy(r.record + 16, want + 16, r.header_bytes - 16);
+    if (!built) {
       bad = Status::Internal("host tier: the reserved header cannot be built again");
     } else if (checksum == 0 && std::memcmp(r.record + 16, want + 16, r.header_bytes - 16) == 0) {
       // No checksum from the writer: the header is checked, and the record's checksum is
