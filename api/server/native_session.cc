@@ -30,6 +30,8 @@
 #include <unordered_map>
 #include <utility>
 
+#include "allocator/xxhash_dispatch.h"
+
 namespace sparsekv::server {
 namespace {
 
@@ -411,6 +413,12 @@ class Session : public std::enable_shared_from_this<Session> {
       last_active_ = frame_start_ = Clock::now();
       in_frame_ = true;
       got_ = 0;
+      if (RoomPut() && StartRoom()) {
+        PublishIdle();
+        if (!StepRoom()) return;
+        if (!FinishRoom()) return;
+        continue;
+      }
       if (DirectPut() && StartDirect()) {
         PublishIdle();
         if (!StepDirect()) return;
@@ -577,6 +585,140 @@ class Session : public std::enable_shared_from_this<Session> {
     payload_.charge().Add(p.size());
     std::memcpy(payload_.data(), p.data(), p.size());
     return HandleFrame();
+  }
+
+  // ---- a large PUT received straight into host memory ----
+  //
+  // A PUT of one value of at least put_in_place_bytes whose frame has not all come yet: room for its
+  // record is reserved in the host tier (DaemonStore::ReservePut, the daemon's own), and the
+  // value's bytes are read from the socket into it, not into the receive buffer: the kernel's
+  // copy is the only one. Each read's bytes are hashed into the frame's checksum as they land
+  // (while still in cache), so nothing reads the value again but the record's own hash at the
+  // commit (DaemonStore::CommitWritten, ordered as of then, as a PUT stored then would be). The
+  // room counts against the budget of lent host pages (pin_cap_) while it fills; the frame's
+  // deadline runs as for any frame. A frame whose checksum does not match, or a connection that
+  // closes or times out mid-value, gives the room back unpublished.
+  static constexpr size_t kRoomPrefix = 4 + 16 + 4;  // item count, hash, value length
+  static constexpr size_t kRoomChunk = 512u << 10;   // one read: hashed while in the L2 cache
+  struct Room {
+    std::unique_ptr<DaemonStore::PutReservation> reservation;
+    DaemonStore::Keep pins;
+    std::byte* value = nullptr;
+    uint64_t bytes = 0, got = 0;
+    XXH3_state_t sum;  // of the payload so far
+  };
+
+  bool RoomPut() const {
+    return authed_ && header_.opcode == wire::Opcode::kPut && !(header_.flags & wire::kFlagResponse) &&
+           srv_.options_.put_in_place_bytes > 0 &&
+           header_.payload_bytes >= kRoomPrefix + srv_.options_.put_in_place_bytes && rend_ - rpos_ >= kRoomPrefix &&
+           rend_ - rpos_ < header_.payload_bytes && srv_.store_->PutsWithoutBlocking();
+  }
+
+  // Reserves the room when the payload's front (buffered) names one value filling the rest of
+  // the frame, and the store can take it; the value's bytes buffered so far move into it. False,
+  // nothing changed: the frame goes the usual way, and is answered as it would be.
+  bool StartRoom() {
+    const std::byte* p = rbuf_.data() + rpos_;
+    wire::PayloadReader r(std::span<const std::byte>(p, kRoomPrefix));
+    const auto count = r.U32("PUT item count");
+    const auto hash_bytes = r.Bytes(16, "PUT hash");
+    const auto bytes = r.U32("PUT bundle");
+    if (!count.ok() || *count != 1 || !hash_bytes.ok() || !bytes.ok() ||
+        uint64_t{*bytes} + kRoomPrefix != header_.payload_bytes) {
+      return false;
+    }
+    wire::WireHash hash;
+    std::memcpy(hash.data(), hash_bytes->data(), hash.size());
+    if (*bytes > srv_.store_->MaxValueBytes() || !srv_.PinsBelowCap(*bytes)) return false;
+    const DaemonStore::Arena arena = srv_.store_->SharedArena();
+    if (arena.base == nullptr) return false;
+    auto reserved = srv_.store_->ReservePut(ns_, hash, *bytes, /*shared=*/false);
+    if (!reserved.ok()) return false;
+    const uint64_t at = (*reserved)->value_offset();
+    if ((*reserved)->value_bytes() != *bytes || at > arena.bytes || arena.bytes - at < *bytes) return false;
+    auto room = std::make_unique<Room>();
+    room->pins = srv_.ChargePins(*bytes);
+    room->reservation = std::move(*reserved);
+    // The daemon's own memory; nothing of it is published until the commit has hashed it.
+    room->value = const_cast<std::byte*>(arena.base) + at;
+    room->bytes = *bytes;
+    XXH3_64bits_reset(&room->sum);
+    XXH3_64bits_update(&room->sum, p, kRoomPrefix);
+    rpos_ += kRoomPrefix;
+    const size_t buffered = std::min<size_t>(rend_ - rpos_, room->bytes);
+    std::memcpy(room->value, rbuf_.data() + rpos_, buffered);
+    XXH3_64bits_update(&room->sum, room->value, buffered);
+    rpos_ += buffered;
+    room->got = buffered;
+    got_ = kRoomPrefix + buffered;
+    room_ = std::move(room);
+    return true;
+  }
+
+  // Reads the rest of the value into the room, at most what it still needs (the next frame's
+  // bytes go to the receive buffer). True when it is all in; false while a read is under way.
+  bool StepRoom() {
+    Room& room = *room_;
+    if (room.got == room.bytes) {
+      in_frame_ = false;
+      return true;
+    }
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(room.bytes - room.got, kRoomChunk));
+    reading_ = true;
+    // The room outlives the read: it goes only in this handler, or with the session (which the
+    // handler holds), never while the kernel may still write into it.
+    socket_.async_read_some(
+        asio::buffer(room.value + room.got, n),
+        asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t k) {
+          self->reading_ = false;
+          Room& r = *self->room_;
+          if (ec || self->closing_) {
+            // The value never came whole: the room goes back unpublished.
+            self->room_.reset();
+            self->in_frame_ = false;
+            self->closing_ = true;
+            return self->MaybeClose();
+          }
+          XXH3_64bits_update(&r.sum, r.value + r.got, k);
+          r.got += k;
+          self->got_ += k;
+          if (self->StepRoom() && self->FinishRoom()) self->ReadHeader();
+        }));
+    return false;
+  }
+
+  // The value is in: checked against the frame's checksum, then committed and answered as a
+  // PUT (TryPutHere's way). False when reading must stop.
+  bool FinishRoom() {
+    std::unique_ptr<Room> room = std::move(room_);
+    srv_.metrics_.BytesIn(wire::kHeaderBytes + header_.payload_bytes);
+    if ((header_.flags & wire::kFlagPayloadChecksum) &&
+        static_cast<uint32_t>(XXH3_64bits_digest(&room->sum)) != header_.payload_checksum) {
+      room.reset();  // nothing published: the key keeps what it held
+      return FailFrame(header_.request_id, Status::Corruption(fmt::format("{} payload checksum mismatch",
+                                                                          wire::OpcodeName(header_.opcode))));
+    }
+    const wire::FrameHeader h = header_;
+    const auto t0 = frame_start_;
+    ++inflight_requests_;
+    srv_.BeginAsyncCall();
+    Server::Impl* srv = &srv_;
+    srv_.store_->CommitWritten(
+        ns_, std::move(room->reservation), [weak = weak_from_this(), srv, h, t0](std::vector<wire::ItemStatus> stored) {
+          OutFrame frame = Reply(wire::Encode(wire::StatusListReply{std::move(stored)})).ToFrame(h.opcode, h.request_id);
+          srv->metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
+          if (std::shared_ptr<Session> self = weak.lock()) {
+            asio::post(self->strand_, [self, frame = std::move(frame)]() mutable {
+              --self->inflight_requests_;
+              self->QueueWrite(std::move(frame));
+              self->PutFinished();
+            });
+          }
+          srv->EndAsyncCall();
+        });
+    put_running_ = true;  // until the answer is queued (PutFinished)
+    return true;
   }
 
   // Brings the payload of header_ in: first what the receive buffer holds, then reads from the
@@ -2165,6 +2307,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // at once could land in either order, and would hold a small host tier's room twice over.
   bool put_running_ = false, put_waiting_ = false;
   uint64_t next_put_lease_ = 1;
+  std::unique_ptr<Room> room_;  // a large PUT's value being read into host memory (StartRoom)
 };
 
 void Server::Impl::Accept(asio::ip::tcp::acceptor& acceptor) {

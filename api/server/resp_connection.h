@@ -328,15 +328,15 @@ class RespConnection : public std::enable_shared_from_this<RespConnection> {
 
   // ---- a large SET received straight into host memory ----
 
-  // A plain `SET key value` whose value is at least kRoomBytes: once its `$<len>` line has come,
-  // room for its record is reserved in the store's host memory (DaemonStore::ReservePut), the
-  // record's header written there, and the value's bytes are read from the socket into it, not
+  // A plain `SET key value` whose value is at least put_in_place_bytes (ServerOptions; 0: never):
+  // once its `$<len>` line has come, room for its record is reserved in the store's host memory
+  // (DaemonStore::ReservePut), the record's header written there, and the value's bytes are
+  // read from the socket into it, not
   // into the receive buffer: one copy (the kernel's) instead of two. The record is hashed and
   // published at its commit, ordered as of then (DaemonStore::CommitWritten). The room counts
   // against the budget of lent host pages (the server's pin_cap_) while it fills; the request's
   // deadline runs as for any request, and a connection that closes or times out mid-value gives
   // the room back unpublished.
-  static constexpr uint64_t kRoomBytes = 1u << 20;
   struct Room {
     std::unique_ptr<DaemonStore::PutReservation> reservation;
     DaemonStore::Keep pins;

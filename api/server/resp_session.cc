@@ -744,7 +744,8 @@ bool RespConnection::StartRoom(std::string_view in) {
   const std::string_view key = in.substr(pos, key_bytes);
   if (in.substr(pos + key_bytes, 2) != "\r\n") return false;
   pos += key_bytes + 2;
-  if (!bulk_length(bytes) || bytes < kRoomBytes || bytes > fe_.limits().max_bulk_bytes) return false;
+  const uint64_t in_place = host_.options->put_in_place_bytes;
+  if (!bulk_length(bytes) || in_place == 0 || bytes < in_place || bytes > fe_.limits().max_bulk_bytes) return false;
   const uint64_t buffered = in.size() - pos;
   if (buffered >= bytes) return false;  // the value is all here (its CRLF is not): the parser's to judge
   // Anything the store would refuse, or cannot take from this thread, goes the usual way and is

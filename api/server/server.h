@@ -115,6 +115,12 @@ struct ServerOptions {
   // A write lease not committed within this long is taken back (its room freed, nothing
   // stored). Default: 30 s.
   uint32_t write_lease_timeout_ms = 30000;
+  // A PUT frame of one value, or a plain RESP SET, whose value is at least this many bytes is
+  // received straight into room reserved for its record in the host tier, while it arrives:
+  // the kernel's copy is its only one. The room counts against the pin budget (a quarter of the
+  // host arena), not max_buffered_bytes; past that budget, or with 0 here, such a value is
+  // buffered like any other. Default: 1 MiB.
+  uint64_t put_in_place_bytes = 1u << 20;
   // Shared-memory staging area per Unix-socket session (half for PUT, half for GET).
   // Default: 64 MiB.
   uint64_t staging_bytes = 64ull << 20;

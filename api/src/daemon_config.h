@@ -100,6 +100,9 @@ struct DaemonConfig {
   // Default: false, 30 s.
   bool write_leases = false;
   uint32_t write_lease_timeout_ms = 30000;
+  // Values of at least this many bytes are received straight into host memory
+  // (ServerOptions::put_in_place_bytes; 0: never).
+  uint64_t put_in_place_bytes = 1u << 20;
   // Bytes of pinned blocks held in memory. Default: 256 MiB.
   uint64_t pin_budget_bytes = 256ull << 20;
   // HINTs: blocks one session may hint at once, and the longest time to live a HINT may ask

@@ -173,6 +173,7 @@ int Run(DaemonConfig config) {
   so.max_shared_staging_bytes = config.max_shared_staging_bytes;
   so.write_leases = config.write_leases;
   so.write_lease_timeout_ms = config.write_lease_timeout_ms;
+  so.put_in_place_bytes = config.put_in_place_bytes;
   so.block_tokens = config.block_tokens;
   so.namespaces.clear();
   for (const DaemonNamespace& n : config.namespaces) so.namespaces.push_back({n.name, n.token, n.max_connections, n.max_leased_bytes});

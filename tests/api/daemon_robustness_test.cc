@@ -1100,6 +1100,232 @@ TEST_F(QuietTickTest, AGrownReceiveBufferGoesBackAndKeepsWhatItHeld) {
   EXPECT_EQ(BufferedSettlesTo(0), 0);
 }
 
+// A PUT of one value of 1 MiB or more whose frame has not all come is read straight into room
+// reserved for its record in the host tier (Session::StartRoom): the kernel's copy is the only
+// one. The room counts against the pin budget while it fills (sparsekv_pinned_reply_bytes) and
+// no receive buffer grows for it; a frame that is bad, cut off or stalled gives it back
+// unpublished, and the key keeps its older value.
+class LargePutRoomTest : public ClientCostTest {
+  void Configure(TieredStoreOptions& so, ServerOptions& opts) override {
+    so.offload.host.capacity_bytes = 64ull << 20;
+    so.offload.host.max_record_bytes = 8ull << 20;
+    opts.max_frame_bytes = 8u << 20;
+    opts.max_buffered_bytes = 64ull << 20;
+    opts.max_connections = 16;
+  }
+
+ protected:
+  static std::vector<std::byte> PutFrame(const std::vector<std::pair<uint64_t, const std::vector<std::byte>*>>& items,
+                                         uint64_t id) {
+    wire::PutRequest req;
+    for (const auto& [key, v] : items) req.items.push_back({H(key), *v});
+    return wire::EncodeFrame(wire::Opcode::kPut, 0, id, wire::Encode(req));
+  }
+  static void SendBytes(int fd, const std::byte* p, size_t n) {
+    size_t sent = 0;
+    while (sent < n) {
+      const ssize_t k = send(fd, p + sent, n - sent, MSG_NOSIGNAL);
+      ASSERT_GT(k, 0) << std::strerror(errno);
+      sent += static_cast<size_t>(k);
+    }
+  }
+  // The status of the PUT reply read from `fd`.
+  static Status PutAnswer(int fd, uint64_t id) {
+    auto r = ReadFrame(fd);
+    if (!r.ok()) return r.status();
+    if (r->first.opcode != wire::Opcode::kPut || r->first.request_id != id) {
+      return Status::Internal("not the PUT's reply");
+    }
+    auto st = wire::DecodeStatusListReply(r->second);
+    if (!st.ok()) return st.status();
+    for (const auto& s : st->items) {
+      if (s.code != StatusCode::kOk) return Status(s.code, s.message);
+    }
+    return Status::OK();
+  }
+  // The value `key` holds now (empty when it holds none).
+  std::vector<std::byte> Held(Client& c, uint64_t key) {
+    const WireBlockHash h = H(key);
+    auto got = c.Get(std::span<const WireBlockHash>(&h, 1));
+    if (!got.ok() || !(*got)[0].status.ok()) return {};
+    return (*got)[0].bytes;
+  }
+  // Waits until sparsekv_pinned_reply_bytes is at least (or, with `at_most`, at most) `bytes`.
+  double PinnedReaches(double bytes, bool at_most, double seconds = 5) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    double v = Metric("sparsekv_pinned_reply_bytes");
+    while ((at_most ? v > bytes : v < bytes) && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      v = Metric("sparsekv_pinned_reply_bytes");
+    }
+    return v;
+  }
+  void CloseRaw(int fd) {
+    close(fd);
+    raw_.erase(std::find(raw_.begin(), raw_.end(), fd));
+  }
+};
+
+// The value goes into the room as it arrives, whatever the split of the bytes: values of
+// 1 MiB to 6 MiB pipelined on one connection, cut at every kind of place, twice over (the
+// second round overwrites), each read back whole; and one frame held mid-value shows its room
+// charged to the pin budget and no receive buffer grown.
+TEST_F(LargePutRoomTest, ALargePutIsReceivedIntoItsRecordHoweverTheBytesAreSplit) {
+  auto good = Connect("alpha");
+  ASSERT_NE(good, nullptr);
+  {
+    const int fd = RawAuthed();
+    const auto v = Value(1, 5u << 20);
+    const auto frame = PutFrame({{1, &v}}, 11);
+    const size_t first = wire::kHeaderBytes + 24 + (64 << 10);
+    ASSERT_NO_FATAL_FAILURE(SendBytes(fd, frame.data(), first));
+    EXPECT_GE(PinnedReaches(5u << 20, false), 5u << 20) << "the value is not being read into a room";
+    EXPECT_EQ(Metric("sparsekv_receive_buffer_bytes"), 0) << "a receive buffer grew for a value that has a room";
+    ASSERT_NO_FATAL_FAILURE(SendBytes(fd, frame.data() + first, frame.size() - first));
+    const Status st = PutAnswer(fd, 11);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    EXPECT_TRUE(Held(*good, 1) == v);
+    EXPECT_EQ(PinnedReaches(0, true), 0) << "the room stayed charged after its commit";
+    CloseRaw(fd);
+  }
+  const int fd = RawAuthed();
+  const std::vector<size_t> sizes = {1u << 20, (1u << 20) + 1, (3u << 20) + 7, 6u << 20, (1u << 20) + 4095, 2u << 20};
+  std::mt19937 rng(23);
+  for (int round = 0; round < 2; ++round) {
+    std::vector<std::byte> stream;
+    std::vector<std::vector<std::byte>> values;
+    for (size_t i = 0; i < sizes.size(); ++i) values.push_back(Value(100 * round + i + 7, sizes[i]));
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const auto frame = PutFrame({{20 + i, &values[i]}}, 200 + i);
+      stream.insert(stream.end(), frame.begin(), frame.end());
+    }
+    size_t sent = 0;
+    while (sent < stream.size()) {
+      const size_t cuts[] = {1, 7, 24, 4096, 16 << 10, 300 << 10, 1 << 20};
+      const size_t n = std::min(stream.size() - sent, cuts[rng() % std::size(cuts)]);
+      ASSERT_NO_FATAL_FAILURE(SendBytes(fd, stream.data() + sent, n));
+      sent += n;
+      if (rng() % 4 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const Status st = PutAnswer(fd, 200 + i);
+      EXPECT_TRUE(st.ok()) << "round " << round << " item " << i << ": " << st.ToString();
+    }
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      EXPECT_TRUE(Held(*good, 20 + i) == values[i]) << "round " << round << " item " << i << " (" << sizes[i]
+                                                    << " bytes) came back different";
+    }
+  }
+  // Two large values in one frame, and a frame whose value length runs past its end, go the
+  // usual way: stored, and refused as before.
+  const auto a = Value(50, 2u << 20), b = Value(51, (1u << 20) + 9);
+  const auto two = PutFrame({{50, &a}, {51, &b}}, 300);
+  ASSERT_NO_FATAL_FAILURE(SendBytes(fd, two.data(), two.size()));
+  const Status st = PutAnswer(fd, 300);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_TRUE(Held(*good, 50) == a);
+  EXPECT_TRUE(Held(*good, 51) == b);
+  EXPECT_EQ(PinnedReaches(0, true), 0);
+}
+
+// A torn, cut-off or stalled large PUT publishes nothing, keeps the key's older value and
+// gives its room back: after three of each, the tier still takes values filling all of it
+// but that room, with nothing evicted (a leaked room would have taken their place).
+TEST_F(LargePutRoomTest, ABadOrUnfinishedLargePutPublishesNothingAndLeaksNoRoom) {
+  auto good = Connect("alpha");
+  ASSERT_NE(good, nullptr);
+  const auto old_value = Value(9, 3u << 20);
+  BundleRef ref{H(9), old_value};
+  ASSERT_TRUE((*good->Put(std::span<const BundleRef>(&ref, 1)))[0].ok());
+  const auto new_value = Value(10, 6u << 20);
+  const auto frame = PutFrame({{9, &new_value}}, 3);
+  const size_t first = wire::kHeaderBytes + 24 + (256 << 10);
+  enum Case { kTorn, kCut, kStalled };
+  for (int round = 0; round < 3; ++round) {
+    for (Case c : {kTorn, kCut, kStalled}) {
+      const int fd = RawAuthed();
+      ASSERT_NO_FATAL_FAILURE(SendBytes(fd, frame.data(), first));
+      ASSERT_GE(PinnedReaches(6u << 20, false), 6u << 20) << "case " << c << ": no room was reserved";
+      if (c == kTorn) {
+        auto rest = std::vector<std::byte>(frame.begin() + first, frame.end());
+        rest[rest.size() / 2] ^= std::byte{1};
+        ASSERT_NO_FATAL_FAILURE(SendBytes(fd, rest.data(), rest.size()));
+        const Status st = ClosedWith(fd);
+        EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+      } else if (c == kCut) {
+        ASSERT_NO_FATAL_FAILURE(SendBytes(fd, frame.data() + first, 1 << 20));
+      } else {
+        const Status st = ClosedWith(fd);  // after the frame timeout (600 ms)
+        EXPECT_EQ(st.code(), StatusCode::kAborted) << st.ToString();
+      }
+      CloseRaw(fd);
+      EXPECT_EQ(PinnedReaches(0, true), 0) << "case " << c << ": the room is still charged";
+      EXPECT_TRUE(Held(*good, 9) == old_value) << "case " << c << ": an unfinished PUT changed the value";
+    }
+  }
+  // 3 MiB held; 9 x 6 MiB more fit the 64 MiB tier only if no room of the nine above is left.
+  std::vector<std::vector<std::byte>> fill;
+  for (int i = 0; i < 9; ++i) {
+    fill.push_back(Value(400 + i, 6u << 20));
+    BundleRef r{H(400 + i), fill.back()};
+    auto put = good->Put(std::span<const BundleRef>(&r, 1));
+    ASSERT_TRUE(put.ok() && (*put)[0].ok()) << i;
+  }
+  EXPECT_TRUE(Held(*good, 9) == old_value) << "the older value was evicted: a room leaked";
+  for (int i = 0; i < 9; ++i) EXPECT_TRUE(Held(*good, 400 + i) == fill[i]) << "value " << i << " was evicted";
+}
+
+// More large PUTs at once than the pin budget (a quarter of the 64 MiB tier) has rooms for:
+// those past it are buffered as before, and every one lands whole.
+TEST_F(LargePutRoomTest, MoreLargePutsAtOnceThanThePinBudgetHoldsAllLand) {
+  constexpr int kClients = 8;
+  std::vector<std::unique_ptr<Client>> clients;
+  std::vector<std::vector<std::byte>> values;
+  for (int i = 0; i < kClients; ++i) {
+    clients.push_back(Connect("beta"));
+    ASSERT_NE(clients.back(), nullptr);
+    values.push_back(Value(600 + i, 6u << 20));
+  }
+  std::atomic<int> ready{0};
+  std::vector<Status> put(kClients);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      ready.fetch_add(1);
+      while (ready.load() < kClients) std::this_thread::yield();
+      BundleRef ref{H(600 + i), values[i]};
+      auto r = clients[i]->Put(std::span<const BundleRef>(&ref, 1));
+      put[i] = r.ok() ? (*r)[0] : r.status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kClients; ++i) EXPECT_TRUE(put[i].ok()) << i << ": " << put[i].ToString();
+  for (int i = 0; i < kClients; ++i) EXPECT_TRUE(Held(*clients[i], 600 + i) == values[i]) << i;
+  EXPECT_EQ(PinnedReaches(0, true), 0);
+  EXPECT_EQ(BufferedSettlesTo(0), 0);
+}
+
+// The version a room commits is ordered as of its commit, as a PUT stored then would be: a PUT
+// of the same key answered while the large value is still arriving does not win over it.
+TEST_F(LargePutRoomTest, ALargePutFinishingLastWins) {
+  auto good = Connect("alpha");
+  ASSERT_NE(good, nullptr);
+  const int fd = RawAuthed();
+  const auto large = Value(30, 4u << 20);
+  const auto frame = PutFrame({{30, &large}}, 5);
+  const size_t first = wire::kHeaderBytes + 24 + (1 << 20);
+  ASSERT_NO_FATAL_FAILURE(SendBytes(fd, frame.data(), first));
+  ASSERT_GE(PinnedReaches(4u << 20, false), 4u << 20);
+  const auto small = Value(31, 4096);
+  BundleRef r{H(30), small};
+  ASSERT_TRUE((*good->Put(std::span<const BundleRef>(&r, 1)))[0].ok());
+  EXPECT_TRUE(Held(*good, 30) == small);
+  ASSERT_NO_FATAL_FAILURE(SendBytes(fd, frame.data() + first, frame.size() - first));
+  const Status st = PutAnswer(fd, 5);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_TRUE(Held(*good, 30) == large) << "the PUT answered last lost to one answered before it";
+}
+
 // The same daemon with room for 100 connections.
 class ManyConnectionsTest : public ClientCostTest {
   void Configure(TieredStoreOptions&, ServerOptions& opts) override { opts.max_connections = 100; }
@@ -1216,6 +1442,9 @@ class BigFramesTest : public ClientCostTest {
     opts.max_connections = 100;
     opts.max_frame_bytes = 4 << 20;
     opts.frame_timeout_ms = 1500;  // time to fill the budget, even under a sanitizer
+    // The buffer budget's path: a value received into its record's room (LargePutRoomTest) is
+    // charged to the pin budget instead, and never waits here.
+    opts.put_in_place_bytes = 0;
   }
 };
 
@@ -1277,6 +1506,7 @@ class ManyLargeWritesTest : public ClientCostTest {
     opts.max_frame_bytes = 13 << 20;
     opts.frame_timeout_ms = 3000;  // a sanitizer's slowness is the client's, and charged to it
     opts.write_timeout_ms = 5000;
+    opts.put_in_place_bytes = 0;  // the buffer budget's path (as BigFramesTest)
   }
 };
 
