@@ -1795,6 +1795,45 @@ def test_a_large_set_past_its_deadline_is_cut_off():
         assert d.stop() == 0
 
 
+@sparsekv_only
+def test_put_in_place_bytes_sets_which_values_are_received_into_host_memory():
+    """The config key put_in_place_bytes (4 MiB here): a SET of a 6 MiB value, held mid-value,
+    has its room in the host tier (charged to the pin budget), one of 2 MiB does not; with 0,
+    none does. Each SET then lands whole."""
+    import urllib.request
+
+    def pinned(mport):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
+        return int(float(re.search(r"^sparsekv_pinned_reply_bytes (\S+)$", text, re.M).group(1)))
+
+    for in_place, sizes in ((4 << 20, {6 << 20: True, 2 << 20: False}), (0, {6 << 20: False})):
+        mport = _free_port()
+        d = Daemon(resp=True, host_bytes="64MiB",
+                   extra_config={"metrics_listen": f"127.0.0.1:{mport}", "put_in_place_bytes": in_place})
+        try:
+            c = redis.Redis(host="127.0.0.1", port=d.resp_port, socket_timeout=10)
+            for size, in_room in sizes.items():
+                k = b"inplace:%d" % size
+                v = os.urandom(size)
+                head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, size)
+                raw = Raw(d.resp_port, timeout=10)
+                raw.send(head + v[:256 << 10])
+                deadline = time.time() + 5
+                while in_room and pinned(mport) < size and time.time() < deadline:
+                    time.sleep(0.01)
+                if not in_room:
+                    time.sleep(0.2)
+                held = pinned(mport)
+                assert (held >= size) == in_room, (in_place, size, held)
+                raw.send(v[256 << 10:] + b"\r\n")
+                assert raw.line() == b"+OK"
+                raw.close()
+                assert c.get(k) == v
+            c.close()
+        finally:
+            assert d.stop() == 0
+
+
 # --- sparsekvd's limits and keys ----------------------------------------------------------------
 
 
