@@ -688,6 +688,25 @@ class Session : public std::enable_shared_from_this<Session> {
     return false;
   }
 
+  // Answers a store call made for frame `h` (begun at `t0`) with `stored`, one status per item:
+  // from whatever thread the store answers on, possibly after the session has gone. It holds the
+  // session weakly and the server by pointer, so that nothing it leaves behind touches either
+  // once EndAsyncCall has let a shutdown go on. With `put_gate`, the connection's next PUT is
+  // let in once the answer is queued (PutFinished).
+  static void AnswerStore(const std::weak_ptr<Session>& weak, Server::Impl* srv, const wire::FrameHeader& h,
+                          Clock::time_point t0, std::vector<wire::ItemStatus> stored, bool put_gate) {
+    OutFrame frame = Reply(wire::Encode(wire::StatusListReply{std::move(stored)})).ToFrame(h.opcode, h.request_id);
+    srv->metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
+    if (std::shared_ptr<Session> self = weak.lock()) {
+      asio::post(self->strand_, [self, put_gate, frame = std::move(frame)]() mutable {
+        --self->inflight_requests_;
+        self->QueueWrite(std::move(frame));
+        if (put_gate) self->PutFinished();
+      });
+    }  // a session already gone needs no answer
+    srv->EndAsyncCall();
+  }
+
   // The value is in: checked against the frame's checksum, then committed and answered as a
   // PUT (TryPutHere's way). False when reading must stop.
   bool FinishRoom() {
@@ -704,19 +723,10 @@ class Session : public std::enable_shared_from_this<Session> {
     ++inflight_requests_;
     srv_.BeginAsyncCall();
     Server::Impl* srv = &srv_;
-    srv_.store_->CommitWritten(
-        ns_, std::move(room->reservation), [weak = weak_from_this(), srv, h, t0](std::vector<wire::ItemStatus> stored) {
-          OutFrame frame = Reply(wire::Encode(wire::StatusListReply{std::move(stored)})).ToFrame(h.opcode, h.request_id);
-          srv->metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
-          if (std::shared_ptr<Session> self = weak.lock()) {
-            asio::post(self->strand_, [self, frame = std::move(frame)]() mutable {
-              --self->inflight_requests_;
-              self->QueueWrite(std::move(frame));
-              self->PutFinished();
-            });
-          }
-          srv->EndAsyncCall();
-        });
+    srv_.store_->CommitWritten(ns_, std::move(room->reservation),
+                               [weak = weak_from_this(), srv, h, t0](std::vector<wire::ItemStatus> stored) {
+                                 AnswerStore(weak, srv, h, t0, std::move(stored), /*put_gate=*/true);
+                               });
     put_running_ = true;  // until the answer is queued (PutFinished)
     return true;
   }
@@ -1852,16 +1862,7 @@ class Session : public std::enable_shared_from_this<Session> {
       for (const wire::ItemStatus& st : batch->out) {
         if (st.code == StatusCode::kCorruption) srv->metrics_.WriteLeaseTorn();
       }
-      OutFrame frame =
-          Reply(wire::Encode(wire::StatusListReply{std::move(batch->out)})).ToFrame(h.opcode, h.request_id);
-      srv->metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
-      if (std::shared_ptr<Session> self = weak.lock()) {
-        asio::post(self->strand_, [self, frame = std::move(frame)]() mutable {
-          --self->inflight_requests_;
-          self->QueueWrite(std::move(frame));
-        });
-      }
-      srv->EndAsyncCall();
+      AnswerStore(weak, srv, h, t0, std::move(batch->out), /*put_gate=*/false);
     };
     const uint32_t ns = ns_;
     if (batch->bytes <= kPutHereBytes && srv_.store_->PutsWithoutBlocking()) {
@@ -2005,17 +2006,7 @@ class Session : public std::enable_shared_from_this<Session> {
         [weak = weak_from_this(), srv, h, t0, batch](std::vector<wire::ItemStatus> stored) {
           batch->items.clear();  // their bytes are the request's, gone by now
           batch->Answer(std::move(stored));
-          OutFrame frame = Reply(wire::Encode(wire::StatusListReply{std::move(batch->out)}))
-                               .ToFrame(h.opcode, h.request_id);
-          srv->metrics_.Request(h.opcode, std::chrono::duration<double>(Clock::now() - t0).count(), false);
-          if (std::shared_ptr<Session> self = weak.lock()) {
-            asio::post(self->strand_, [self, frame = std::move(frame)]() mutable {
-              --self->inflight_requests_;
-              self->QueueWrite(std::move(frame));
-              self->PutFinished();
-            });
-          }  // a session already gone needs no answer
-          srv->EndAsyncCall();
+          AnswerStore(weak, srv, h, t0, std::move(batch->out), /*put_gate=*/true);
         });
     if (!taken) {
       --inflight_requests_;

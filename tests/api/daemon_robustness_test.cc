@@ -859,6 +859,27 @@ class ClientCostTest : public ::testing::Test {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
+  // Client i PUTs values[i] under H(first_key + i), all at the same moment, each from a thread
+  // of its own; the status of each.
+  static std::vector<Status> PutAtOnce(const std::vector<std::unique_ptr<Client>>& clients, uint64_t first_key,
+                                       const std::vector<std::vector<std::byte>>& values) {
+    const int n = static_cast<int>(clients.size());
+    std::atomic<int> ready{0};
+    std::vector<Status> put(n);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < n; ++i) {
+      threads.emplace_back([&, i] {
+        ready.fetch_add(1);
+        while (ready.load() < n) std::this_thread::yield();
+        BundleRef ref{H(first_key + i), values[i]};
+        auto r = clients[i]->Put(std::span<const BundleRef>(&ref, 1));
+        put[i] = r.ok() ? (*r)[0] : r.status();
+      });
+    }
+    for (auto& t : threads) t.join();
+    return put;
+  }
+
   static uint64_t ProcessRssBytes() {
     std::ifstream in("/proc/self/status");
     std::string line;
@@ -1286,19 +1307,7 @@ TEST_F(LargePutRoomTest, MoreLargePutsAtOnceThanThePinBudgetHoldsAllLand) {
     ASSERT_NE(clients.back(), nullptr);
     values.push_back(Value(600 + i, 6u << 20));
   }
-  std::atomic<int> ready{0};
-  std::vector<Status> put(kClients);
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kClients; ++i) {
-    threads.emplace_back([&, i] {
-      ready.fetch_add(1);
-      while (ready.load() < kClients) std::this_thread::yield();
-      BundleRef ref{H(600 + i), values[i]};
-      auto r = clients[i]->Put(std::span<const BundleRef>(&ref, 1));
-      put[i] = r.ok() ? (*r)[0] : r.status();
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<Status> put = PutAtOnce(clients, 600, values);
   for (int i = 0; i < kClients; ++i) EXPECT_TRUE(put[i].ok()) << i << ": " << put[i].ToString();
   for (int i = 0; i < kClients; ++i) EXPECT_TRUE(Held(*clients[i], 600 + i) == values[i]) << i;
   EXPECT_EQ(PinnedReaches(0, true), 0);
@@ -1520,19 +1529,7 @@ TEST_F(ManyLargeWritesTest, SixteenTwelveMiBPutsAtOnceThroughASixteenMiBBudgetAl
   }
   std::vector<std::vector<std::byte>> values;
   for (int i = 0; i < kClients; ++i) values.push_back(Value(100 + i, kBytes));
-  std::atomic<int> ready{0};
-  std::vector<Status> put(kClients);
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kClients; ++i) {
-    threads.emplace_back([&, i] {
-      ready.fetch_add(1);
-      while (ready.load() < kClients) std::this_thread::yield();
-      BundleRef ref{H(100 + i), values[i]};
-      auto r = clients[i]->Put(std::span<const BundleRef>(&ref, 1));
-      put[i] = r.ok() ? (*r)[0] : r.status();
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<Status> put = PutAtOnce(clients, 100, values);
   for (int i = 0; i < kClients; ++i) EXPECT_TRUE(put[i].ok()) << i << ": " << put[i].ToString();
   EXPECT_EQ(Metric("sparsekv_frame_timeouts_total"), 0) << "a wait on the daemon's budget was charged to a client";
   EXPECT_GT(Metric("sparsekv_budget_passes_total"), 0) << "the budget never held a frame back: the test proves nothing";
