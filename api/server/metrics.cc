@@ -77,6 +77,9 @@ std::string Metrics::Render(const std::function<void(std::string&)>& extra) cons
           lease_expired_.load(std::memory_order_relaxed));
   counter("sparsekv_write_lease_torn_total", "Leased values whose commit failed its check (never stored).",
           lease_torn_.load(std::memory_order_relaxed));
+  counter("sparsekv_put_in_place_total",
+          "Values whose bytes were received straight into room in the host tier (put_in_place_bytes).",
+          put_in_place_.load(std::memory_order_relaxed));
   counter("sparsekv_handshake_timeouts_total", "Connections closed for not finishing HELLO in time, or as the "
           "oldest of too many handshakes.", handshake_timeouts_.load(std::memory_order_relaxed));
   counter("sparsekv_frame_timeouts_total", "Connections closed for a frame that did not arrive in time.",

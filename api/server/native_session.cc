@@ -653,6 +653,7 @@ class Session : public std::enable_shared_from_this<Session> {
     room->got = buffered;
     got_ = kRoomPrefix + buffered;
     room_ = std::move(room);
+    srv_.metrics_.PutInPlace();
     return true;
   }
 

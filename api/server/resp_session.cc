@@ -774,6 +774,7 @@ bool RespConnection::StartRoom(std::string_view in) {
   std::memcpy(room->value, in.data() + pos, buffered);
   room->got = buffered;
   room_ = std::move(room);
+  host_.metrics->PutInPlace();
   begin_ = end_ = 0;  // all of it was the request's, and is in the room now
   return true;
 }

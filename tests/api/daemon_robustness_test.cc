@@ -1202,6 +1202,7 @@ TEST_F(LargePutRoomTest, ALargePutIsReceivedIntoItsRecordHoweverTheBytesAreSplit
     ASSERT_NO_FATAL_FAILURE(SendBytes(fd, frame.data(), first));
     EXPECT_GE(PinnedReaches(5u << 20, false), 5u << 20) << "the value is not being read into a room";
     EXPECT_EQ(Metric("sparsekv_receive_buffer_bytes"), 0) << "a receive buffer grew for a value that has a room";
+    EXPECT_EQ(Metric("sparsekv_put_in_place_total"), 1);
     ASSERT_NO_FATAL_FAILURE(SendBytes(fd, frame.data() + first, frame.size() - first));
     const Status st = PutAnswer(fd, 11);
     EXPECT_TRUE(st.ok()) << st.ToString();

@@ -1812,6 +1812,7 @@ def test_put_in_place_bytes_sets_which_values_are_received_into_host_memory():
                    extra_config={"metrics_listen": f"127.0.0.1:{mport}", "put_in_place_bytes": in_place})
         try:
             c = redis.Redis(host="127.0.0.1", port=d.resp_port, socket_timeout=10)
+            rooms = 0
             for size, in_room in sizes.items():
                 k = b"inplace:%d" % size
                 v = os.urandom(size)
@@ -1825,6 +1826,10 @@ def test_put_in_place_bytes_sets_which_values_are_received_into_host_memory():
                     time.sleep(0.2)
                 held = pinned(mport)
                 assert (held >= size) == in_room, (in_place, size, held)
+                text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
+                counted = int(float(re.search(r"^sparsekv_put_in_place_total (\S+)$", text, re.M).group(1)))
+                rooms += in_room
+                assert counted == rooms, (in_place, size, counted)
                 raw.send(v[256 << 10:] + b"\r\n")
                 assert raw.line() == b"+OK"
                 raw.close()
