@@ -86,14 +86,30 @@ class Daemon:
             config.update(extra_config)
         self.config = config
         path = os.path.join(self.dir.name, "config.json")
-        with open(path, "w") as f:
-            json.dump(config, f)
         # stderr goes to a file, not a pipe: a daemon that logs much (a test of hostile input)
         # must never block on a pipe nobody reads.
         self.stderr_path = os.path.join(self.dir.name, "stderr.log")
         self.config_path = path
         self.start_timeout = start_timeout
-        self._launch()
+        # A port _free_port found free can be taken by another process (another test, run in
+        # parallel) before the daemon binds it: the daemon then exits, and is started again on
+        # ports found anew. Ports the caller chose (extra_config) are kept as they are.
+        for attempt in range(3):
+            with open(path, "w") as f:
+                json.dump(config, f)
+            try:
+                self._launch()
+                return
+            except RuntimeError as e:
+                if attempt == 2 or "Address already in use" not in str(e):
+                    raise
+            extra = extra_config or {}
+            if "listen" not in extra:
+                self.port = _free_port()
+                self.tcp = config["listen"] = f"127.0.0.1:{self.port}"
+            if resp and "resp_listen" not in extra:
+                self.resp_port = _free_port()
+                self.resp_tcp = config["resp_listen"] = f"127.0.0.1:{self.resp_port}"
 
     def _launch(self):
         start_timeout = self.start_timeout
