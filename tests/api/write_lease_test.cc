@@ -295,7 +295,8 @@ TEST_F(WriteLeaseTest, ABatchOfSeveralLeasesReadsBack) {
   }
 }
 
-// Values in pieces (Client::PutPieces) are gathered straight into their leased rooms.
+// Values in pieces (Client::PutPieces) are gathered straight into their leased rooms: 12 MiB in
+// one lease, so with streaming stores (StreamingCopy), pieces cut at odd offsets.
 TEST_F(WriteLeaseTest, ValuesInPiecesAreGatheredIntoTheirRooms) {
   auto shm = Connect(true);
   ASSERT_NE(shm, nullptr);
@@ -305,7 +306,7 @@ TEST_F(WriteLeaseTest, ValuesInPiecesAreGatheredIntoTheirRooms) {
   std::vector<PiecesRef> refs;
   std::vector<WireBlockHash> hashes;
   for (uint64_t i = 0; i < 6; ++i) {
-    values.push_back(Value(800 + i, (1u << 20) + 977 * i));
+    values.push_back(Value(800 + i, (2u << 20) + 977 * i));
     hashes.push_back(H(800 + i));
     const size_t cut = values[i].size() / 3 + i;
     pieces[i] = {std::span<const std::byte>(values[i]).first(cut), std::span<const std::byte>(values[i]).subspan(cut)};
