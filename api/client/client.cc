@@ -1191,6 +1191,10 @@ class Client::Impl {
   // (16 MiB) 0.30-0.37 then 0.42; 1 MiB x 16 0.42-0.58 then 0.60-0.66; 6 MiB x 16 0.70-0.79
   // then 0.82-0.92.
   static constexpr uint64_t kStreamGroupBytes = 8u << 20;
+  // A GetInto of at least this many bytes in all copies with streaming stores: more than the
+  // last-level cache holds, so its destinations would not stay there (python/module.cc's
+  // GetIntoPieces, measured there, follows the same rule).
+  static constexpr uint64_t kStreamGetBytes = 32u << 20;
   bool leases() const { return arena_rw_ != nullptr; }
 
   struct LeaseCall {
@@ -1645,6 +1649,9 @@ class Client::Impl {
     SPARSEKV_RETURN_IF_ERROR(Acquire(kGetArea));
     const uint64_t half = staging_bytes_ / 2;
     bool lent = false;
+    uint64_t all = 0;
+    for (const auto& d : dests) all += d.size();
+    const bool stream = all >= kStreamGetBytes;
     Status st;
     size_t i = 0;
     while (st.ok() && i < hashes.size()) {
@@ -1668,7 +1675,7 @@ class Client::Impl {
         if (!r.ok() || r->status.size() != index.size()) {
           return r.ok() ? Status::Internal("SHM_GET answered the wrong number of items") : r.status();
         }
-        return CopyInto(*r, index, dests, out, by_socket, lent);
+        return CopyInto(*r, index, dests, out, by_socket, lent, stream);
       });
       if (!verdicts.ok()) {
         st = verdicts.status();
@@ -1691,9 +1698,10 @@ class Client::Impl {
   }
 
   // Copies the bundles an SHM_GET reply for items `index` names into their destinations.
+  // With `stream`, with streaming stores (StreamingCopy).
   Status CopyInto(const w::ShmGetReply& r, const std::vector<size_t>& index,
                   std::span<const std::span<std::byte>> dests, std::vector<GetIntoResult>& out,
-                  std::vector<size_t>& by_socket, bool& lent) const {
+                  std::vector<size_t>& by_socket, bool& lent, bool stream) const {
     size_t slot = 0;
     for (size_t k = 0; k < index.size(); ++k) {
       GetIntoResult& g = out[index[k]];
@@ -1712,6 +1720,8 @@ class Client::Impl {
       } else if (s.bytes > dests[index[k]].size()) {
         g.status = Status::OutOfRange(fmt::format("a value of {} bytes does not fit its destination of {} bytes",
                                                   s.bytes, dests[index[k]].size()));
+      } else if (stream) {
+        StreamingCopy(dests[index[k]].data(), src, s.bytes);
       } else {
         std::memcpy(dests[index[k]].data(), src, s.bytes);
       }

@@ -237,6 +237,42 @@ TEST_F(DataPathTest, GetIntoLandsInTheCallersMemoryOverEveryTransport) {
   }
 }
 
+// A GetInto of more than the last-level cache holds (32 MiB or more in all) copies with
+// streaming stores (StreamingCopy): 150 values of about 230 KB, 35 MB, into destinations at odd
+// offsets, each a little larger than its value. Every byte lands, and not one past a value.
+TEST_F(DataPathTest, ALargeGetIntoWithStreamingStoresLandsEveryByteAndNoMore) {
+  auto writer = Connect(Transport::kTcp);
+  ASSERT_NE(writer, nullptr);
+  std::vector<std::vector<std::byte>> values;
+  for (uint64_t i = 0; i < 150; ++i) values.push_back(Value(3000 + i, 230000 + 7 * i));
+  PutAll(*writer, 3000, values);
+  auto c = Connect(Transport::kSharedMemory);
+  ASSERT_NE(c, nullptr);
+  std::vector<WireBlockHash> hashes;
+  std::vector<size_t> at;
+  size_t total = 0;
+  for (uint64_t i = 0; i < values.size(); ++i) {
+    hashes.push_back(H(3000 + i));
+    at.push_back(total + 1 + i % 61);  // every alignment within a cache line, more or less
+    total = at.back() + values[i].size() + 13;
+  }
+  ASSERT_GE(total, size_t{32} << 20);
+  std::vector<std::byte> memory(total, kSentinel);
+  std::vector<std::span<std::byte>> dests;
+  for (size_t i = 0; i < values.size(); ++i) dests.push_back({memory.data() + at[i], values[i].size() + 13});
+  auto got = c->GetInto(hashes, dests);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  size_t end = 0;
+  for (size_t i = 0; i < values.size(); ++i) {
+    ASSERT_TRUE((*got)[i].status.ok()) << i << ": " << (*got)[i].status.ToString();
+    ASSERT_EQ((*got)[i].bytes, values[i].size());
+    ASSERT_EQ(std::memcmp(memory.data() + at[i], values[i].data(), values[i].size()), 0) << "value " << i;
+    for (size_t k = end; k < at[i]; ++k) ASSERT_EQ(memory[k], kSentinel) << "before value " << i;
+    end = at[i] + values[i].size();
+  }
+  for (size_t k = end; k < total; ++k) ASSERT_EQ(memory[k], kSentinel) << "after the last value";
+}
+
 // A PUT batch goes in parts sent without waiting for the one before (client.cc, PutShared and
 // PutSocket). With a 512 KiB PUT area and 1 MiB frames, a 6 MiB batch wraps the area a dozen
 // times and spans a dozen frames: every value must land whole, none overwritten by the next
