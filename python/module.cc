@@ -460,21 +460,15 @@ class PyClient {
   // dropped as damaged). Values are read in place where the daemon lends them (get_views), each
   // then copied once into its pieces, in calls of at most 16 MiB so the lent pages stay within
   // the daemon's pin budget; the next call is made while this one's values are copied, so the
-  // daemon's reading and checking of one overlaps the copy of the other.
-  // A call moving at least this many bytes writes its pieces with streaming stores
-  // (StreamingCopy): more than the last-level cache holds, so the pieces would not stay there,
-  // and plain stores would first read every destination line. Measured with
-  // bench/python/vllm_backend_bench.py (128 V3.2 blocks, 394 MB) on a 2-vCPU EPYC (Zen 4) VM:
-  // load 43-45 ms plain, 32 ms streamed, against 28-30 ms for torch's copy_.
-  static constexpr uint64_t kStreamLoadBytes = 32u << 20;
-
+  // daemon's reading and checking of one overlaps the copy of the other. A call of
+  // kStreamReadBytes or more writes its pieces with streaming stores (CopyBytes).
   py::list GetIntoPieces(const py::object& keys, const py::object& ptrs, const py::object& sizes,
                          const py::object& counts) {
     Pieces p = PiecesOf(keys, ptrs, sizes, counts);
     const size_t n = p.hashes.size();
     uint64_t all = 0;
     for (uint64_t t : p.total) all += t;
-    const bool stream = all >= kStreamLoadBytes;
+    const bool stream = all >= kStreamReadBytes;
     std::vector<int64_t> got(n, -1);
     std::shared_ptr<Client> c = client();
     Status failed;
@@ -511,12 +505,7 @@ class PyClient {
           if (v.size() != p.total[i]) continue;
           uint64_t off = 0;
           for (size_t j = p.first[i]; j < p.first[i] + count[i]; ++j) {
-            auto* to = reinterpret_cast<std::byte*>(static_cast<uintptr_t>(ptr[j]));
-            if (stream) {
-              StreamingCopy(to, v.data() + off, size[j]);
-            } else {
-              std::memcpy(to, v.data() + off, size[j]);
-            }
+            CopyBytes(reinterpret_cast<void*>(static_cast<uintptr_t>(ptr[j])), v.data() + off, size[j], stream);
             off += size[j];
           }
         }

@@ -1012,25 +1012,13 @@ class Client::Impl {
     for (const auto& p : v.pieces) n += p.size();
     return n;
   }
-  static void CopyValue(const BundleRef& b, std::byte* dst) { std::memcpy(dst, b.bytes.data(), b.bytes.size()); }
-  static void CopyValue(const PiecesRef& v, std::byte* dst) {
-    for (const auto& p : v.pieces) {
-      std::memcpy(dst, p.data(), p.size());
-      dst += p.size();
-    }
+  // A value's copy to `dst` (with streaming stores when `stream`: CopyBytes).
+  static void CopyValue(const BundleRef& b, std::byte* dst, bool stream = false) {
+    CopyBytes(dst, b.bytes.data(), b.bytes.size(), stream);
   }
-  // A leased value's copy into its room (StreamingCopy when `stream`).
-  static void LeaseCopy(const BundleRef& b, std::byte* dst, bool stream) {
-    if (stream) return StreamingCopy(dst, b.bytes.data(), b.bytes.size());
-    std::memcpy(dst, b.bytes.data(), b.bytes.size());
-  }
-  static void LeaseCopy(const PiecesRef& v, std::byte* dst, bool stream) {
+  static void CopyValue(const PiecesRef& v, std::byte* dst, bool stream = false) {
     for (const auto& p : v.pieces) {
-      if (stream) {
-        StreamingCopy(dst, p.data(), p.size());
-      } else {
-        std::memcpy(dst, p.data(), p.size());
-      }
+      CopyBytes(dst, p.data(), p.size(), stream);
       dst += p.size();
     }
   }
@@ -1191,10 +1179,6 @@ class Client::Impl {
   // (16 MiB) 0.30-0.37 then 0.42; 1 MiB x 16 0.42-0.58 then 0.60-0.66; 6 MiB x 16 0.70-0.79
   // then 0.82-0.92.
   static constexpr uint64_t kStreamGroupBytes = 8u << 20;
-  // A GetInto of at least this many bytes in all copies with streaming stores: more than the
-  // last-level cache holds, so its destinations would not stay there (python/module.cc's
-  // GetIntoPieces, measured there, follows the same rule).
-  static constexpr uint64_t kStreamGetBytes = 32u << 20;
   bool leases() const { return arena_rw_ != nullptr; }
 
   struct LeaseCall {
@@ -1330,7 +1314,7 @@ class Client::Impl {
         // it takes the commit, on its own core, while this thread writes the next part (measured
         // on a 2-vCPU EPYC VM, 6 MiB x 16: 0.71-0.74x memcpy with the hash computed here as the
         // bytes land, 0.74-0.90x without).
-        LeaseCopy(bundles[i], arena_rw_ + room.offset, call.bytes >= kStreamGroupBytes);
+        CopyValue(bundles[i], arena_rw_ + room.offset, call.bytes >= kStreamGroupBytes);
         c.checksums.push_back(0);
         current->items.push_back(i);
         since += n;
@@ -1651,7 +1635,7 @@ class Client::Impl {
     bool lent = false;
     uint64_t all = 0;
     for (const auto& d : dests) all += d.size();
-    const bool stream = all >= kStreamGetBytes;
+    const bool stream = all >= kStreamReadBytes;
     Status st;
     size_t i = 0;
     while (st.ok() && i < hashes.size()) {
@@ -1698,7 +1682,7 @@ class Client::Impl {
   }
 
   // Copies the bundles an SHM_GET reply for items `index` names into their destinations.
-  // With `stream`, with streaming stores (StreamingCopy).
+  // With `stream`, with streaming stores (CopyBytes).
   Status CopyInto(const w::ShmGetReply& r, const std::vector<size_t>& index,
                   std::span<const std::span<std::byte>> dests, std::vector<GetIntoResult>& out,
                   std::vector<size_t>& by_socket, bool& lent, bool stream) const {
@@ -1720,10 +1704,8 @@ class Client::Impl {
       } else if (s.bytes > dests[index[k]].size()) {
         g.status = Status::OutOfRange(fmt::format("a value of {} bytes does not fit its destination of {} bytes",
                                                   s.bytes, dests[index[k]].size()));
-      } else if (stream) {
-        StreamingCopy(dests[index[k]].data(), src, s.bytes);
       } else {
-        std::memcpy(dests[index[k]].data(), src, s.bytes);
+        CopyBytes(dests[index[k]].data(), src, s.bytes, stream);
       }
       lent |= s.offset >= staging_bytes_;
     }
