@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <optional>
@@ -38,7 +39,10 @@ class HostTierImpl final : public HostTier {
       : options_(std::move(options)),
         eviction_(options_.eviction, static_cast<uint64_t>(std::clamp(options_.hint_bound, 0.0, 1.0) *
                                                            static_cast<double>(options_.capacity_bytes))) {}
-  ~HostTierImpl() override { UnmapArena(arena_); }
+  ~HostTierImpl() override {
+    UnmapArena(arena_);
+    UnmapArena(table_);
+  }
 
   Status Init() {
     if (!(options_.hint_bound >= 0 && options_.hint_bound <= 1)) {
@@ -59,6 +63,11 @@ class HostTierImpl final : public HostTier {
     }
     SPARSEKV_ASSIGN_OR_RETURN(arena_, MapArena(units_ * kUnit, options_.backing, "", options_.name,
                                                options_.huge_pages, options_.populate));
+    if (options_.backing == ArenaBacking::kMemfd) {
+      // The lend table (LendToken): one u32 per unit, zeroed by the kernel.
+      SPARSEKV_ASSIGN_OR_RETURN(table_, MapArena(units_ * sizeof(uint32_t), ArenaBacking::kMemfd, "",
+                                                 options_.name + "-lend-table", false, false));
+    }
     MutexLock lock(mu_);
     free_.AddFree(0, units_);
     return Status::OK();
@@ -349,6 +358,37 @@ class HostTierImpl final : public HostTier {
 
   Arena arena() const override { return {arena_.fd, arena_.base, units_ * kUnit}; }
 
+  Arena lend_table() const override {
+    if (table_.base == nullptr) return {};
+    return {table_.fd, table_.base, units_ * sizeof(uint32_t)};
+  }
+
+  uint32_t LendToken(const BundleKey& key, const BundlePtr& bundle) override {
+    if (table_.base == nullptr || !bundle) return 0;
+    MutexLock lock(mu_);
+    auto it = index_.find(key);
+    if (it == index_.end()) return 0;
+    const Entry& e = entries_[it->second];
+    if (DataOf(e) != bundle->record().data()) return 0;  // another copy took its place
+    const uint32_t v = std::atomic_ref<uint32_t>(TableAt(e.at)).load(std::memory_order_relaxed);
+    return v == UINT32_MAX ? 0 : v + 1;
+  }
+
+  Touched TouchRead(std::span<const BundleKey> keys) override {
+    Touched t;
+    MutexLock lock(mu_);
+    for (const BundleKey& k : keys) {
+      auto it = index_.find(k);
+      if (it == index_.end()) continue;
+      eviction_.Touch(it->second);
+      ++t.items;
+      t.bytes += entries_[it->second].record_bytes;
+    }
+    stats_.hits += t.items;
+    stats_.bytes_read += t.bytes;
+    return t;
+  }
+
   void Hint(std::span<const BundleKey> keys, bool on) override {
     MutexLock lock(mu_);
     for (const BundleKey& k : keys) {
@@ -399,6 +439,7 @@ class HostTierImpl final : public HostTier {
   using Index = std::unordered_map<BundleKey, EntryId, BundleKeyHasher>;
 
   std::byte* DataOf(const Entry& e) const { return arena_.base + e.at * kUnit; }
+  uint32_t& TableAt(uint64_t unit) const { return reinterpret_cast<uint32_t*>(table_.base)[unit]; }
 
   EntryId NewEntryLocked() SPARSEKV_REQUIRES(mu_) {
     if (!spare_ids_.empty()) {
@@ -425,6 +466,13 @@ class HostTierImpl final : public HostTier {
     stats_.bytes -= e.record_bytes;
     if (!evicted) eviction_.Erase(id);
     e.indexed = false;
+    // The record is no longer its key's copy: local readers holding its token see the change
+    // before its room can be reused (LendToken): the room is written again only after this
+    // lock is let go and taken again, so the new value is visible before any byte of a reuse
+    // (a locked add on x86; the lock's release and acquire order it elsewhere).
+    if (table_.base != nullptr) {
+      std::atomic_ref<uint32_t>(TableAt(e.at)).fetch_add(1, std::memory_order_acq_rel);
+    }
     if (journal_) journal_->Note(it->first, false);
     index_.erase(it);
     if (e.readers == 0) ReleaseEntryLocked(id);
@@ -643,6 +691,7 @@ class HostTierImpl final : public HostTier {
   HostTierOptions options_;
   uint64_t units_ = 0;
   sparsekv::Arena arena_;
+  sparsekv::Arena table_;  // the lend table (lend_table()), when the arena is a memfd
   mutable Mutex mu_;
   offload::ExtentAllocator free_ SPARSEKV_GUARDED_BY(mu_);
   std::vector<Entry> entries_ SPARSEKV_GUARDED_BY(mu_);

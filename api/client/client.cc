@@ -22,6 +22,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <variant>
 
@@ -255,6 +256,22 @@ class Client::Impl {
  public:
   ~Impl() { Close(); }
 
+  // A record lent before, as local reads know it (api/PROTOCOL.md, "Local reads").
+  struct LocalEntry {
+    uint64_t record_off = 0;  // the record's header, in the arena
+    uint64_t value_off = 0;   // its value
+    uint32_t bytes = 0;
+    uint32_t token = 0;
+    uint64_t checksum = 0;
+  };
+  struct WireHashHasher {
+    size_t operator()(const WireBlockHash& h) const {
+      uint64_t x;
+      std::memcpy(&x, h.data(), sizeof(x));  // block hashes are uniform already
+      return static_cast<size_t>(x);
+    }
+  };
+
   void Close() {
     if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
     stopping_.store(true);
@@ -278,6 +295,8 @@ class Client::Impl {
     staging_ = nullptr;
     if (arena_) ::munmap(const_cast<std::byte*>(arena_), arena_bytes_);
     arena_ = nullptr;
+    if (table_) ::munmap(const_cast<uint32_t*>(table_), table_entries_ * sizeof(uint32_t));
+    table_ = nullptr;
   }
 
   Status Open(const ClientOptions& o) {
@@ -288,12 +307,18 @@ class Client::Impl {
     // Connect instead of hanging it. Later calls keep their own deadlines (poll).
     const auto t0 = Clock::now();
     ask_leases_ = is_unix_ && o.shared_memory && o.write_leases;
+    ask_lend_table_ = is_unix_ && o.shared_memory && o.local_reads;
     Status st = Hello(o);
-    if (!st.ok() && ask_leases_ && st.code() == StatusCode::kInvalidArgument &&
-        st.message().find("shared-memory flag") != std::string_view::npos) {
-      // A daemon from before write leases refuses the flag: HELLO again without them.
+    // A daemon from before local reads (or write leases) refuses the flag bit: HELLO again
+    // without the newest thing asked for.
+    while (!st.ok() && (ask_lend_table_ || ask_leases_) && st.code() == StatusCode::kInvalidArgument &&
+           st.message().find("shared-memory flag") != std::string_view::npos) {
       ::close(fd_);
-      ask_leases_ = false;
+      if (ask_lend_table_) {
+        ask_lend_table_ = false;
+      } else {
+        ask_leases_ = false;
+      }
       SPARSEKV_ASSIGN_OR_RETURN(fd_, ConnectTo(o.address, &is_unix_, timeout_));
       st = Hello(o);
     }
@@ -313,11 +338,12 @@ class Client::Impl {
     hello.client_name = o.client_name;
     hello.want_shared_memory = is_unix_ && o.shared_memory;
     hello.want_write_leases = ask_leases_;
+    hello.want_lend_table = ask_lend_table_;
     const auto frame = w::EncodeFrame(w::Opcode::kHello, 0, 0, w::Encode(hello));
     SPARSEKV_RETURN_IF_ERROR(WriteAll(fd_, frame.data(), frame.size()));
     // The reply's first bytes may carry the arena and staging fds (SCM_RIGHTS).
     std::array<std::byte, w::kHeaderBytes> hb;
-    int staging_fd = -1, arena_fd = -1;
+    int staging_fd = -1, arena_fd = -1, table_fd = -1;
     size_t got = 0;
     {
       std::vector<int> got_fds;
@@ -335,6 +361,8 @@ class Client::Impl {
           staging_fd = got_fds[i];
         } else if (i == 1) {
           arena_fd = got_fds[i];
+        } else if (i == 2) {
+          table_fd = got_fds[i];
         } else {
           ::close(got_fds[i]);  // more than the protocol passes: not ours to keep
         }
@@ -344,11 +372,13 @@ class Client::Impl {
     struct CloseFds {
       int* a;
       int* b;
+      int* c;
       ~CloseFds() {
         if (*a >= 0) ::close(*a);
         if (*b >= 0) ::close(*b);
+        if (*c >= 0) ::close(*c);
       }
-    } close_fds{&staging_fd, &arena_fd};
+    } close_fds{&staging_fd, &arena_fd, &table_fd};
     auto reply = ReadFrameAfterHeader(hb);
     if (!reply.ok()) return reply.status();
     if (reply->header.opcode == w::Opcode::kError) return ErrorStatus(reply->payload);
@@ -359,9 +389,27 @@ class Client::Impl {
       SPARSEKV_RETURN_IF_ERROR(MapStaging(std::exchange(staging_fd, -1), hello_.shm_staging_bytes));
       if (arena_fd >= 0 && hello_.shm_arena_bytes > 0) {
         SPARSEKV_RETURN_IF_ERROR(MapArena(std::exchange(arena_fd, -1), hello_.shm_arena_bytes));
+        // Without it, every GET asks the daemon, as before local reads.
+        if (table_fd >= 0 && hello_.lend_table.value_or(0) != 0) MapLendTable(std::exchange(table_fd, -1));
       }
     }
     return Status::OK();
+  }
+
+  // The daemon's lend table (api/PROTOCOL.md, "Local reads"), read-only: one u32 per 4 KiB of
+  // the arena. A table of the wrong size is not used.
+  void MapLendTable(int fd) {
+    const uint64_t entries = arena_bytes_ / kLendUnit;
+    struct stat st{};
+    if (entries > 0 && ::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) >= entries * sizeof(uint32_t)) {
+      void* m = ::mmap(nullptr, entries * sizeof(uint32_t), PROT_READ, MAP_SHARED, fd, 0);
+      if (m != MAP_FAILED) {
+        table_ = static_cast<const uint32_t*>(m);
+        table_entries_ = entries;
+        check_local_ = *hello_.lend_table == 2;
+      }
+    }
+    ::close(fd);
   }
 
   // The session's staging area: the first half carries PUT bundles to the daemon, the second
@@ -1629,37 +1677,52 @@ class Client::Impl {
   // it straight into its destination. What does not fit goes over the socket.
   Status GetIntoShared(std::span<const WireBlockHash> hashes, std::span<const std::span<std::byte>> dests,
                        std::vector<GetIntoResult>& out) {
+    uint64_t all = 0;
+    for (const auto& d : dests) all += d.size();
+    const bool stream = all >= kStreamReadBytes;
+    // Local reads first: what this client may read again without asking.
+    std::vector<size_t> todo;
+    todo.reserve(hashes.size());
+    if (table_ != nullptr) {
+      std::vector<WireBlockHash> read;
+      ReadLocally(hashes, dests, stream, out, todo, read);
+      if (!read.empty()) NoteLocalReads(read);
+      if (todo.empty()) return Status::OK();
+    } else {
+      for (size_t i = 0; i < hashes.size(); ++i) todo.push_back(i);
+    }
     std::vector<size_t> by_socket;
     SPARSEKV_RETURN_IF_ERROR(Acquire(kGetArea));
     const uint64_t half = staging_bytes_ / 2;
     bool lent = false;
-    uint64_t all = 0;
-    for (const auto& d : dests) all += d.size();
-    const bool stream = all >= kStreamReadBytes;
     Status st;
-    size_t i = 0;
-    while (st.ok() && i < hashes.size()) {
+    size_t t = 0;
+    while (st.ok() && t < todo.size()) {
       w::HashList req;
       std::vector<size_t> index;
       uint64_t sum = 0;
-      while (i < hashes.size() && index.size() < w::kMaxBatchItems) {
+      while (t < todo.size() && index.size() < w::kMaxBatchItems) {
+        const size_t i = todo[t];
         const uint64_t need = (dests[i].size() + 63) & ~uint64_t{63};
         if (need > half) {
-          by_socket.push_back(i++);
+          by_socket.push_back(i);
+          ++t;
           continue;
         }
         if (sum + need > half) break;
         sum += need;
         req.hashes.push_back(hashes[i]);
-        index.push_back(i++);
+        index.push_back(i);
+        ++t;
       }
       if (index.empty()) continue;
+      std::vector<std::pair<size_t, LocalEntry>> learned;  // (item of `index`, its entry)
       auto verdicts = ShmGetOverlap(req.hashes, [&](const Frame& f) -> Status {
         auto r = w::DecodeShmGetReply(f.payload);
         if (!r.ok() || r->status.size() != index.size()) {
           return r.ok() ? Status::Internal("SHM_GET answered the wrong number of items") : r.status();
         }
-        return CopyInto(*r, index, dests, out, by_socket, lent, stream);
+        return CopyInto(*r, index, dests, out, by_socket, lent, stream, &learned);
       });
       if (!verdicts.ok()) {
         st = verdicts.status();
@@ -1670,6 +1733,10 @@ class Client::Impl {
         if ((*verdicts)[k] != 0 && g.status.ok()) {
           g.status = Status::Corruption("the bundle failed its checksum as sparsekvd lent it");
         }
+      }
+      // Only what passed the daemon's check is read again locally.
+      for (const auto& [k, e] : learned) {
+        if ((*verdicts)[k] == 0 && out[index[k]].status.ok()) LearnLocal(req.hashes[k], e);
       }
     }
     // The pins go back now rather than at the next SHM_GET; the answer is not waited for.
@@ -1683,9 +1750,12 @@ class Client::Impl {
 
   // Copies the bundles an SHM_GET reply for items `index` names into their destinations.
   // With `stream`, with streaming stores (CopyBytes).
+  // Slots lent with a token go to `learned` (local reads), once copied.
   Status CopyInto(const w::ShmGetReply& r, const std::vector<size_t>& index,
                   std::span<const std::span<std::byte>> dests, std::vector<GetIntoResult>& out,
-                  std::vector<size_t>& by_socket, bool& lent, bool stream) const {
+                  std::vector<size_t>& by_socket, bool& lent, bool stream,
+                  std::vector<std::pair<size_t, LocalEntry>>* learned) const {
+    const bool with_lend = !r.lend.empty() && r.lend.size() == r.slots.size();
     size_t slot = 0;
     for (size_t k = 0; k < index.size(); ++k) {
       GetIntoResult& g = out[index[k]];
@@ -1706,6 +1776,8 @@ class Client::Impl {
                                                   s.bytes, dests[index[k]].size()));
       } else {
         CopyBytes(dests[index[k]].data(), src, s.bytes, stream);
+        LocalEntry e;
+        if (with_lend && learned != nullptr && LocalEntryOf(s, r.lend[slot - 1], &e)) learned->push_back({k, e});
       }
       lent |= s.offset >= staging_bytes_;
     }
@@ -1806,6 +1878,129 @@ class Client::Impl {
   }
 
   bool shared() const { return staging_ != nullptr; }
+  uint64_t local_reads() const { return local_reads_.load(std::memory_order_relaxed); }
+
+  // ---- local reads (api/PROTOCOL.md) ----
+
+  // Local reads of a GetInto: item i's value is copied into dests[i] straight from the arena
+  // when this client holds a token for it and the record's lend-table entry still has the
+  // value the token names before and after the copy (the record was its key's copy throughout:
+  // erasing, replacing or evicting it changes the entry before its room can be written again).
+  // With check_local_, the bytes copied are also checked against the record's checksum. The
+  // items not read so go to `todo`, for the daemon (entries gone stale are forgotten); the
+  // hashes read, to `read`.
+  void ReadLocally(std::span<const WireBlockHash> hashes, std::span<const std::span<std::byte>> dests, bool stream,
+                   std::vector<GetIntoResult>& out, std::vector<size_t>& todo, std::vector<WireBlockHash>& read) {
+    const size_t n = hashes.size();
+    std::vector<LocalEntry> entries(n);
+    std::vector<uint8_t> known(n, 0);
+    {
+      std::lock_guard<std::mutex> l(local_mu_);
+      if (local_.empty()) {
+        for (size_t i = 0; i < n; ++i) todo.push_back(i);
+        return;
+      }
+      for (size_t i = 0; i < n; ++i) {
+        auto it = local_.find(hashes[i]);
+        if (it == local_.end()) continue;
+        entries[i] = it->second;
+        known[i] = 1;
+      }
+    }
+    std::vector<size_t> stale;
+    for (size_t i = 0; i < n; ++i) {
+      const LocalEntry& e = entries[i];
+      // Unknown, or a destination too small (the daemon answers OutOfRange): ask.
+      if (!known[i] || e.bytes > dests[i].size()) {
+        todo.push_back(i);
+        continue;
+      }
+      const uint32_t* slot = table_ + e.record_off / kLendUnit;
+      const uint32_t before = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+      bool good = before + 1 == e.token;
+      if (good) {
+        CopyBytes(dests[i].data(), arena_ + e.value_off, e.bytes, stream);
+        if (check_local_) {
+          // The record's checksum (bundle.h): its header from byte 16, then the value as copied.
+          XXH3_state_t st;
+          XXH3_64bits_reset(&st);
+          XXH3_64bits_update(&st, arena_ + e.record_off + 16, e.value_off - e.record_off - 16);
+          XXH3_64bits_update(&st, dests[i].data(), e.bytes);
+          good = XXH3_64bits_digest(&st) == e.checksum;
+        }
+        // Every byte copied was read before the entry is read again.
+        std::atomic_thread_fence(std::memory_order_acquire);
+        good = good && __atomic_load_n(slot, __ATOMIC_RELAXED) == before;
+      }
+      if (!good) {
+        stale.push_back(i);
+        todo.push_back(i);
+        continue;
+      }
+      out[i].status = Status::OK();
+      out[i].bytes = e.bytes;
+      read.push_back(hashes[i]);
+    }
+    if (stale.empty()) return;
+    std::lock_guard<std::mutex> l(local_mu_);
+    for (size_t i : stale) {
+      auto it = local_.find(hashes[i]);
+      if (it != local_.end() && it->second.token == entries[i].token && it->second.record_off == entries[i].record_off) {
+        local_.erase(it);
+      }
+    }
+  }
+
+  // What an SHM_GET reply says of a slot lent in place, as a local entry; false when it may not
+  // be read again (no token) or names bytes outside the arena or the table.
+  bool LocalEntryOf(const w::ShmSlot& s, const w::LendInfo& lend, LocalEntry* e) const {
+    if (table_ == nullptr || lend.token == 0 || s.offset < staging_bytes_) return false;
+    const uint64_t value = s.offset - staging_bytes_;
+    const uint64_t rec = lend.record_offset;
+    if (rec % kLendUnit != 0 || rec + 16 > value || value - rec > kLendUnit || rec / kLendUnit >= table_entries_ ||
+        value > arena_bytes_ || s.bytes > arena_bytes_ - value) {
+      return false;
+    }
+    *e = {rec, value, s.bytes, lend.token, lend.checksum};
+    return true;
+  }
+
+  void LearnLocal(const WireBlockHash& hash, const LocalEntry& e) {
+    std::lock_guard<std::mutex> l(local_mu_);
+    if (local_.size() >= kMaxLocalEntries) local_.clear();  // bounded: the next reads ask again
+    local_[hash] = e;
+  }
+
+  // Tells the daemon about local reads (TOUCH, no reply), so that its eviction order and
+  // statistics see them: at most one frame per millisecond, the reads since in it.
+  void NoteLocalReads(std::span<const WireBlockHash> hashes) {
+    local_reads_.fetch_add(hashes.size(), std::memory_order_relaxed);
+    std::vector<WireBlockHash> send;
+    {
+      std::lock_guard<std::mutex> l(local_mu_);
+      for (const WireBlockHash& h : hashes) {
+        if (touched_.size() < w::kMaxBatchItems) touched_.push_back(h);
+      }
+      const auto now = Clock::now();
+      if (now - last_touch_ < std::chrono::milliseconds(1)) return;
+      last_touch_ = now;
+      send.swap(touched_);
+    }
+    SendOneWay(w::Opcode::kTouch, w::Encode(w::HashList{std::move(send)})).IgnoreError();
+  }
+
+  // A frame no reply answers (TOUCH). A failure is left for the next call to find.
+  Status SendOneWay(w::Opcode op, std::span<const std::byte> payload) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!broken_.ok()) return broken_;
+    }
+    const uint64_t id = next_id_.fetch_add(1, std::memory_order_relaxed);
+    auto header = w::EncodeFrameHeader(op, 0, id, Pieces(&payload, 1));
+    iovec iov[2] = {{header.data(), header.size()}, {const_cast<std::byte*>(payload.data()), payload.size()}};
+    std::lock_guard<std::mutex> l(write_mu_);
+    return WriteAllV(fd_, iov, payload.empty() ? 1 : 2);
+  }
 
   // Ends a SHM_VIEW lease, without waiting for the answer (read by whoever reads next).
   void EndView(uint64_t lease) {
@@ -1825,6 +2020,20 @@ class Client::Impl {
   std::byte* arena_rw_ = nullptr;     // the same mapping, when write leases were granted
   bool ask_leases_ = false;
   uint64_t arena_bytes_ = 0;
+  // Local reads (api/PROTOCOL.md): the lend table, read-only, and what this client learned of
+  // the records lent to it. An entry stays usable while the record's table entry keeps the
+  // value its token names.
+  static constexpr uint64_t kLendUnit = 4096;
+  static constexpr size_t kMaxLocalEntries = size_t{1} << 20;
+  bool ask_lend_table_ = false;
+  const uint32_t* table_ = nullptr;
+  uint64_t table_entries_ = 0;
+  bool check_local_ = false;  // clients can write the arena (write leases): check what is read
+  std::mutex local_mu_;  // guards what follows
+  std::unordered_map<WireBlockHash, LocalEntry, WireHashHasher> local_;
+  std::vector<WireBlockHash> touched_;  // read locally, not yet told (TOUCH)
+  Clock::time_point last_touch_{};
+  std::atomic<uint64_t> local_reads_{0};
   std::mutex write_mu_;    // one frame at a time on the socket
   std::mutex mu_;          // guards what follows, to the read-ahead buffer
   std::condition_variable cv_;
@@ -2203,6 +2412,7 @@ Result<size_t> Client::ProcessReplies() { return impl_->ProcessReplies(); }
 bool Client::shared_memory() const { return impl_->shared(); }
 bool Client::shared_arena() const { return impl_->arena_ != nullptr; }
 bool Client::write_leases() const { return impl_->leases(); }
+uint64_t Client::local_reads() const { return impl_->local_reads(); }
 uint64_t Client::session_id() const { return impl_->hello_.session_id; }
 uint32_t Client::block_tokens() const { return impl_->hello_.block_tokens; }
 uint32_t Client::max_payload_bytes() const { return impl_->hello_.max_payload_bytes; }

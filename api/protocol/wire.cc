@@ -122,6 +122,7 @@ std::string_view OpcodeName(Opcode op) {
     case Opcode::kLogRecover: return "LOG_RECOVER";
     case Opcode::kPutLease: return "PUT_LEASE";
     case Opcode::kPutCommit: return "PUT_COMMIT";
+    case Opcode::kTouch: return "TOUCH";
   }
   return "UNKNOWN";
 }
@@ -298,7 +299,8 @@ std::vector<std::byte> Encode(const HelloRequest& m) {
   w.String(m.namespace_name);
   w.String(m.token);
   w.String(m.client_name);
-  w.U8((m.want_shared_memory ? 1 : 0) | (m.want_shared_memory && m.want_write_leases ? 2 : 0));
+  w.U8((m.want_shared_memory ? 1 : 0) | (m.want_shared_memory && m.want_write_leases ? 2 : 0) |
+       (m.want_shared_memory && m.want_lend_table ? 4 : 0));
   return w.Take();
 }
 
@@ -310,9 +312,10 @@ Result<HelloRequest> DecodeHelloRequest(std::span<const std::byte> p) {
   SPARSEKV_ASSIGN_OR_RETURN(m.token, r.String("HELLO token", kMaxNameBytes));
   SPARSEKV_ASSIGN_OR_RETURN(m.client_name, r.String("HELLO client name", kMaxNameBytes));
   SPARSEKV_ASSIGN_OR_RETURN(uint8_t shm, r.U8("HELLO shared-memory flag"));
-  if (shm > 3 || shm == 2) return Bad("HELLO shared-memory flag must be 0, 1 or 3");
+  if (shm > 7 || (shm != 0 && (shm & 1) == 0)) return Bad("HELLO shared-memory flag must be 0, 1, 3, 5 or 7");
   m.want_shared_memory = (shm & 1) != 0;
   m.want_write_leases = (shm & 2) != 0;
+  m.want_lend_table = (shm & 4) != 0;
   SPARSEKV_RETURN_IF_ERROR(r.Finish("HELLO"));
   if (m.namespace_name.empty()) return Bad("HELLO namespace is empty");
   return m;
@@ -326,7 +329,8 @@ std::vector<std::byte> Encode(const HelloReply& m) {
   w.U64(m.shm_staging_bytes);
   w.String(m.server_version);
   w.U64(m.shm_arena_bytes);
-  if (m.write_leases) w.U8(*m.write_leases ? 1 : 0);
+  if (m.write_leases || m.lend_table) w.U8(m.write_leases.value_or(false) ? 1 : 0);
+  if (m.lend_table) w.U8(*m.lend_table);
   return w.Take();
 }
 
@@ -339,10 +343,16 @@ Result<HelloReply> DecodeHelloReply(std::span<const std::byte> p) {
   SPARSEKV_ASSIGN_OR_RETURN(m.shm_staging_bytes, r.U64("HELLO reply staging bytes"));
   SPARSEKV_ASSIGN_OR_RETURN(m.server_version, r.String("HELLO reply version", kMaxNameBytes));
   SPARSEKV_ASSIGN_OR_RETURN(m.shm_arena_bytes, r.U64("HELLO reply arena bytes"));
-  if (r.remaining() == 1) {  // the answer to a HELLO that asked for write leases
+  if (r.remaining() == 1 || r.remaining() == 2) {  // a HELLO that asked for leases or the lend table
+    const bool lend = r.remaining() == 2;
     SPARSEKV_ASSIGN_OR_RETURN(uint8_t leases, r.U8("HELLO reply write leases"));
     if (leases > 1) return Bad("HELLO reply write-lease flag must be 0 or 1");
     m.write_leases = leases == 1;
+    if (lend) {
+      SPARSEKV_ASSIGN_OR_RETURN(uint8_t table, r.U8("HELLO reply lend table"));
+      if (table > 2) return Bad("HELLO reply lend-table flag must be 0, 1 or 2");
+      m.lend_table = table;
+    }
   }
   SPARSEKV_RETURN_IF_ERROR(r.Finish("HELLO reply"));
   return m;
@@ -685,6 +695,14 @@ std::vector<std::byte> Encode(const ShmGetReply& m) {
     WriteItemStatus(w, s);
     if (s.code == StatusCode::kOk) WriteSlot(w, m.slots[slot++]);
   }
+  if (!m.lend.empty()) {
+    w.U32(static_cast<uint32_t>(m.lend.size()));
+    for (const LendInfo& l : m.lend) {
+      w.U32(l.token);
+      w.U64(l.record_offset);
+      w.U64(l.checksum);
+    }
+  }
   return w.Take();
 }
 
@@ -698,6 +716,16 @@ Result<ShmGetReply> DecodeShmGetReply(std::span<const std::byte> p) {
     if (s.code == StatusCode::kOk) {
       SPARSEKV_ASSIGN_OR_RETURN(ShmSlot slot, ReadSlot(r));
       m.slots.push_back(slot);
+    }
+  }
+  if (r.remaining() > 0) {  // the lend table's part, one per slot
+    SPARSEKV_ASSIGN_OR_RETURN(uint32_t k, r.Count("SHM_GET lend count", kMaxBatchItems, 20));
+    if (k != m.slots.size()) return Bad(fmt::format("SHM_GET reply: {} lend entries for {} slots", k, m.slots.size()));
+    m.lend.resize(k);
+    for (LendInfo& l : m.lend) {
+      SPARSEKV_ASSIGN_OR_RETURN(l.token, r.U32("SHM_GET lend token"));
+      SPARSEKV_ASSIGN_OR_RETURN(l.record_offset, r.U64("SHM_GET lend record offset"));
+      SPARSEKV_ASSIGN_OR_RETURN(l.checksum, r.U64("SHM_GET lend checksum"));
     }
   }
   SPARSEKV_RETURN_IF_ERROR(r.Finish("SHM_GET reply"));

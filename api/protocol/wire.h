@@ -59,8 +59,9 @@ enum class Opcode : uint16_t {
   kLogRecover = 26,     // request log: every unfinished request of the namespace
   kPutLease = 27,       // write lease: room in the host arena for values the client writes in place
   kPutCommit = 28,      // write lease: the client's checksums of leased values; checked, then stored
+  kTouch = 29,          // local reads: values the client read from the arena itself; no reply
 };
-inline constexpr uint16_t kMaxOpcode = 28;
+inline constexpr uint16_t kMaxOpcode = 29;
 std::string_view OpcodeName(Opcode op);
 
 // Header flags.
@@ -165,6 +166,8 @@ struct HelloRequest {
   bool want_shared_memory = false;  // Unix socket only: the reply carries a staging memfd
   // With want_shared_memory: also write leases (PUT_LEASE); sent as bit 1 of the flag byte.
   bool want_write_leases = false;
+  // With want_shared_memory: also the lend table, for local reads; sent as bit 2.
+  bool want_lend_table = false;
 };
 struct HelloReply {
   uint64_t session_id = 0;
@@ -176,6 +179,11 @@ struct HelloReply {
   // Only in replies to a HELLO that asked for write leases (a trailing u8): 1 when they are
   // served, the arena's memfd then being passed writable.
   std::optional<bool> write_leases = std::nullopt;
+  // Only in replies to a HELLO that asked for the lend table (then after the write-lease byte,
+  // which such a reply always carries): 0 not granted; 1 granted, no client can write the arena
+  // (a lent record stays as checked); 2 granted, clients can write it (write leases): check a
+  // local read against the record's checksum. The table's memfd is passed after the arena's.
+  std::optional<uint8_t> lend_table = std::nullopt;
 };
 
 struct HashList {  // LOOKUP, GET, UNPIN, DELETE, SHM_GET requests
@@ -272,9 +280,17 @@ struct ShmSlot {
 struct ShmPutRequest {  // bundles the client wrote at offsets it was given by SHM_GET/alloc
   std::vector<ShmSlot> slots;
 };
+// What a client needs to read a lent record again without asking (api/PROTOCOL.md, "Local
+// reads"): sent only to sessions granted the lend table, one per slot.
+struct LendInfo {
+  uint32_t token = 0;          // the record's lend-table entry + 1 when lent; 0: do not read again
+  uint64_t record_offset = 0;  // of the record's first byte (its header) in the arena; 4 KiB aligned
+  uint64_t checksum = 0;       // the record's checksum (bundle.h), from the daemon's own metadata
+};
 struct ShmGetReply {
   std::vector<ItemStatus> status;
   std::vector<ShmSlot> slots;  // one per OK item, in order
+  std::vector<LendInfo> lend;  // empty, or one per slot (after the items on the wire)
 };
 
 // SHM_VIEW's reply: a lease (0 when nothing was lent) and where each lent bundle lies in the
@@ -372,6 +388,7 @@ std::vector<std::byte> EncodeLease(uint64_t lease);
 // SHM_VERDICTS: list<u8>, per item of the request 0 (checked, or nothing to check) or 1 (its
 // lent bytes failed their record's checksum).
 std::vector<std::byte> EncodeVerdicts(std::span<const uint8_t> verdicts);
+
 std::vector<std::byte> Encode(const GetRangesRequest& m);
 std::vector<std::byte> Encode(const GetRangesReply& m);
 std::vector<std::byte> Encode(const ErrorReply& m);

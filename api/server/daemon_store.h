@@ -78,6 +78,17 @@ class DaemonStore {
     uint64_t bytes = 0;
   };
   virtual Arena SharedArena() const { return {}; }
+  // Local reads (api/PROTOCOL.md): the host tier's lend table (HostTier::lend_table), a memfd of
+  // one u32 per 4 KiB unit of SharedArena(); fd -1: none.
+  virtual Arena LendTable() const { return {}; }
+  // For an item TryGetWithoutBlocking lent in place (its `keep`): the token a client may read
+  // it again with, locally, while its lend-table entry stays the same, with its record's offset
+  // in SharedArena() and checksum; a token of 0 when it may not (not the host tier's current
+  // copy of the key, no table).
+  virtual wire::LendInfo Lend(uint32_t ns, const wire::WireHash& hash, const Keep& keep) { return {}; }
+  // Values clients read locally since (TOUCH): each held one counts as a GET hit now (eviction
+  // order, statistics). Returns how many were held.
+  virtual uint64_t TouchRead(uint32_t ns, std::span<const wire::WireHash> hashes) { return 0; }
 
   // Write leases (api/PROTOCOL.md, PUT_LEASE): room for one value's record in SharedArena(),
   // its header written, its value's bytes for a client to fill in place. Destroying it

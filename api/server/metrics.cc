@@ -80,6 +80,9 @@ std::string Metrics::Render(const std::function<void(std::string&)>& extra) cons
   counter("sparsekv_put_in_place_total",
           "Values whose bytes were received straight into room in the host tier (put_in_place_bytes).",
           put_in_place_.load(std::memory_order_relaxed));
+  counter("sparsekv_local_reads_total",
+          "Values clients read straight from the host arena without a request (local reads), as they reported them.",
+          local_reads_.load(std::memory_order_relaxed));
   counter("sparsekv_handshake_timeouts_total", "Connections closed for not finishing HELLO in time, or as the "
           "oldest of too many handshakes.", handshake_timeouts_.load(std::memory_order_relaxed));
   counter("sparsekv_frame_timeouts_total", "Connections closed for a frame that did not arrive in time.",

@@ -57,6 +57,9 @@ class Metrics {
   // Values received straight into room in the host tier (put_in_place_bytes: PUT frames and
   // RESP SETs), whether or not they were then stored.
   void PutInPlace() { put_in_place_.fetch_add(1, std::memory_order_relaxed); }
+  // Values clients read from the arena themselves (local reads), as their TOUCH frames report
+  // them: `held` of them still held by the host tier.
+  void LocalReads(uint64_t held) { local_reads_.fetch_add(held, std::memory_order_relaxed); }
 
   uint64_t hits() const { return hits_.load(std::memory_order_relaxed); }
   uint64_t misses() const { return misses_.load(std::memory_order_relaxed); }
@@ -75,6 +78,7 @@ class Metrics {
   std::atomic<uint64_t> connections_total_{0}, rejected_{0}, bad_frames_{0}, auth_failures_{0}, slow_clients_{0};
   std::atomic<uint64_t> leased_items_{0}, lease_refused_{0}, lease_expired_{0}, lease_torn_{0};
   std::atomic<uint64_t> put_in_place_{0};
+  std::atomic<uint64_t> local_reads_{0};
   std::atomic<uint64_t> handshake_timeouts_{0}, frame_timeouts_{0}, replaced_{0}, backpressure_{0}, shm_denied_{0};
 };
 

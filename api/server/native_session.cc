@@ -952,6 +952,11 @@ class Session : public std::enable_shared_from_this<Session> {
       Subscribe();
     } else if (op == wire::Opcode::kPing) {
       QueueWrite(wire::EncodeFrame(op, wire::kFlagResponse, header_.request_id, payload_.span()));
+    } else if (op == wire::Opcode::kTouch) {
+      // Local reads the client made (api/PROTOCOL.md): counted as GET hits here, on this thread
+      // (a lookup under the host tier's lock per hash). No reply: the client does not wait.
+      const wire::HashList req = *wire::DecodeHashList(payload_.span());  // checked above
+      srv_.metrics_.LocalReads(srv_.store_->TouchRead(ns_, req.hashes));
     } else {
       Dispatch(header_, std::move(payload_), decoded);
     }
@@ -964,7 +969,8 @@ class Session : public std::enable_shared_from_this<Session> {
       case wire::Opcode::kLookup:
       case wire::Opcode::kUnpin:
       case wire::Opcode::kDelete:
-      case wire::Opcode::kShmRelease: return wire::DecodeHashList(p).status();
+      case wire::Opcode::kShmRelease:
+      case wire::Opcode::kTouch: return wire::DecodeHashList(p).status();
       case wire::Opcode::kPin: return wire::DecodePinRequest(p).status();
       case wire::Opcode::kHint: return wire::DecodeHintRequest(p).status();
       case wire::Opcode::kHintDrop: return wire::DecodeHintDrop(p).status();
@@ -1027,12 +1033,17 @@ class Session : public std::enable_shared_from_this<Session> {
           // Write leases: the client writes PUTs into the arena in place (its descriptor is
           // then the writable one).
           write_leases_ = hello->want_write_leases && srv_.arena_rw_fd_ >= 0;
+          // Local reads: the lend table, and a token with each lend.
+          lend_table_ = hello->want_lend_table && srv_.table_ro_fd_ >= 0;
         }
       } else {
         spdlog::warn("session {}: no shared memory: {}", id_, st.ToString());
       }
     }
     if (hello->want_write_leases) reply.write_leases = write_leases_;  // only to a client that asked
+    // Only to a client that asked: 1 when no client can write the arena, 2 when leases let them
+    // (the client then checks what it reads locally).
+    if (hello->want_lend_table) reply.lend_table = !lend_table_ ? 0 : srv_.arena_rw_fd_ >= 0 ? 2 : 1;
     spdlog::info("session {}: client '{}' opened namespace '{}'{}", id_, hello->client_name, hello->namespace_name,
                  write_leases_ ? " with shared memory, the host arena and write leases"
                  : lend_       ? " with shared memory and the host arena"
@@ -1094,8 +1105,8 @@ class Session : public std::enable_shared_from_this<Session> {
 
   bool SendWithFd(const std::vector<std::byte>& frame) {
     const int fd = socket_.native_handle();
-    const int fds[2] = {staging_fd_, write_leases_ ? srv_.arena_rw_fd_ : srv_.arena_ro_fd_};
-    const size_t nfds = lend_ ? 2 : 1;
+    const int fds[3] = {staging_fd_, write_leases_ ? srv_.arena_rw_fd_ : srv_.arena_ro_fd_, srv_.table_ro_fd_};
+    const size_t nfds = lend_table_ ? 3 : lend_ ? 2 : 1;
     alignas(cmsghdr) char control[CMSG_SPACE(sizeof(fds))] = {};
     iovec iov{const_cast<std::byte*>(frame.data()), frame.size()};
     msghdr msg{};
@@ -2071,6 +2082,11 @@ class Session : public std::enable_shared_from_this<Session> {
         // Offsets at or past the staging area's size name the arena.
         reply.slots.push_back({hashes[i], staging_bytes_ + static_cast<uint64_t>(bytes.data() - arena.base),
                                static_cast<uint32_t>(bytes.size())});
+        if (lend_table_) {
+          // The token is taken now, while the record is pinned: a client reading it again later
+          // compares it with the table (api/PROTOCOL.md, "Local reads").
+          reply.lend.push_back(srv_.store_->Lend(ns_, hashes[i], keep));
+        }
         lent_.push_back(keep);
         lent_.push_back(srv_.ChargePins(bytes.size()));
         lent_bytes_ += bytes.size();
@@ -2090,6 +2106,7 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       std::memcpy(staging_ + off, bytes.data(), bytes.size());
       reply.slots.push_back({hashes[i], off, static_cast<uint32_t>(bytes.size())});
+      if (lend_table_ && may_lend) reply.lend.push_back({});  // a copy: not to be read again
       off += (bytes.size() + 63) & ~uint64_t{63};
       ++hits;
     });
@@ -2292,6 +2309,7 @@ class Session : public std::enable_shared_from_this<Session> {
     Clock::time_point deadline;
   };
   bool write_leases_ = false;
+  bool lend_table_ = false;  // local reads: the lend table was passed, lends carry tokens
   std::map<uint64_t, PutLeaseState> put_leases_;
   // A connection's PUTs are stored one at a time, in the order they came: while one is under
   // way (put_running_), the next PUT frame is left unread (put_waiting_) until it is answered.

@@ -106,6 +106,17 @@ Status Server::Impl::Bind() {
         if (arena_ro_fd_ >= 0 && options_.write_leases && now >= 0 && (now & (F_SEAL_FUTURE_WRITE | F_SEAL_WRITE)) == 0) {
           arena_rw_fd_ = ::open(fmt::format("/proc/self/fd/{}", a.fd).c_str(), O_RDWR | O_CLOEXEC);
         }
+        // Local reads: the lend table, which only the store writes (through its own mapping),
+        // sealed against every other write and against resizing as the arena is.
+        const DaemonStore::Arena t = store_->LendTable();
+        if (arena_ro_fd_ >= 0 && options_.local_reads && t.fd >= 0) {
+          if (Status ts = SealMemfd(t.fd, F_SEAL_FUTURE_WRITE | kSizeSeals, "the lend table"); !ts.ok()) {
+            spdlog::warn("{}; no local reads", ts.message());
+          } else {
+            table_ro_fd_ = ::open(fmt::format("/proc/self/fd/{}", t.fd).c_str(), O_RDONLY | O_CLOEXEC);
+            if (table_ro_fd_ >= 0) table_ = t;
+          }
+        }
       }
     }
   }

@@ -112,6 +112,11 @@ struct ServerOptions {
   // the record's checksum; a commit compares the header with its own). Default: false (the
   // arena stays read-only to clients).
   bool write_leases = false;
+  // Local reads (api/PROTOCOL.md): where the arena is lent, sessions that ask get the host
+  // tier's lend table (mapped read-only) and tokens with their lends, and read a value lent
+  // before again straight from the arena without asking, as long as its table entry stays the
+  // same (the record was not erased, replaced or evicted meanwhile). Default: true.
+  bool local_reads = true;
   // A write lease not committed within this long is taken back (its room freed, nothing
   // stored). Default: 30 s.
   uint32_t write_lease_timeout_ms = 30000;

@@ -66,6 +66,7 @@ class Server::Impl {
   ~Impl() {
     if (arena_ro_fd_ >= 0) ::close(arena_ro_fd_);
     if (arena_rw_fd_ >= 0) ::close(arena_rw_fd_);
+    if (table_ro_fd_ >= 0) ::close(table_ro_fd_);
   }
 
   Status Bind();
@@ -124,6 +125,8 @@ class Server::Impl {
   DaemonStore::Arena arena_;  // the store's arena, when lent to clients
   int arena_ro_fd_ = -1;      // a read-only descriptor of it, passed at HELLO
   int arena_rw_fd_ = -1;      // a writable one, passed instead to sessions granted write leases
+  DaemonStore::Arena table_;  // the host tier's lend table, when local reads are served
+  int table_ro_fd_ = -1;      // a read-only descriptor of it, passed at HELLO after the arena's
 
   // Write leases: bytes each namespace (by id) holds leased, against its max_leased_bytes.
   std::mutex lease_mu_;

@@ -585,6 +585,49 @@ DaemonStore::Arena TieredStore::SharedArena() const {
   return {a.fd, a.base, a.bytes};
 }
 
+DaemonStore::Arena TieredStore::LendTable() const {
+  if (wire_tiers_.empty() || wire_tiers_[0] != 1) return {};
+  const auto* host = dynamic_cast<const HostTier*>(&chain_->tier(0));
+  if (host == nullptr) return {};
+  const HostTier::Arena a = host->lend_table();
+  return {a.fd, a.base, a.bytes};
+}
+
+wire::LendInfo TieredStore::Lend(uint32_t ns, const wire::WireHash& hash, const Keep& keep) {
+  if (wire_tiers_.empty() || wire_tiers_[0] != 1 || !keep) return {};
+  auto* host = dynamic_cast<HostTier*>(&chain_->tier(0));
+  if (host == nullptr) return {};
+  const BundleKey key{ns, FromWire(hash)};
+  {
+    MutexLock l(mu_);
+    if (pinned_.count(key)) return {};  // pins are answered from their own copy
+  }
+  // `keep` is what TryGetWithoutBlocking handed out: the host tier's bundle, in its arena.
+  auto b = std::static_pointer_cast<const Bundle>(keep);
+  const HostTier::Arena a = host->arena();
+  const std::byte* rec = b->record().data();
+  if (rec < a.base || rec >= a.base + a.bytes) return {};
+  // A local read copies the one segment lent; a record of several is not read that way.
+  if (b->payload().size() != b->segment(0).size()) return {};
+  wire::LendInfo info;
+  info.token = host->LendToken(key, b);
+  info.record_offset = static_cast<uint64_t>(rec - a.base);
+  info.checksum = b->checksum();
+  return info;
+}
+
+uint64_t TieredStore::TouchRead(uint32_t ns, std::span<const wire::WireHash> hashes) {
+  if (wire_tiers_.empty() || wire_tiers_[0] != 1 || hashes.empty()) return 0;
+  auto* host = dynamic_cast<HostTier*>(&chain_->tier(0));
+  if (host == nullptr) return 0;
+  std::vector<BundleKey> keys;
+  keys.reserve(hashes.size());
+  for (const auto& h : hashes) keys.push_back({ns, FromWire(h)});
+  const HostTier::Touched t = host->TouchRead(keys);
+  CountGets(ns, t.items, t.items, t.bytes, 0);
+  return t.items;
+}
+
 bool TieredStore::TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink,
                                         bool check) {
   // Only the host tier answers on the caller's thread; anything else goes to a worker.

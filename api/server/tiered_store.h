@@ -60,6 +60,9 @@ class TieredStore : public DaemonStore {
   void GetRanges(uint32_t ns, std::span<const wire::RangeItem> items, const RangesSink& sink) override;
   // The host tier's arena when it is memfd-backed (offload.host.backing).
   Arena SharedArena() const override;
+  Arena LendTable() const override;
+  wire::LendInfo Lend(uint32_t ns, const wire::WireHash& hash, const Keep& keep) override;
+  uint64_t TouchRead(uint32_t ns, std::span<const wire::WireHash> hashes) override;
   // Write leases: the room is an extent of the host tier (HostTier::Reserve), and a commit
   // checks it there (HostTier::CommitReserved) before the put's usual course (DemoteAsync: the
   // tiers below, the pins, the events). The version is taken at the reservation: a PUT of the

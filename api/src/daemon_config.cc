@@ -70,7 +70,7 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
                                 "max_connections", "max_frame_bytes", "max_inflight_bytes", "idle_timeout_ms",
                                 "staging_bytes", "pin_budget_bytes", "namespaces", "offload",
                                 "max_buffered_bytes", "max_handshakes", "handshake_timeout_ms", "frame_timeout_ms",
-                                "write_timeout_ms", "max_shared_staging_bytes", "write_leases", "write_lease_timeout_ms",
+                                "write_timeout_ms", "max_shared_staging_bytes", "write_leases", "write_lease_timeout_ms", "local_reads",
                                 "put_in_place_bytes",
                                 "max_hinted_blocks_per_session", "max_hint_ttl_ms", "kv_events"};
   for (auto it = j.begin(); it != j.end(); ++it) {
@@ -111,6 +111,7 @@ Result<DaemonConfig> ParseDaemonConfig(const std::string& json_text) {
   SPARSEKV_RETURN_IF_ERROR(Read(j, "max_shared_staging_bytes", c.max_shared_staging_bytes, "a byte count"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "write_leases", c.write_leases, "true or false"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "write_lease_timeout_ms", c.write_lease_timeout_ms, "milliseconds"));
+  SPARSEKV_RETURN_IF_ERROR(Read(j, "local_reads", c.local_reads, "true or false"));
   SPARSEKV_RETURN_IF_ERROR(Read(j, "put_in_place_bytes", c.put_in_place_bytes, "a byte count"));
   if (c.max_connections == 0) return Status::InvalidArgument("config key 'max_connections' must be at least 1");
   if (c.max_handshakes == 0) return Status::InvalidArgument("config key 'max_handshakes' must be at least 1");
@@ -243,6 +244,7 @@ std::string DaemonConfigToJson(const DaemonConfig& c) {
          {"max_shared_staging_bytes", c.max_shared_staging_bytes},
          {"write_leases", c.write_leases},
          {"write_lease_timeout_ms", c.write_lease_timeout_ms},
+         {"local_reads", c.local_reads},
          {"put_in_place_bytes", c.put_in_place_bytes},
          {"namespaces", namespaces},
          {"kv_events",

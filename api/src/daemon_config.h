@@ -100,6 +100,9 @@ struct DaemonConfig {
   // Default: false, 30 s.
   bool write_leases = false;
   uint32_t write_lease_timeout_ms = 30000;
+  // Clients may read values lent before straight from the host arena (ServerOptions::local_reads).
+  // Default: true.
+  bool local_reads = true;
   // Values of at least this many bytes are received straight into host memory
   // (ServerOptions::put_in_place_bytes; 0: never).
   uint64_t put_in_place_bytes = 1u << 20;

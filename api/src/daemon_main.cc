@@ -173,6 +173,7 @@ int Run(DaemonConfig config) {
   so.max_shared_staging_bytes = config.max_shared_staging_bytes;
   so.write_leases = config.write_leases;
   so.write_lease_timeout_ms = config.write_lease_timeout_ms;
+  so.local_reads = config.local_reads;
   so.put_in_place_bytes = config.put_in_place_bytes;
   so.block_tokens = config.block_tokens;
   so.namespaces.clear();

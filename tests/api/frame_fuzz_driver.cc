@@ -33,7 +33,7 @@ std::vector<std::vector<uint8_t>> SeedCorpus() {
   add(sw::Opcode::kEvent, sw::Encode(sw::EventBatch{9, {sw::EventRecord{1, 2, {h, h}}}}));
   add(sw::Opcode::kError, sw::Encode(sw::ErrorReply{sparsekv::StatusCode::kPermissionDenied, "nope"}));
   add(sw::Opcode::kShmPut, sw::Encode(sw::ShmPutRequest{{sw::ShmSlot{h, 4096, 100}}}));
-  add(sw::Opcode::kShmGet, sw::Encode(sw::ShmGetReply{{{}}, {sw::ShmSlot{h, 0, 64}}}));
+  add(sw::Opcode::kShmGet, sw::Encode(sw::ShmGetReply{{{}}, {sw::ShmSlot{h, 0, 64}}, {sw::LendInfo{3, 0, 9}}}));
   return seeds;
 }
 

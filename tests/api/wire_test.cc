@@ -175,7 +175,7 @@ TEST(Wire, MessagesRoundTrip) {
   EXPECT_EQ(er->sequence, 42u);
   EXPECT_EQ(er->events[1].type, 3);
 
-  ShmGetReply sg{{ItemStatus{}, ItemStatus{StatusCode::kNotFound, "gone"}}, {ShmSlot{H(4), 8192, 77}}};
+  ShmGetReply sg{{ItemStatus{}, ItemStatus{StatusCode::kNotFound, "gone"}}, {ShmSlot{H(4), 8192, 77}}, {}};
   auto sgr = DecodeShmGetReply(Encode(sg));
   ASSERT_TRUE(sgr.ok());
   ASSERT_EQ(sgr->slots.size(), 1u);
@@ -256,6 +256,64 @@ TEST(Wire, WriteLeaseMessagesRoundTrip) {
   EXPECT_FALSE(DecodePutCommitRequest(cut).ok());
   EXPECT_EQ(OpcodeName(Opcode::kPutLease), "PUT_LEASE");
   EXPECT_EQ(OpcodeName(Opcode::kPutCommit), "PUT_COMMIT");
+}
+
+// Local reads (issue 47): HELLO's flag bit 2, the reply's two trailing bytes when asked, the
+// SHM_GET reply's lend part, and TOUCH.
+TEST(Wire, LocalReadMessagesRoundTrip) {
+  HelloRequest hello{kProtocolVersion, "ns", "tok", "engine", true};
+  hello.want_lend_table = true;
+  auto enc = Encode(hello);
+  EXPECT_EQ(enc.back(), std::byte{5});
+  auto hr = DecodeHelloRequest(enc);
+  ASSERT_TRUE(hr.ok());
+  EXPECT_TRUE(hr->want_shared_memory && hr->want_lend_table && !hr->want_write_leases);
+  hello.want_write_leases = true;
+  EXPECT_EQ(Encode(hello).back(), std::byte{7});
+  for (uint8_t bad : {2, 4, 6, 8, 255}) {  // bits 1 and 2 only with bit 0; no other bit
+    enc.back() = std::byte{bad};
+    EXPECT_FALSE(DecodeHelloRequest(enc).ok()) << int(bad);
+  }
+  hello.want_shared_memory = false;
+  EXPECT_EQ(Encode(hello).back(), std::byte{0});
+
+  HelloReply old{77, 1u << 20, 128, 64u << 20, "sparsekvd", 3ull << 30};
+  HelloReply lend = old;
+  lend.lend_table = 2;  // asked without write leases: the lease byte (0) comes first anyway
+  EXPECT_EQ(Encode(lend).size(), Encode(old).size() + 2);
+  auto lr = DecodeHelloReply(Encode(lend));
+  ASSERT_TRUE(lr.ok());
+  EXPECT_EQ(lr->lend_table, std::optional<uint8_t>(2));
+  EXPECT_EQ(lr->write_leases, std::optional<bool>(false));
+  auto bad_flag = Encode(lend);
+  bad_flag.back() = std::byte{3};
+  EXPECT_FALSE(DecodeHelloReply(bad_flag).ok());
+  bad_flag.push_back(std::byte{0});  // three trailing bytes: nothing sends that
+  EXPECT_FALSE(DecodeHelloReply(bad_flag).ok());
+
+  ShmGetReply sg{{ItemStatus{}, ItemStatus{StatusCode::kNotFound, "gone"}, ItemStatus{}},
+                 {ShmSlot{H(4), 8192, 77}, ShmSlot{H(5), 1 << 20, 4096}},
+                 {LendInfo{9, 4096, 0x1234}, LendInfo{}}};
+  auto sgr = DecodeShmGetReply(Encode(sg));
+  ASSERT_TRUE(sgr.ok()) << sgr.status().ToString();
+  ASSERT_EQ(sgr->lend.size(), 2u);
+  EXPECT_EQ(sgr->lend[0].token, 9u);
+  EXPECT_EQ(sgr->lend[0].record_offset, 4096u);
+  EXPECT_EQ(sgr->lend[0].checksum, 0x1234u);
+  EXPECT_EQ(sgr->lend[1].token, 0u);
+  // A lend part that does not name every slot is refused, as is a cut one.
+  ShmGetReply short_lend = sg;
+  short_lend.lend.pop_back();
+  EXPECT_FALSE(DecodeShmGetReply(Encode(short_lend)).ok());
+  auto cut = Encode(sg);
+  cut.pop_back();
+  EXPECT_FALSE(DecodeShmGetReply(cut).ok());
+  // Without a lend part, the reply is what it always was.
+  ShmGetReply plain = sg;
+  plain.lend.clear();
+  EXPECT_EQ(Encode(plain).size() + 4 + 2 * 20, Encode(sg).size());
+  EXPECT_EQ(OpcodeName(Opcode::kTouch), "TOUCH");
+  EXPECT_TRUE(DecodeHeader(EncodeFrame(Opcode::kTouch, 0, 1, Encode(HashList{{H(1)}})), kMaxPayloadBytes).ok());
 }
 
 TEST(Wire, HintRoundTripAndRefusals) {

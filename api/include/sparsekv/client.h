@@ -48,6 +48,12 @@ struct ClientOptions {
   // the arena under a write lease (one copy, api/PROTOCOL.md), else through the staging area.
   // Default: true.
   bool write_leases = true;
+  // With shared memory and a daemon that lends its host arena and serves local reads: a
+  // GetInto of a value lent to this client before copies it straight from the arena without
+  // asking, as long as the daemon's lend table shows the record unchanged (api/PROTOCOL.md,
+  // "Local reads"); such reads are reported to the daemon afterwards, at most once per
+  // millisecond (TOUCH). Default: true.
+  bool local_reads = true;
   // Limit for connecting and for each synchronous call. Default: 30 s.
   std::chrono::milliseconds timeout{30000};
   // A synchronous call whose reply has not arrived yet polls the socket without sleeping for up
@@ -258,6 +264,8 @@ class Client {
   // PUTs are written straight into the host arena under write leases (asked for with
   // ClientOptions::write_leases and granted by a daemon with `write_leases` on).
   bool write_leases() const;
+  // GetInto items answered from the arena without asking the daemon (local reads), so far.
+  uint64_t local_reads() const;
   uint64_t session_id() const;
   uint32_t block_tokens() const;
   uint32_t max_payload_bytes() const;

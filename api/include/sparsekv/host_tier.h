@@ -109,6 +109,28 @@ class HostTier : public Tier {
   };
   virtual Arena arena() const = 0;
 
+  // Local reads (api/PROTOCOL.md, "Local reads"): with a memfd arena, the tier keeps a table of
+  // one u32 per 4 KiB unit of the arena, in a memfd of its own, and adds 1 to a record's entry
+  // (at its first unit) whenever the record leaves the index (erased, replaced, evicted, found
+  // damaged), before its room can be reused. A reader in another process that saw entry value
+  // v before copying a record and still sees v after knows the record was the key's copy all
+  // along. The table is written only here, under the tier's lock, with release stores. fd -1
+  // (no table) unless the arena is a memfd.
+  virtual Arena lend_table() const = 0;
+  // For a bundle GetPinned just returned: when it is still `key`'s copy in the index, its entry
+  // in the lend table plus 1 (a token; the entry is read under the same lock that changes it);
+  // else 0 (a token of 0 is never valid). Also 0 without a table, or when the entry is at its
+  // largest value (adding 1 would wrap it to a value a stale token could match).
+  virtual uint32_t LendToken(const BundleKey& key, const BundlePtr& bundle) = 0;
+  // Reads made elsewhere from records lent before (local reads): each key the tier holds counts
+  // as read now for its eviction order and its statistics (hits, bytes read). Unknown keys are
+  // skipped. Returns how many it holds and their records' bytes.
+  struct Touched {
+    uint64_t items = 0;
+    uint64_t bytes = 0;
+  };
+  virtual Touched TouchRead(std::span<const BundleKey> keys) = 0;
+
   // The keys of the bundles held now, roughly in the order they would be evicted.
   virtual std::vector<BundleKey> Keys() const = 0;
   // The eviction order's own check (the policy's lists, the protected bytes): for tests.
