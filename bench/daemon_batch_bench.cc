@@ -171,12 +171,15 @@ struct Spawned {
 
 // A daemon in this process, host tier only, its arena a memfd (lent to shared-memory clients)
 // and faulted in at start (host.populate): a serving daemon's arena pages were zeroed long ago,
-// and the first-touch cost of a fresh one is not what a steady state pays. Write leases are on,
-// so that one run measures PUTs over the staging area (what clients get by default) and under
-// leases (one copy) side by side.
-Result<std::unique_ptr<Spawned>> Spawn(uint64_t capacity, uint64_t max_value) {
+// and the first-touch cost of a fresh one is not what a steady state pays. Two are started: one
+// as configured by default (write leases off: the arena is read-only to clients, and local
+// reads need no check), for the GET rows and the PUTs over TCP and the staging area; and one
+// with write leases on, for the one-copy PUT row and the GET row a client of such a daemon
+// gets (its local reads check each value's checksum, as clients can write the arena).
+Result<std::unique_ptr<Spawned>> Spawn(uint64_t capacity, uint64_t max_value, bool write_leases) {
   auto s = std::make_unique<Spawned>();
-  s->dir = std::filesystem::temp_directory_path() / fmt::format("sparsekv-batch-{}", getpid());
+  s->dir = std::filesystem::temp_directory_path() /
+           fmt::format("sparsekv-batch-{}{}", getpid(), write_leases ? "-leases" : "");
   std::filesystem::create_directories(s->dir);
   server::TieredStoreOptions so;
   so.offload.host.capacity_bytes = capacity;
@@ -188,7 +191,7 @@ Result<std::unique_ptr<Spawned>> Spawn(uint64_t capacity, uint64_t max_value) {
   opts.tcp_listen = "127.0.0.1:0";
   opts.unix_path = (s->dir / "batch.sock").string();
   opts.metrics_listen = "";
-  opts.write_leases = true;
+  opts.write_leases = write_leases;
   SPARSEKV_ASSIGN_OR_RETURN(s->srv, server::Server::Start(opts, s->store.get()));
   s->tcp = s->srv->tcp_address();
   s->unix_path = "unix:" + opts.unix_path;
@@ -286,13 +289,17 @@ Result<nlohmann::json> RunDaemonBatchBench(const DaemonBenchOptions& o) {
     max_value = std::max(max_value, block_bytes);
   }
   capacity = std::max<uint64_t>(capacity, 256ull << 20);
-  SPARSEKV_ASSIGN_OR_RETURN(auto d, Spawn(capacity, max_value));
+  SPARSEKV_ASSIGN_OR_RETURN(auto d, Spawn(capacity, max_value, /*write_leases=*/false));
+  uint64_t lease_capacity = 0;
+  for (const auto& [bytes, values] : o.batch_sizes) lease_capacity += 2 * bytes * values;
+  lease_capacity = std::max<uint64_t>(lease_capacity, 256ull << 20);
+  SPARSEKV_ASSIGN_OR_RETURN(auto dl, Spawn(lease_capacity, max_value, /*write_leases=*/true));
   SPARSEKV_ASSIGN_OR_RETURN(auto tcp, ConnectTo(d->tcp, "batch-tcp", o.spin_us));
   SPARSEKV_ASSIGN_OR_RETURN(auto shm, ConnectTo(d->unix_path, "batch-shm", o.spin_us));
   if (!shm->shared_memory() || !shm->shared_arena()) {
     return Status::Internal("the Unix-socket client got no shared memory or no arena");
   }
-  SPARSEKV_ASSIGN_OR_RETURN(auto leased, ConnectTo(d->unix_path, "batch-lease", o.spin_us, true));
+  SPARSEKV_ASSIGN_OR_RETURN(auto leased, ConnectTo(dl->unix_path, "batch-lease", o.spin_us, true));
   if (!leased->write_leases()) return Status::Internal("the write-lease client got no write leases");
 
   nlohmann::json batches = nlohmann::json::array();
@@ -301,6 +308,7 @@ Result<nlohmann::json> RunDaemonBatchBench(const DaemonBenchOptions& o) {
     const uint64_t total = bytes * values;
     const uint64_t seed_base = (si + 1) << 32;
     SPARSEKV_RETURN_IF_ERROR(PutValues(*tcp, si, values, bytes, seed_base));
+    SPARSEKV_RETURN_IF_ERROR(PutValues(*leased, si, values, bytes, seed_base));
     std::vector<WireBlockHash> hashes;
     for (uint64_t i = 0; i < values; ++i) hashes.push_back(BatchKey(si, i));
     WarmBuffer dst(total), src(total);
@@ -317,6 +325,9 @@ Result<nlohmann::json> RunDaemonBatchBench(const DaemonBenchOptions& o) {
     std::memset(dst.data, 0, total);
     SPARSEKV_RETURN_IF_ERROR(GetAll(*shm, hashes, dests, bytes));
     SPARSEKV_RETURN_IF_ERROR(Check(dst.data, values, bytes, seed_base, "shared-memory GetInto"));
+    std::memset(dst.data, 0, total);
+    SPARSEKV_RETURN_IF_ERROR(GetAll(*leased, hashes, dests, bytes));
+    SPARSEKV_RETURN_IF_ERROR(Check(dst.data, values, bytes, seed_base, "shared-memory GetInto (write leases on)"));
     std::memset(dst.data, 0, total);
     if (!pair->Fetch(dst.data, total)) return Status::IOError("the socket pair failed");
     SPARSEKV_RETURN_IF_ERROR(Check(dst.data, values, bytes, seed_base, "socket pair"));
@@ -348,6 +359,9 @@ Result<nlohmann::json> RunDaemonBatchBench(const DaemonBenchOptions& o) {
     methods.emplace_back("shm", [&](uint64_t n) {
       for (uint64_t k = 0; k < n; ++k) fail_once(GetAll(*shm, hashes, dests, bytes));
     });
+    methods.emplace_back("shm_leases", [&](uint64_t n) {
+      for (uint64_t k = 0; k < n; ++k) fail_once(GetAll(*leased, hashes, dests, bytes));
+    });
     RunInterleaved(methods, o.round_seconds, o.rounds);
     SPARSEKV_RETURN_IF_ERROR(failed);
     SPARSEKV_RETURN_IF_ERROR(Check(dst.data, values, bytes, seed_base, "after the rounds"));
@@ -373,7 +387,7 @@ Result<nlohmann::json> RunDaemonBatchBench(const DaemonBenchOptions& o) {
       for (const Status& x : st) SPARSEKV_RETURN_IF_ERROR(x);
       return Status::OK();
     };
-    for (uint64_t w = 0; w <= capacity / total + 1; ++w) SPARSEKV_RETURN_IF_ERROR(put_all(*leased));
+    for (uint64_t w = 0; w <= lease_capacity / total + 1; ++w) SPARSEKV_RETURN_IF_ERROR(put_all(*leased));
     SPARSEKV_RETURN_IF_ERROR(put_all(*tcp));
     SPARSEKV_RETURN_IF_ERROR(put_all(*shm));
     std::vector<Method> puts = baselines();
@@ -407,6 +421,10 @@ Result<nlohmann::json> RunDaemonBatchBench(const DaemonBenchOptions& o) {
     b["tcp_faults_per_gb"] = tcp_faults;
     b["shm_faults_per_gb"] = shm_faults;
     b["shm_vs_memcpy"] = s / mem;
+    // Over shared memory from the daemon with write leases on (local reads checked).
+    b["shm_leases_bytes_per_s"] = MedianOf(methods, "shm_leases") * static_cast<double>(total);
+    b["shm_leases_vs_memcpy"] = b["shm_leases_bytes_per_s"].get<double>() / mem;
+    b["shm_local_reads"] = shm->local_reads();
     b["tcp_vs_socket"] = t / sock;
     // The PUT rows against their own interleaved baselines (measured beside the PUTs).
     const double put_mem = MedianOf(puts, "memcpy") * static_cast<double>(total);
@@ -424,6 +442,7 @@ Result<nlohmann::json> RunDaemonBatchBench(const DaemonBenchOptions& o) {
     batches.push_back(std::move(b));
     // This size's values go, so that the next size and the restore have the room.
     std::vector<Status> gone = *tcp->Delete(hashes);
+    gone = *leased->Delete(hashes);
     (void)gone;
   }
 

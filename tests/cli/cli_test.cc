@@ -252,9 +252,11 @@ TEST(Cli, BenchDaemonBatchShortRun) {
     for (const char* k : {"shm_bytes_per_s", "tcp_bytes_per_s", "memcpy_bytes_per_s", "socket_bytes_per_s",
                           "put_shm_bytes_per_s", "put_tcp_bytes_per_s", "put_lease_bytes_per_s",
                           "put_memcpy_bytes_per_s", "put_socket_bytes_per_s", "put_shm_vs_memcpy",
-                          "put_lease_vs_memcpy", "put_tcp_vs_socket"}) {
+                          "put_lease_vs_memcpy", "put_tcp_vs_socket", "shm_leases_bytes_per_s"}) {
       EXPECT_GT(b[k].get<double>(), 0) << k;
     }
+    // The timed rounds read locally (the values were lent to the client before them).
+    EXPECT_GT(b["shm_local_reads"].get<double>(), 0);
     EXPECT_GE(b["faults_per_gb"].get<double>(), 0);
   }
   EXPECT_FALSE(j["cpu"].get<std::string>().empty());
