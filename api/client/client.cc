@@ -1683,7 +1683,9 @@ class Client::Impl {
     // Local reads first: what this client may read again without asking.
     std::vector<size_t> todo;
     todo.reserve(hashes.size());
-    if (table_ != nullptr) {
+    // Not once the connection broke: the daemon may be gone (its arena and table, still mapped
+    // here, then never change again), and the daemon path reports the error.
+    if (table_ != nullptr && Connected()) {
       std::vector<WireBlockHash> read;
       ReadLocally(hashes, dests, stream, out, todo, read);
       if (!read.empty()) NoteLocalReads(read);
@@ -1989,7 +1991,8 @@ class Client::Impl {
     SendOneWay(w::Opcode::kTouch, w::Encode(w::HashList{std::move(send)})).IgnoreError();
   }
 
-  // A frame no reply answers (TOUCH). A failure is left for the next call to find.
+  // A frame no reply answers (TOUCH). A failure breaks the connection (a daemon gone: the
+  // next call reports it, and no local read is made on a broken connection).
   Status SendOneWay(w::Opcode op, std::span<const std::byte> payload) {
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -1998,8 +2001,22 @@ class Client::Impl {
     const uint64_t id = next_id_.fetch_add(1, std::memory_order_relaxed);
     auto header = w::EncodeFrameHeader(op, 0, id, Pieces(&payload, 1));
     iovec iov[2] = {{header.data(), header.size()}, {const_cast<std::byte*>(payload.data()), payload.size()}};
-    std::lock_guard<std::mutex> l(write_mu_);
-    return WriteAllV(fd_, iov, payload.empty() ? 1 : 2);
+    Status st;
+    {
+      std::lock_guard<std::mutex> l(write_mu_);
+      st = WriteAllV(fd_, iov, payload.empty() ? 1 : 2);
+    }
+    if (!st.ok()) {
+      std::unique_lock<std::mutex> l(mu_);
+      Break(l, st);
+    }
+    return st;
+  }
+
+  // Whether the connection still stands (as far as this client knows).
+  bool Connected() {
+    std::lock_guard<std::mutex> l(mu_);
+    return broken_.ok();
   }
 
   // Ends a SHM_VIEW lease, without waiting for the answer (read by whoever reads next).

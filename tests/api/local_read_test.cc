@@ -231,6 +231,39 @@ TEST_F(LocalReadTest, OverwritesDeletesAndEvictionsAreSeenAtOnce) {
   EXPECT_EQ(reader->local_reads(), 2 * n + n / 2);
 }
 
+// A daemon that goes away stops local reads: its arena and table stay mapped in the client and
+// never change again, so the client must not go on serving from them. The first TOUCH after it
+// is gone fails (at most a millisecond of calls later) and breaks the connection; every call
+// after that reports the error.
+TEST_F(LocalReadTest, NoLocalReadOutlivesTheDaemon) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  auto c = Connect(true);
+  ASSERT_NE(c, nullptr);
+  const std::vector<WireBlockHash> hashes = {H(700), H(701)};
+  ASSERT_NO_FATAL_FAILURE(PutAll(*c, hashes, {Value(700, 65536), Value(701, 65536)}));
+  std::vector<std::vector<std::byte>> bufs;
+  GetInto(*c, hashes, bufs, 65536);
+  GetInto(*c, hashes, bufs, 65536);
+  ASSERT_EQ(c->local_reads(), 2u);
+  server_.reset();  // the store (and so the arena) lives on in this process
+  bool failed = false;
+  int served = 0;
+  for (int i = 0; i < 5; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    std::vector<std::span<std::byte>> dests;
+    for (auto& b : bufs) dests.push_back(b);
+    auto got = c->GetInto(hashes, dests);
+    if (got.ok()) {
+      ASSERT_FALSE(failed) << "a call succeeded after one had failed";
+      ++served;
+    } else {
+      failed = true;
+    }
+  }
+  EXPECT_TRUE(failed);
+  EXPECT_LE(served, 1) << "local reads went on after the daemon was gone";
+}
+
 // Values that say what they are: key i's version v is 8-byte words (i << 32 | v), so a torn or
 // misplaced read shows.
 std::vector<std::byte> Stamped(uint64_t i, uint64_t v, size_t n) {
