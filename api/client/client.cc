@@ -26,6 +26,7 @@
 #include <utility>
 #include <variant>
 
+#include "allocator/copy_checksum.h"
 #include "allocator/stream_copy.h"
 #include "allocator/xxhash_dispatch.h"
 #include "protocol/wire.h"
@@ -1920,16 +1921,24 @@ class Client::Impl {
       const uint32_t* slot = table_ + e.record_off / kLendUnit;
       const uint32_t before = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
       bool good = before + 1 == e.token;
-      if (good) {
-        CopyBytes(dests[i].data(), arena_ + e.value_off, e.bytes, stream);
-        if (check_local_) {
-          // The record's checksum (bundle.h): its header from byte 16, then the value as copied.
+      if (good && check_local_) {
+        // The record's checksum (bundle.h): its header from byte 16, then the value, over the
+        // bytes as they are copied (one pass; a record of one segment has 48 such header bytes).
+        const std::byte* header = arena_ + e.record_off + 16;
+        if (e.value_off - e.record_off - 16 == kRecordChecksumPrefixBytes) {
+          good = CopyWithRecordChecksum(dests[i].data(), arena_ + e.value_off, e.bytes, header) == e.checksum;
+        } else {
+          CopyBytes(dests[i].data(), arena_ + e.value_off, e.bytes, stream);
           XXH3_state_t st;
           XXH3_64bits_reset(&st);
-          XXH3_64bits_update(&st, arena_ + e.record_off + 16, e.value_off - e.record_off - 16);
+          XXH3_64bits_update(&st, header, e.value_off - e.record_off - 16);
           XXH3_64bits_update(&st, dests[i].data(), e.bytes);
           good = XXH3_64bits_digest(&st) == e.checksum;
         }
+      } else if (good) {
+        CopyBytes(dests[i].data(), arena_ + e.value_off, e.bytes, stream);
+      }
+      if (good) {
         // Every byte copied was read before the entry is read again.
         std::atomic_thread_fence(std::memory_order_acquire);
         good = good && __atomic_load_n(slot, __ATOMIC_RELAXED) == before;
