@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "allocator/copy_checksum.h"
 #include "allocator/xxhash_dispatch.h"
 #include "sparsekv/thread_annotations.h"
 
@@ -272,6 +273,12 @@ Result<uint64_t> Bundle::WriteRecord(std::span<std::byte> out, const BundleKey& 
   }
   std::byte* p = out.data();
   WriteHeader(p, key, segment_bytes, total, sequence, pages);
+  if (segments.size() == 1 && header - kCoveredFrom == kRecordChecksumPrefixBytes) {
+    // One value: copied and hashed in one pass over its bytes (CopyWithRecordChecksum).
+    const uint64_t sum = CopyWithRecordChecksum(p + header, segments[0].data(), segments[0].size(), p + kCoveredFrom);
+    Store<uint64_t>(p + kChecksumAt, sum);
+    return sum;
+  }
   // One pass: each chunk is hashed right after its copy, while it is still in cache.
   XXH3_state_t state;
   XXH3_64bits_reset(&state);

@@ -150,12 +150,15 @@ TEST(Bundle, ThePagesTagIsRecordedCoveredAndZeroWhenNotGiven) {
 }
 
 // Make (copy and hash in one chunked pass), MakeWith (fill, then hash) and WriteRecord (into
-// memory of the caller's) build the same record, for small segments and for records large
-// enough to take their own huge-page mapping.
+// memory of the caller's; one segment copied and hashed by CopyWithRecordChecksum) build the
+// same record, for small segments and for records large enough to take their own huge-page
+// mapping.
 TEST(Bundle, EveryWayOfBuildingARecordGivesTheSameBytes) {
   for (const std::vector<uint64_t>& sizes :
        {std::vector<uint64_t>{1000, 37, 0, 4096}, std::vector<uint64_t>{3u << 20, 70001, 8},
-        std::vector<uint64_t>{(5u << 20) + 3}}) {
+        std::vector<uint64_t>{(5u << 20) + 3}, std::vector<uint64_t>{0}, std::vector<uint64_t>{1},
+        std::vector<uint64_t>{192}, std::vector<uint64_t>{193}, std::vector<uint64_t>{65536},
+        std::vector<uint64_t>{65536 + 977}}) {
     std::vector<std::vector<std::byte>> data;
     std::vector<std::span<const std::byte>> spans;
     std::mt19937_64 rng(sizes[0]);
