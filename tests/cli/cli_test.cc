@@ -113,6 +113,20 @@ TEST(Cli, SpecFileRoundTripAndErrors) {
   std::filesystem::remove_all(dir);
 }
 
+// The short version of `sparsekv bench copy-checksum`: every row measured, each kernel's
+// checksum checked against XXH3_64bits before timing (the command fails otherwise).
+TEST(Cli, BenchCopyChecksumShortRun) {
+  Outcome r = Cli("bench copy-checksum --json --rounds 1 --round-seconds 0.01");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["rows"].size(), 6u);
+  for (const auto& row : j["rows"]) {
+    for (const char* k : {"fused_bytes_per_s", "two_pass_bytes_per_s", "memcpy_bytes_per_s", "fused_vs_two_pass"}) {
+      EXPECT_GT(row[k].get<double>(), 0) << k;
+    }
+  }
+}
+
 TEST(Cli, BenchAllocShortRun) {
   Outcome r = Cli("bench alloc --json --rounds 2 --round-seconds 0.05");
   ASSERT_EQ(r.exit_code, 0) << r.err;
