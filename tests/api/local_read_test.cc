@@ -460,5 +460,78 @@ TEST_F(LocalReadTest, WithWriteLeasesARecordChangedInPlaceIsNeverReturned) {
   munmap(m, forger.reply.shm_arena_bytes);
 }
 
+// A daemon from before local reads refuses HELLO's flags 5 and 7 as it did ("must be 0, 1 or
+// 3"): the client says HELLO again without bit 2 and keeps what it asked for besides (write
+// leases, flag 3). A daemon from before write leases too refuses 3: then flag 1.
+TEST(LocalReadCompatibility, AnOlderDaemonGetsHelloAgainWithoutTheNewBit) {
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("skv_lr_old_" + std::to_string(getpid()) + ".sock")).string();
+  for (const uint8_t newest : {uint8_t{3}, uint8_t{1}}) {  // the largest flag the old daemon takes
+    std::filesystem::remove(path);
+    const int ls = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(ls, 0);
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
+    ASSERT_EQ(bind(ls, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+    ASSERT_EQ(listen(ls, 4), 0);
+    std::vector<uint8_t> flags_seen;
+    std::thread old_daemon([&] {
+      for (int k = 0; k < 3; ++k) {
+        const int c = accept4(ls, nullptr, nullptr, SOCK_CLOEXEC);
+        if (c < 0) return;
+        std::array<std::byte, wire::kHeaderBytes> hb;
+        auto h = ReadAll(c, hb.data(), hb.size()) ? wire::DecodeHeader(hb, wire::kMaxPayloadBytes)
+                                                   : Result<wire::FrameHeader>(Status::IOError("no header"));
+        std::vector<std::byte> p(h.ok() ? h->payload_bytes : 0);
+        if (!h.ok() || p.empty() || !ReadAll(c, p.data(), p.size())) {
+          close(c);
+          return;
+        }
+        const uint8_t flag = static_cast<uint8_t>(p.back());
+        flags_seen.push_back(flag);
+        std::vector<std::byte> reply;
+        if (flag > newest) {
+          reply = wire::EncodeFrame(
+              wire::Opcode::kError, wire::kFlagResponse, h->request_id,
+              wire::Encode(wire::ErrorReply{StatusCode::kInvalidArgument,
+                                            newest == 3 ? "HELLO shared-memory flag must be 0, 1 or 3"
+                                                        : "HELLO shared-memory flag must be 0 or 1"}));
+        } else {
+          wire::HelloReply r{9, 1u << 20, 64, 0, "old sparsekvd", 0};  // no shared memory granted
+          if (flag & 2) r.write_leases = false;  // a daemon with leases answers the lease byte
+          reply = wire::EncodeFrame(wire::Opcode::kHello, wire::kFlagResponse, h->request_id, wire::Encode(r));
+        }
+        (void)send(c, reply.data(), reply.size(), MSG_NOSIGNAL);
+        if (flag <= newest) {  // the session: held until the client goes
+          char b;
+          while (recv(c, &b, 1, 0) > 0) {
+          }
+          close(c);
+          return;
+        }
+        close(c);
+      }
+    });
+    {
+      ClientOptions o;
+      o.address = "unix:" + path;
+      o.timeout = std::chrono::milliseconds(5000);
+      auto c = Client::Connect(o);
+      ASSERT_TRUE(c.ok()) << c.status().ToString();
+      EXPECT_FALSE((*c)->shared_memory());
+    }
+    shutdown(ls, SHUT_RDWR);
+    old_daemon.join();
+    close(ls);
+    if (newest == 3) {
+      EXPECT_EQ(flags_seen, (std::vector<uint8_t>{7, 3}));
+    } else {
+      EXPECT_EQ(flags_seen, (std::vector<uint8_t>{7, 3, 1}));
+    }
+  }
+  std::filesystem::remove(path);
+}
+
 }  // namespace
 }  // namespace sparsekv::server

@@ -114,7 +114,7 @@ class HostTier : public Tier {
   // (at its first unit) whenever the record leaves the index (erased, replaced, evicted, found
   // damaged), before its room can be reused. A reader in another process that saw entry value
   // v before copying a record and still sees v after knows the record was the key's copy all
-  // along. The table is written only here, under the tier's lock, with release stores. fd -1
+  // along. The table is written only here, under the tier's lock, with locked adds. fd -1
   // (no table) unless the arena is a memfd.
   virtual Arena lend_table() const = 0;
   // For a bundle GetPinned just returned: when it is still `key`'s copy in the index, its entry
