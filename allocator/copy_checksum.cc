@@ -57,11 +57,14 @@ struct ScalarKernel {
 };
 
 // Short values: copied, then hashed whole (XXH3's short paths differ from the stripes).
+// An empty value may come with null pointers: nothing is copied then.
 uint64_t Short(unsigned char* dst, const unsigned char* src, size_t n, const unsigned char* prefix) {
-  std::memcpy(dst, src, n);
   unsigned char buf[kPrefix + 4 * kStripe];
   std::memcpy(buf, prefix, kPrefix);
-  std::memcpy(buf + kPrefix, dst, n);
+  if (n > 0) {
+    std::memcpy(dst, src, n);
+    std::memcpy(buf + kPrefix, dst, n);
+  }
   return XXH3_64bits(buf, kPrefix + n);
 }
 

@@ -50,6 +50,8 @@ TEST(CopyWithRecordChecksum, EveryKernelGivesXxh3OfPrefixAndValue) {
     }
   }
   EXPECT_GE(kernels, 1);
+  // An empty value with null pointers (an empty span's data()): the prefix's checksum alone.
+  EXPECT_EQ(CopyWithRecordChecksum(nullptr, nullptr, 0, prefix.data()), XXH3_64bits(prefix.data(), 48));
   std::printf("kernels tried: %d, chosen here: %s\n", kernels,
               std::string(CopyChecksumKernelName(ChosenCopyChecksumKernel())).c_str());
 }
