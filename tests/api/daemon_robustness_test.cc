@@ -35,6 +35,7 @@
 #include "server/server.h"
 #include "server/tiered_store.h"
 #include "sparsekv/client.h"
+#include "tests/support/raw_session.h"
 #include "tests/support/in_process_daemon.h"
 #include "tests/support/daemon_values.h"
 #include "tests/support/metrics_scrape.h"
@@ -62,25 +63,14 @@ std::filesystem::path ScratchDir(const std::string& tag) {
   return dir;
 }
 
-bool ReadAll(int fd, void* p, size_t n) {
-  auto* b = static_cast<std::byte*>(p);
-  size_t got = 0;
-  while (got < n) {
-    const ssize_t k = recv(fd, b + got, n - got, 0);
-    if (k <= 0) return false;
-    got += static_cast<size_t>(k);
-  }
-  return true;
-}
-
 // Reads one frame; an error when the peer closed.
 Result<std::pair<wire::FrameHeader, std::vector<std::byte>>> ReadFrame(int fd) {
   std::array<std::byte, wire::kHeaderBytes> hb;
-  if (!ReadAll(fd, hb.data(), hb.size()))
+  if (!testing::RecvAll(fd, hb.data(), hb.size()))
     return Status::Unavailable("the daemon closed the connection");
   SPARSEKV_ASSIGN_OR_RETURN(auto h, wire::DecodeHeader(hb, wire::kMaxPayloadBytes));
   std::vector<std::byte> p(h.payload_bytes);
-  if (!ReadAll(fd, p.data(), p.size()))
+  if (!testing::RecvAll(fd, p.data(), p.size()))
     return Status::Unavailable("the daemon closed the connection");
   return std::make_pair(h, std::move(p));
 }
@@ -121,12 +111,12 @@ struct RawShmSession {
     ASSERT_GT(k, 0);
     if (fds.size() > 0) staging_fd = fds[0];
     if (fds.size() > 1) arena_fd = fds[1];
-    ASSERT_TRUE(ReadAll(sock, hb.data() + k, hb.size() - static_cast<size_t>(k)));
+    ASSERT_TRUE(testing::RecvAll(sock, hb.data() + k, hb.size() - static_cast<size_t>(k)));
     auto h = wire::DecodeHeader(hb, wire::kMaxPayloadBytes);
     ASSERT_TRUE(h.ok()) << h.status().ToString();
     ASSERT_EQ(h->opcode, wire::Opcode::kHello);
     std::vector<std::byte> p(h->payload_bytes);
-    ASSERT_TRUE(ReadAll(sock, p.data(), p.size()));
+    ASSERT_TRUE(testing::RecvAll(sock, p.data(), p.size()));
     auto r = wire::DecodeHelloReply(p);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     hello = *r;

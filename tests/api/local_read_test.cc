@@ -28,6 +28,7 @@
 #include "tests/support/daemon_values.h"
 #include "tests/support/in_process_daemon.h"
 #include "tests/support/metrics_scrape.h"
+#include "tests/support/raw_session.h"
 
 namespace sparsekv::server {
 namespace {
@@ -343,17 +344,6 @@ TEST_F(LocalReadTest, ConcurrentOverwritesNeverTearALocalRead) {
               static_cast<unsigned long long>(writes.load()));
 }
 
-bool ReadAll(int fd, void* p, size_t n) {
-  auto* b = static_cast<char*>(p);
-  while (n > 0) {
-    const ssize_t k = recv(fd, b, n, 0);
-    if (k <= 0) return false;
-    b += k;
-    n -= static_cast<size_t>(k);
-  }
-  return true;
-}
-
 // A hand-made HELLO asking for the lend table (flag 5 or 7): the reply and the descriptors.
 struct RawHello {
   int sock = -1;
@@ -364,30 +354,10 @@ struct RawHello {
     if (sock >= 0) close(sock);
   }
   void Open(const std::string& path, bool leases) {
-    sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    ASSERT_GE(sock, 0);
-    sockaddr_un sa{};
-    sa.sun_family = AF_UNIX;
-    std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
-    ASSERT_EQ(connect(sock, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0) << std::strerror(errno);
-    timeval tv{10, 0};
-    setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     wire::HelloRequest req{wire::kProtocolVersion, "alpha", "alpha-token", "raw", true};
     req.want_write_leases = leases;
     req.want_lend_table = true;
-    const auto frame = wire::EncodeFrame(wire::Opcode::kHello, 0, 1, wire::Encode(req));
-    ASSERT_EQ(send(sock, frame.data(), frame.size(), MSG_NOSIGNAL), static_cast<ssize_t>(frame.size()));
-    std::array<std::byte, wire::kHeaderBytes> hb;
-    const ssize_t k = wire::RecvWithFds(sock, hb.data(), hb.size(), 0, &fds);
-    ASSERT_GT(k, 0);
-    ASSERT_TRUE(ReadAll(sock, hb.data() + k, hb.size() - static_cast<size_t>(k)));
-    auto h = wire::DecodeHeader(hb, wire::kMaxPayloadBytes);
-    ASSERT_TRUE(h.ok()) << h.status().ToString();
-    std::vector<std::byte> p(h->payload_bytes);
-    ASSERT_TRUE(ReadAll(sock, p.data(), p.size()));
-    auto r = wire::DecodeHelloReply(p);
-    ASSERT_TRUE(r.ok()) << r.status().ToString();
-    reply = *r;
+    ASSERT_NO_FATAL_FAILURE(testing::RawHello(path, req, &sock, &fds, &reply));
   }
 };
 
@@ -481,10 +451,10 @@ TEST(LocalReadCompatibility, AnOlderDaemonGetsHelloAgainWithoutTheNewBit) {
         const int c = accept4(ls, nullptr, nullptr, SOCK_CLOEXEC);
         if (c < 0) return;
         std::array<std::byte, wire::kHeaderBytes> hb;
-        auto h = ReadAll(c, hb.data(), hb.size()) ? wire::DecodeHeader(hb, wire::kMaxPayloadBytes)
+        auto h = testing::RecvAll(c, hb.data(), hb.size()) ? wire::DecodeHeader(hb, wire::kMaxPayloadBytes)
                                                    : Result<wire::FrameHeader>(Status::IOError("no header"));
         std::vector<std::byte> p(h.ok() ? h->payload_bytes : 0);
-        if (!h.ok() || p.empty() || !ReadAll(c, p.data(), p.size())) {
+        if (!h.ok() || p.empty() || !testing::RecvAll(c, p.data(), p.size())) {
           close(c);
           return;
         }

@@ -28,6 +28,7 @@
 #include "tests/support/daemon_values.h"
 #include "tests/support/in_process_daemon.h"
 #include "tests/support/metrics_scrape.h"
+#include "tests/support/raw_session.h"
 
 namespace sparsekv::server {
 namespace {
@@ -37,17 +38,6 @@ WireBlockHash H(uint64_t i) {
 }
 std::vector<std::byte> Value(uint64_t seed, size_t n) {
   return testing::RandomValue(seed, n);
-}
-
-bool ReadAll(int fd, void* p, size_t n) {
-  auto* b = static_cast<char*>(p);
-  while (n > 0) {
-    const ssize_t k = recv(fd, b, n, 0);
-    if (k <= 0) return false;
-    b += k;
-    n -= static_cast<size_t>(k);
-  }
-  return true;
 }
 
 // A hand-made session over the Unix socket that asks for write leases, holding the arena it is
@@ -67,34 +57,14 @@ struct RawLeaseSession {
   }
 
   void Open(const std::string& path, bool want_leases = true) {
-    sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    ASSERT_GE(sock, 0);
-    sockaddr_un sa{};
-    sa.sun_family = AF_UNIX;
-    std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
-    ASSERT_EQ(connect(sock, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0)
-        << std::strerror(errno);
-    timeval tv{10, 0};
-    setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     wire::HelloRequest req{wire::kProtocolVersion, "alpha", "alpha-token", "raw-lease", true};
     req.want_write_leases = want_leases;
-    const auto frame = wire::EncodeFrame(wire::Opcode::kHello, 0, next_id++, wire::Encode(req));
-    ASSERT_EQ(send(sock, frame.data(), frame.size(), MSG_NOSIGNAL),
-              static_cast<ssize_t>(frame.size()));
-    std::array<std::byte, wire::kHeaderBytes> hb;
     std::vector<int> fds;
-    const ssize_t k = wire::RecvWithFds(sock, hb.data(), hb.size(), 0, &fds);
-    ASSERT_GT(k, 0);
+    ASSERT_NO_FATAL_FAILURE(testing::RawHello(path, req, &sock, &fds, &hello));
     if (fds.size() > 0) staging_fd = fds[0];
     if (fds.size() > 1) arena_fd = fds[1];
-    ASSERT_TRUE(ReadAll(sock, hb.data() + k, hb.size() - static_cast<size_t>(k)));
-    auto h = wire::DecodeHeader(hb, wire::kMaxPayloadBytes);
-    ASSERT_TRUE(h.ok()) << h.status().ToString();
-    std::vector<std::byte> p(h->payload_bytes);
-    ASSERT_TRUE(ReadAll(sock, p.data(), p.size()));
-    auto r = wire::DecodeHelloReply(p);
-    ASSERT_TRUE(r.ok()) << r.status().ToString();
-    hello = *r;
+    for (size_t i = 2; i < fds.size(); ++i) close(fds[i]);
+    next_id = 2;  // HELLO took 1
     ASSERT_GE(arena_fd, 0) << "one namespace and a memfd host tier: the arena is passed";
     if (hello.write_leases.value_or(false)) {
       void* m =
@@ -112,10 +82,10 @@ struct RawLeaseSession {
   Result<std::vector<std::byte>> Call(wire::Opcode op, const std::vector<std::byte>& payload) {
     if (!Send(op, payload)) return Status::Unavailable("send failed");
     std::array<std::byte, wire::kHeaderBytes> hb;
-    if (!ReadAll(sock, hb.data(), hb.size())) return Status::Unavailable("no reply");
+    if (!testing::RecvAll(sock, hb.data(), hb.size())) return Status::Unavailable("no reply");
     SPARSEKV_ASSIGN_OR_RETURN(wire::FrameHeader h, wire::DecodeHeader(hb, wire::kMaxPayloadBytes));
     std::vector<std::byte> p(h.payload_bytes);
-    if (!ReadAll(sock, p.data(), p.size())) return Status::Unavailable("no reply payload");
+    if (!testing::RecvAll(sock, p.data(), p.size())) return Status::Unavailable("no reply payload");
     if (h.opcode == wire::Opcode::kError) return Status::Internal("ERROR frame");
     if (h.opcode != op) return Status::Internal("a reply of another opcode");
     return p;
@@ -485,11 +455,11 @@ TEST_F(WriteLeaseTest, AClientKilledMidWriteLeaksNothing) {
     if (send(s.sock, frame.data(), frame.size(), MSG_NOSIGNAL) !=
         static_cast<ssize_t>(frame.size()))
       _exit(2);
-    if (!ReadAll(s.sock, reply.data(), wire::kHeaderBytes)) _exit(3);
+    if (!testing::RecvAll(s.sock, reply.data(), wire::kHeaderBytes)) _exit(3);
     uint32_t payload;
     std::memcpy(&payload, reply.data() + 20, 4);
     if (payload > reply.size() - wire::kHeaderBytes ||
-        !ReadAll(s.sock, reply.data() + wire::kHeaderBytes, payload)) {
+        !testing::RecvAll(s.sock, reply.data() + wire::kHeaderBytes, payload)) {
       _exit(4);
     }
     // u64 lease, u32 count, then the first item: u8 status 0, 16-byte hash, u64 offset, u32 bytes.
