@@ -108,12 +108,7 @@ class DataPathTest : public ::testing::Test {
   }
 
   // A gauge's value from /metrics (-1 when absent).
-  double Gauge(const std::string& name) {
-    const std::string m = testing::ScrapeMetrics(server_->metrics_port());
-    const std::string key = "\n" + name + " ";
-    const size_t at = m.find(key);
-    return at == std::string::npos ? -1 : std::stod(m.substr(at + key.size()));
-  }
+  double Gauge(const std::string& name) { return testing::MetricValue(server_->metrics_port(), name); }
   // Waits up to 5 s for a gauge to reach `want`; returns its last value.
   double WaitGauge(const std::string& name, double want) {
     double v = Gauge(name);

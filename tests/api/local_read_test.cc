@@ -88,12 +88,7 @@ class LocalReadTest : public ::testing::Test {
     return c.ok() ? std::move(c).value() : nullptr;
   }
 
-  double Counter(const std::string& name) {
-    const std::string m = testing::ScrapeMetrics(server_->metrics_port());
-    const std::string key = "\n" + name + " ";
-    const size_t at = m.find(key);
-    return at == std::string::npos ? -1 : std::stod(m.substr(at + key.size()));
-  }
+  double Counter(const std::string& name) { return testing::MetricValue(server_->metrics_port(), name); }
 
   static void PutAll(Client& c, const std::vector<WireBlockHash>& hashes, const std::vector<std::vector<std::byte>>& v) {
     std::vector<BundleRef> refs;

@@ -163,12 +163,7 @@ class WriteLeaseTest : public ::testing::Test {
     return c.ok() ? std::move(c).value() : nullptr;
   }
 
-  double Counter(const std::string& name) {
-    const std::string m = testing::ScrapeMetrics(server_->metrics_port());
-    const std::string key = "\n" + name + " ";
-    const size_t at = m.find(key);
-    return at == std::string::npos ? -1 : std::stod(m.substr(at + key.size()));
-  }
+  double Counter(const std::string& name) { return testing::MetricValue(server_->metrics_port(), name); }
 
   // The value of `h` over TCP: its bytes, or the status it was answered with.
   Result<std::vector<std::byte>> Read(const WireBlockHash& h) {

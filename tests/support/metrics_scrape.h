@@ -32,4 +32,12 @@ inline std::string ScrapeMetrics(uint16_t port) {
   return body;
 }
 
+// The value of the unlabelled metric `name` on the daemon's /metrics at `port`; -1 when absent.
+inline double MetricValue(uint16_t port, const std::string& name) {
+  const std::string m = ScrapeMetrics(port);
+  const std::string key = "\n" + name + " ";
+  const size_t at = m.find(key);
+  return at == std::string::npos ? -1 : std::stod(m.substr(at + key.size()));
+}
+
 }  // namespace sparsekv::testing
