@@ -128,6 +128,37 @@ def test_get_into_misses_and_mistakes(client):
     assert client.get_into(keys[:1], bytearray(5000)) == [5000]
 
 
+def test_a_second_get_into_reads_locally_and_sees_other_writers(one):
+    """Local reads in the shipped daemon (api/PROTOCOL.md): a get_into of values lent before is
+    copied from the arena without a request (sparsekv_local_reads_total counts them once the
+    client reports them), and an overwrite or a DELETE by another client is seen at once."""
+    n, size = 8, 65536
+    keys = [key(i, b"local") for i in range(n)]
+    first = [bytes([i + 1]) * size for i in range(n)]
+    with sparsekv.Client(one.tcp, "solo", "solo-token") as w, \
+            sparsekv.Client(one.unix, "solo", "solo-token") as c:
+        w.put(keys, first)
+        before = gauge(one, "sparsekv_local_reads_total")
+        out = np.zeros((n, size), dtype=np.uint8)
+        for _ in range(3):
+            out[:] = 0
+            assert c.get_into(keys, out) == [size] * n
+            assert all(out[i].tobytes() == first[i] for i in range(n))
+        time.sleep(0.01)
+        c.get_into(keys[:1], np.zeros(size, dtype=np.uint8))  # carries the last reads' TOUCH
+        want = before + 2 * n + 1
+        assert wait_gauge(one, "sparsekv_local_reads_total", want) == want
+        # Another client overwrites half and deletes one: the next read sees both.
+        second = [bytes([0x80 + i]) * size for i in range(n // 2)]
+        w.put(keys[: n // 2], second)
+        w.delete(keys[n - 1 :])
+        out[:] = 0
+        got = c.get_into(keys, out)
+        assert got == [size] * (n - 1) + [None]
+        for i in range(n - 1):
+            assert out[i].tobytes() == (second[i] if i < n // 2 else first[i]), i
+
+
 def test_views_are_lent_and_given_back(one):
     keys = [key(i, b"views") for i in range(4)]
     data = values(4, 40000, 3)
