@@ -425,6 +425,53 @@ TEST_F(LocalReadTest, WithWriteLeasesARecordChangedInPlaceIsNeverReturned) {
   munmap(m, forger.reply.shm_arena_bytes);
 }
 
+// TOUCH is answered with nothing when well formed (the session goes on: a PING after it is
+// answered), counts only keys of the session's own namespace that the host tier holds, and a
+// malformed one is a bad frame (ERROR, then the connection closes) that changes nothing.
+TEST_F(LocalReadTest, TouchHasNoReplyAndAMalformedOneClosesTheConnection) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  auto c = Connect(true);
+  ASSERT_NE(c, nullptr);
+  ASSERT_NO_FATAL_FAILURE(PutAll(*c, {H(800), H(801)}, {Value(800, 4096), Value(801, 4096)}));
+  const uint64_t hits0 = store_->chain().tier(0).Stats().hits;
+  RawHello raw;
+  ASSERT_NO_FATAL_FAILURE(raw.Open(unix_, false));
+  auto send = [&](wire::Opcode op, uint64_t id, const std::vector<std::byte>& payload) {
+    const auto f = wire::EncodeFrame(op, 0, id, payload);
+    return ::send(raw.sock, f.data(), f.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(f.size());
+  };
+  // Two held keys and one never stored: two hits, and no reply to the TOUCH itself.
+  ASSERT_TRUE(send(wire::Opcode::kTouch, 2, wire::Encode(wire::HashList{{H(800), H(801), H(802)}})));
+  ASSERT_TRUE(send(wire::Opcode::kPing, 3, {}));
+  std::array<std::byte, wire::kHeaderBytes> hb;
+  ASSERT_TRUE(testing::RecvAll(raw.sock, hb.data(), hb.size()));
+  auto h = wire::DecodeHeader(hb, wire::kMaxPayloadBytes);
+  ASSERT_TRUE(h.ok());
+  EXPECT_EQ(h->opcode, wire::Opcode::kPing) << "the first reply after a TOUCH is the PING's";
+  EXPECT_EQ(h->request_id, 3u);
+  EXPECT_EQ(store_->chain().tier(0).Stats().hits, hits0 + 2);
+  EXPECT_EQ(Counter("sparsekv_local_reads_total"), 2);
+  // A count past the bytes that follow.
+  wire::PayloadWriter bad;
+  bad.U32(1000);
+  bad.Bytes(H(800));
+  ASSERT_TRUE(send(wire::Opcode::kTouch, 4, bad.Take()));
+  ASSERT_TRUE(testing::RecvAll(raw.sock, hb.data(), hb.size()));
+  h = wire::DecodeHeader(hb, wire::kMaxPayloadBytes);
+  ASSERT_TRUE(h.ok());
+  EXPECT_EQ(h->opcode, wire::Opcode::kError);
+  std::vector<std::byte> p(h->payload_bytes);
+  ASSERT_TRUE(testing::RecvAll(raw.sock, p.data(), p.size()));
+  char byte;
+  EXPECT_EQ(recv(raw.sock, &byte, 1, 0), 0) << "the connection is closed after a bad frame";
+  EXPECT_EQ(store_->chain().tier(0).Stats().hits, hits0 + 2);
+  // The keys are intact for everyone else.
+  std::vector<std::vector<std::byte>> bufs;
+  auto got = GetInto(*c, {H(800), H(801)}, bufs, 4096);
+  EXPECT_TRUE(got[0].status.ok() && got[1].status.ok());
+  EXPECT_EQ(bufs[0], Value(800, 4096));
+}
+
 // A daemon from before local reads refuses HELLO's flags 5 and 7 as it did ("must be 0, 1 or
 // 3"): the client says HELLO again without bit 2 and keeps what it asked for besides (write
 // leases, flag 3). A daemon from before write leases too refuses 3: then flag 1.
