@@ -42,8 +42,10 @@ struct ScalarKernel {
     }
   }
   void AccCopy(const unsigned char* in, unsigned char* out, const unsigned char* sec) {
-    std::memcpy(out, in, kStripe);
-    Acc(in, sec);
+    unsigned char stripe[kStripe];  // one read of the source: stored and hashed from here
+    std::memcpy(stripe, in, kStripe);
+    std::memcpy(out, stripe, kStripe);
+    Acc(stripe, sec);
   }
   void Scramble(const unsigned char* sec) {
     for (int i = 0; i < 8; ++i) {

@@ -10,23 +10,27 @@
 #include "allocator/xxhash_dispatch.h"
 
 namespace sparsekv::copy_checksum {
+// Everything here is internal to each file that includes it: those files are compiled for
+// different instruction sets, and one shared (inline, external) copy of a helper built with
+// AVX-512 could otherwise be what the scalar path calls.
+namespace {
 
-inline constexpr uint64_t kPrime32_1 = 0x9E3779B1u;
-inline constexpr uint64_t kPrime32_2 = 0x85EBCA77u;
-inline constexpr uint64_t kPrime32_3 = 0xC2B2AE3Du;
-inline constexpr uint64_t kPrime64_1 = 0x9E3779B185EBCA87ull;
-inline constexpr uint64_t kPrime64_2 = 0xC2B2AE3D27D4EB4Full;
-inline constexpr uint64_t kPrime64_3 = 0x165667B19E3779F9ull;
-inline constexpr uint64_t kPrime64_4 = 0x85EBCA77C2B2AE63ull;
-inline constexpr uint64_t kPrime64_5 = 0x27D4EB2F165667C5ull;
-inline constexpr size_t kSecretBytes = 192;
-inline constexpr size_t kStripe = 64;
-inline constexpr size_t kStripesPerBlock = (kSecretBytes - kStripe) / 8;  // 16
-inline constexpr size_t kBlock = kStripe * kStripesPerBlock;                // 1,024
-inline constexpr size_t kLastStripeSecret = kSecretBytes - kStripe - 7;
-inline constexpr size_t kPrefix = kRecordChecksumPrefixBytes;
+constexpr uint64_t kPrime32_1 = 0x9E3779B1u;
+constexpr uint64_t kPrime32_2 = 0x85EBCA77u;
+constexpr uint64_t kPrime32_3 = 0xC2B2AE3Du;
+constexpr uint64_t kPrime64_1 = 0x9E3779B185EBCA87ull;
+constexpr uint64_t kPrime64_2 = 0xC2B2AE3D27D4EB4Full;
+constexpr uint64_t kPrime64_3 = 0x165667B19E3779F9ull;
+constexpr uint64_t kPrime64_4 = 0x85EBCA77C2B2AE63ull;
+constexpr uint64_t kPrime64_5 = 0x27D4EB2F165667C5ull;
+constexpr size_t kSecretBytes = 192;
+constexpr size_t kStripe = 64;
+constexpr size_t kStripesPerBlock = (kSecretBytes - kStripe) / 8;  // 16
+constexpr size_t kBlock = kStripe * kStripesPerBlock;                // 1,024
+constexpr size_t kLastStripeSecret = kSecretBytes - kStripe - 7;
+constexpr size_t kPrefix = kRecordChecksumPrefixBytes;
 
-inline uint64_t Load64(const void* p) {
+uint64_t Load64(const void* p) {
   uint64_t v;
   std::memcpy(&v, p, 8);
   return v;
@@ -36,17 +40,17 @@ struct Secret {
   alignas(64) unsigned char bytes[kSecretBytes];
   Secret() { XXH3_generateSecret_fromSeed(bytes, 0); }
 };
-inline const unsigned char* DefaultSecret() {
+const unsigned char* DefaultSecret() {
   static const Secret s;
   return s.bytes;
 }
 
-inline uint64_t Fold64(uint64_t a, uint64_t b) {
+uint64_t Fold64(uint64_t a, uint64_t b) {
   const unsigned __int128 p = static_cast<unsigned __int128>(a) * b;
   return static_cast<uint64_t>(p) ^ static_cast<uint64_t>(p >> 64);
 }
 
-inline uint64_t Finish(const uint64_t acc[8], const unsigned char* secret, uint64_t len) {
+uint64_t Finish(const uint64_t acc[8], const unsigned char* secret, uint64_t len) {
   uint64_t h = len * kPrime64_1;
   for (int i = 0; i < 4; ++i) {
     h += Fold64(acc[2 * i] ^ Load64(secret + 11 + 16 * i), acc[2 * i + 1] ^ Load64(secret + 11 + 16 * i + 8));
@@ -58,7 +62,10 @@ inline uint64_t Finish(const uint64_t acc[8], const unsigned char* secret, uint6
 }
 
 // The stripes of the prefix-and-value input, driven for a kernel K with Acc(in, secret),
-// AccCopy(in, out, secret), Scramble(secret) and Store(acc).
+// AccCopy(in, out, secret) (which stores and hashes the same load of each byte), Scramble(secret)
+// and Store(acc). Every byte stored is the byte hashed from the same read, so a source changed
+// while it is copied cannot leave bytes in the destination that the checksum did not see (the
+// last stripe overlaps the one before it: its read is stored last and hashed too).
 template <class K>
 uint64_t Drive(unsigned char* dst, const unsigned char* src, size_t n, const unsigned char* prefix) {
   const unsigned char* secret = DefaultSecret();
@@ -69,7 +76,7 @@ uint64_t Drive(unsigned char* dst, const unsigned char* src, size_t n, const uns
       alignas(64) unsigned char first[kStripe];
       std::memcpy(first, prefix, kPrefix);
       std::memcpy(first + kPrefix, src, kStripe - kPrefix);
-      std::memcpy(dst, src, kStripe - kPrefix);
+      std::memcpy(dst, first + kPrefix, kStripe - kPrefix);  // the bytes hashed, read once
       k.Acc(first, sec);
     } else {
       k.AccCopy(src + kStripe * s - kPrefix, dst + kStripe * s - kPrefix, sec);
@@ -89,4 +96,5 @@ uint64_t Drive(unsigned char* dst, const unsigned char* src, size_t n, const uns
   return Finish(acc, secret, len);
 }
 
+}  // namespace
 }  // namespace sparsekv::copy_checksum
