@@ -467,11 +467,17 @@ class HostTierImpl final : public HostTier {
     if (!evicted) eviction_.Erase(id);
     e.indexed = false;
     // The record is no longer its key's copy: local readers holding its token see the change
-    // before its room can be reused (LendToken): the room is written again only after this
-    // lock is let go and taken again, so the new value is visible before any byte of a reuse
-    // (a locked add on x86; the lock's release and acquire order it elsewhere).
+    // before any byte of its room is written again (LendToken). Only this tier writes the table,
+    // under mu_. The full fence orders the new value before every later store of this thread
+    // (the room may be handed out and written by it right after, without the lock taken again);
+    // a store of another thread comes after taking mu_, so after this. An entry stops at its
+    // largest value instead of wrapping: no token is given for it, and no stale token can match
+    // it again.
     if (table_.base != nullptr) {
-      std::atomic_ref<uint32_t>(TableAt(e.at)).fetch_add(1, std::memory_order_acq_rel);
+      std::atomic_ref<uint32_t> entry(TableAt(e.at));
+      const uint32_t v = entry.load(std::memory_order_relaxed);
+      if (v != UINT32_MAX) entry.store(v + 1, std::memory_order_relaxed);
+      std::atomic_thread_fence(std::memory_order_seq_cst);
     }
     if (journal_) journal_->Note(it->first, false);
     index_.erase(it);

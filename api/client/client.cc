@@ -369,7 +369,7 @@ class Client::Impl {
         }
       }
     }
-    SPARSEKV_RETURN_IF_ERROR(ReadAll(fd_, hb.data() + got, hb.size() - got));
+    // Whatever was passed is closed unless mapped, on every way out (a failed read included).
     struct CloseFds {
       int* a;
       int* b;
@@ -380,6 +380,7 @@ class Client::Impl {
         if (*c >= 0) ::close(*c);
       }
     } close_fds{&staging_fd, &arena_fd, &table_fd};
+    SPARSEKV_RETURN_IF_ERROR(ReadAll(fd_, hb.data() + got, hb.size() - got));
     auto reply = ReadFrameAfterHeader(hb);
     if (!reply.ok()) return reply.status();
     if (reply->header.opcode == w::Opcode::kError) return ErrorStatus(reply->payload);

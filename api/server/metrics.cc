@@ -81,7 +81,7 @@ std::string Metrics::Render(const std::function<void(std::string&)>& extra) cons
           "Values whose bytes were received straight into room in the host tier (put_in_place_bytes).",
           put_in_place_.load(std::memory_order_relaxed));
   counter("sparsekv_local_reads_total",
-          "Values clients read straight from the host arena without a request (local reads), as they reported them.",
+          "Values clients read straight from the host arena without a request (local reads), as reported, of those still held.",
           local_reads_.load(std::memory_order_relaxed));
   counter("sparsekv_handshake_timeouts_total", "Connections closed for not finishing HELLO in time, or as the "
           "oldest of too many handshakes.", handshake_timeouts_.load(std::memory_order_relaxed));

@@ -92,7 +92,9 @@ struct GetResult {
 //   OK           the value's `bytes` bytes are at the start of the item's destination;
 //   OutOfRange   the value (`bytes` long) is larger than the destination, which is untouched;
 //   NotFound, Corruption (the bytes failed their check; the destination may hold some of
-//   them), and the other per-item errors of Get.
+//   them), and the other per-item errors of Get. With local reads, an item whose local copy
+//   was dropped (its record changed meanwhile) and that the daemon then answers with an error
+//   may have had its destination written: only an OK item's destination is defined.
 struct GetIntoResult {
   Status status;
   uint64_t bytes = 0;

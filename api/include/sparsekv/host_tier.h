@@ -114,13 +114,13 @@ class HostTier : public Tier {
   // (at its first unit) whenever the record leaves the index (erased, replaced, evicted, found
   // damaged), before its room can be reused. A reader in another process that saw entry value
   // v before copying a record and still sees v after knows the record was the key's copy all
-  // along. The table is written only here, under the tier's lock, with locked adds. fd -1
-  // (no table) unless the arena is a memfd.
+  // along. The table is written only here, under the tier's lock, each change followed by a full
+  // fence; an entry stops at its largest value. fd -1 (no table) unless the arena is a memfd.
   virtual Arena lend_table() const = 0;
   // For a bundle GetPinned just returned: when it is still `key`'s copy in the index, its entry
   // in the lend table plus 1 (a token; the entry is read under the same lock that changes it);
   // else 0 (a token of 0 is never valid). Also 0 without a table, or when the entry is at its
-  // largest value (adding 1 would wrap it to a value a stale token could match).
+  // largest value (where it stays: that unit is not lent for local reads again).
   virtual uint32_t LendToken(const BundleKey& key, const BundlePtr& bundle) = 0;
   // Reads made elsewhere from records lent before (local reads): each key the tier holds counts
   // as read now for its eviction order and its statistics (hits, bytes read). Unknown keys are
