@@ -1925,17 +1925,9 @@ class Client::Impl {
       if (good && check_local_) {
         // The record's checksum (bundle.h): its header from byte 16, then the value, over the
         // bytes as they are copied (one pass; a record of one segment has 48 such header bytes).
+        // (LocalEntryOf keeps only records whose covered header is those 48 bytes.)
         const std::byte* header = arena_ + e.record_off + 16;
-        if (e.value_off - e.record_off - 16 == kRecordChecksumPrefixBytes) {
-          good = CopyWithRecordChecksum(dests[i].data(), arena_ + e.value_off, e.bytes, header) == e.checksum;
-        } else {
-          CopyBytes(dests[i].data(), arena_ + e.value_off, e.bytes, stream);
-          XXH3_state_t st;
-          XXH3_64bits_reset(&st);
-          XXH3_64bits_update(&st, header, e.value_off - e.record_off - 16);
-          XXH3_64bits_update(&st, dests[i].data(), e.bytes);
-          good = XXH3_64bits_digest(&st) == e.checksum;
-        }
+        good = CopyWithRecordChecksum(dests[i].data(), arena_ + e.value_off, e.bytes, header) == e.checksum;
       } else if (good) {
         CopyBytes(dests[i].data(), arena_ + e.value_off, e.bytes, stream);
       }
@@ -1969,7 +1961,9 @@ class Client::Impl {
     if (table_ == nullptr || lend.token == 0 || s.offset < staging_bytes_) return false;
     const uint64_t value = s.offset - staging_bytes_;
     const uint64_t rec = lend.record_offset;
-    if (rec % kLendUnit != 0 || rec + 16 > value || value - rec > kLendUnit || rec / kLendUnit >= table_entries_ ||
+    // A one-value record: its header is 64 bytes, 48 of them covered by its checksum.
+    if (rec % kLendUnit != 0 || value < rec || value - rec != 16 + kRecordChecksumPrefixBytes ||
+        rec / kLendUnit >= table_entries_ ||
         value > arena_bytes_ || s.bytes > arena_bytes_ - value) {
       return false;
     }
