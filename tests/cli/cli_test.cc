@@ -266,7 +266,8 @@ TEST(Cli, BenchDaemonBatchShortRun) {
     for (const char* k : {"shm_bytes_per_s", "tcp_bytes_per_s", "memcpy_bytes_per_s", "socket_bytes_per_s",
                           "put_shm_bytes_per_s", "put_tcp_bytes_per_s", "put_lease_bytes_per_s",
                           "put_memcpy_bytes_per_s", "put_socket_bytes_per_s", "put_shm_vs_memcpy",
-                          "put_lease_vs_memcpy", "put_tcp_vs_socket", "shm_leases_bytes_per_s"}) {
+                          "put_lease_vs_memcpy", "put_tcp_vs_socket", "shm_leases_bytes_per_s",
+                          "put_memcpy_fresh_bytes_per_s", "put_shm_vs_memcpy_fresh", "put_lease_vs_memcpy_fresh"}) {
       EXPECT_GT(b[k].get<double>(), 0) << k;
     }
     // The timed rounds read locally (the values were lent to the client before them).
