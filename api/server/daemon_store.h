@@ -50,6 +50,11 @@ class DaemonStore {
   using Keep = std::shared_ptr<const void>;
   using GetSink = std::function<void(size_t, const Status&, std::span<const std::byte>, const Keep&)>;
   virtual void Get(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) = 0;
+  // As Get, but a value the host tier holds is handed out in place, in its arena, pinned while
+  // its `keep` lives (checked first): for a shared-memory GET that may lend it. The rest as Get.
+  virtual void GetInPlace(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) {
+    Get(ns, hashes, sink);
+  }
   // As Get, but only when every hash can be served at once from memory without blocking;
   // returns false, having called `sink` for nothing, otherwise. Network threads call it to
   // skip the hop to a worker thread for the common hit. With `check` false the bytes are not

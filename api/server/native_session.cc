@@ -200,6 +200,10 @@ struct OutFrame {
   std::vector<std::byte> own;
   std::vector<Piece> pieces;
   std::vector<DaemonStore::Keep> keep;
+  // A SHM_GET reply built on a worker: what it lent in place, for the session to hold until the
+  // client's next SHM_GET (the strand takes them over before the frame is queued).
+  std::vector<DaemonStore::Keep> lent;
+  uint64_t lent_bytes = 0;
   uint64_t size = 0;
   // The ext pieces are host-tier pages, counted by the pin budget: not charged again.
   bool ext_pinned = false;
@@ -255,13 +259,20 @@ struct Reply {
   std::vector<std::byte> data;
   OutFrame gathered;
   bool is_gathered = false;
+  std::vector<DaemonStore::Keep> lent;  // see OutFrame::lent
+  uint64_t lent_bytes = 0;
 
   OutFrame ToFrame(wire::Opcode op, uint64_t request_id) && {
+    OutFrame f;
     if (is_gathered) {
       gathered.Finish(op, wire::kFlagResponse, request_id);
-      return std::move(gathered);
+      f = std::move(gathered);
+    } else {
+      f = OutFrame(wire::EncodeFrame(op, wire::kFlagResponse, request_id, data));
     }
-    return wire::EncodeFrame(op, wire::kFlagResponse, request_id, data);
+    f.lent = std::move(lent);
+    f.lent_bytes = lent_bytes;
+    return f;
   }
 };
 
@@ -1264,6 +1275,11 @@ class Session : public std::enable_shared_from_this<Session> {
       asio::post(self->strand_, [self, bytes, frame = std::move(frame), reserved, ok, verdicts, h]() mutable {
         self->inflight_bytes_ -= bytes;
         --self->inflight_requests_;
+        // Held until the client's next SHM_GET: one dispatched meanwhile (which the client does
+        // not send before this reply) would only make them stay one request longer.
+        for (DaemonStore::Keep& k : frame.lent) self->lent_.push_back(std::move(k));
+        self->lent_bytes_ += frame.lent_bytes;
+        frame.lent.clear();
         self->QueueWrite(std::move(frame));  // charged as queued; the reservation goes now
         if (ok && h.opcode == wire::Opcode::kShmGetOverlap) {
           const std::vector<uint8_t> zeros(verdicts, 0);
@@ -1914,7 +1930,7 @@ class Session : public std::enable_shared_from_this<Session> {
         [&](const DaemonStore::GetSink& sink) {
           return srv_.store_->TryGetWithoutBlocking(ns_, hashes, sink, /*check=*/unchecked == nullptr);
         },
-        /*may_lend=*/true, unchecked);
+        lent_, lent_bytes_, unchecked);
   }
 
   // SHM_GET_OVERLAP: checks the bundles its reply lent unchecked on a worker, while the client
@@ -2051,19 +2067,30 @@ class Session : public std::enable_shared_from_this<Session> {
   Result<Reply> HandleShmGet(std::span<const std::byte> p) {
     if (staging_ == nullptr) return Status::FailedPrecondition("SHM_GET on a session without shared memory");
     SPARSEKV_ASSIGN_OR_RETURN(wire::HashList req, wire::DecodeHashList(p));
-    return *BuildShmGetReply(
+    // On a worker: lent_ belongs to the strand, so what this reply lends is kept with it and
+    // handed to the strand with the frame. The client's previous lends were let go when this
+    // request was dispatched, so the reply may lend up to the GET half's size again.
+    std::vector<DaemonStore::Keep> lent;
+    uint64_t lent_bytes = 0;
+    Reply r = *BuildShmGetReply(
         req.hashes,
         [&](const DaemonStore::GetSink& sink) {
-          srv_.store_->Get(ns_, req.hashes, sink);
+          srv_.store_->GetInPlace(ns_, req.hashes, sink);
           return true;
         },
-        /*may_lend=*/false);  // a worker thread: lent_ belongs to the strand
+        lent, lent_bytes);
+    r.lent = std::move(lent);
+    r.lent_bytes = lent_bytes;
+    return r;
   }
 
   // Answers with where each bundle lies: in the host arena, lent in place (the session maps it
   // and holds the page until its next SHM_GET), or copied into the GET half of the staging area.
+  // What it lends goes into `lent` (keeps, pins) and `lent_bytes`: the session's own on its
+  // strand, a worker's to hand over with the reply.
   template <typename Serve>
-  std::optional<Reply> BuildShmGetReply(std::span<const wire::WireHash> hashes, Serve&& serve, bool may_lend,
+  std::optional<Reply> BuildShmGetReply(std::span<const wire::WireHash> hashes, Serve&& serve,
+                                        std::vector<DaemonStore::Keep>& lent, uint64_t& lent_bytes,
                                         std::vector<Unchecked>* unchecked = nullptr) {
     const DaemonStore::Arena& arena = srv_.arena_;
     const uint64_t limit = staging_bytes_;
@@ -2077,7 +2104,7 @@ class Session : public std::enable_shared_from_this<Session> {
         reply.status[i] = {st.code(), std::string(st.message())};
         return;
       }
-      if (may_lend && lend_ && keep && InArena(bytes) && lent_bytes_ + bytes.size() <= staging_bytes_ / 2 &&
+      if (lend_ && keep && InArena(bytes) && lent_bytes + bytes.size() <= staging_bytes_ / 2 &&
           srv_.PinsBelowCap(bytes.size())) {
         // Offsets at or past the staging area's size name the arena.
         reply.slots.push_back({hashes[i], staging_bytes_ + static_cast<uint64_t>(bytes.data() - arena.base),
@@ -2087,9 +2114,9 @@ class Session : public std::enable_shared_from_this<Session> {
           // compares it with the table (api/PROTOCOL.md, "Local reads").
           reply.lend.push_back(srv_.store_->Lend(ns_, hashes[i], keep));
         }
-        lent_.push_back(keep);
-        lent_.push_back(srv_.ChargePins(bytes.size()));
-        lent_bytes_ += bytes.size();
+        lent.push_back(keep);
+        lent.push_back(srv_.ChargePins(bytes.size()));
+        lent_bytes += bytes.size();
         if (unchecked != nullptr) unchecked->push_back({i, hashes[i], keep});
         ++hits;
         return;
@@ -2106,7 +2133,7 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       std::memcpy(staging_ + off, bytes.data(), bytes.size());
       reply.slots.push_back({hashes[i], off, static_cast<uint32_t>(bytes.size())});
-      if (lend_table_ && may_lend) reply.lend.push_back({});  // a copy: not to be read again
+      if (lend_table_) reply.lend.push_back({});  // a copy: not to be read again
       off += (bytes.size() + 63) & ~uint64_t{63};
       ++hits;
     });

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <future>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 
 #include "sparsekv/host_tier.h"
@@ -380,6 +381,77 @@ void TieredStore::Get(uint32_t ns, std::span<const wire::WireHash> hashes, const
     }
   }
   CountGets(ns, hashes.size(), hits, bytes, corrupt);
+  if (!removed.hashes.empty()) Emit(ns, removed);
+}
+
+void TieredStore::GetInPlace(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) {
+  auto* host = !wire_tiers_.empty() && wire_tiers_[0] == 1 ? dynamic_cast<HostTier*>(&chain_->tier(0)) : nullptr;
+  if (host == nullptr || hashes.empty()) return Get(ns, hashes, sink);
+  std::vector<BundleKey> keys;
+  keys.reserve(hashes.size());
+  for (const auto& h : hashes) keys.push_back({ns, FromWire(h)});
+  {
+    MutexLock l(mu_);
+    for (const BundleKey& k : keys) {
+      if (pinned_.count(k)) return Get(ns, hashes, sink);  // rare: the general path knows pins
+    }
+  }
+  // Contains first, so that a miss is not counted twice (here and on the general path).
+  std::vector<bool> present;
+  host->ContainsAsync(keys, [&](std::vector<bool> r) { present = std::move(r); });
+  if (present.size() != keys.size()) return Get(ns, hashes, sink);
+  std::vector<Result<BundlePtr>> got(keys.size(), Status::NotFound(""));
+  std::vector<wire::WireHash> rest;
+  std::vector<size_t> rest_index;
+  std::vector<bool> is_rest(keys.size(), false);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (present[i]) {
+      got[i] = host->GetPinned(keys[i], /*check=*/true);
+      // A corrupt bundle was dropped just now: reported below, as the general path would only
+      // find it missing. Evicted meanwhile, or an older copy onloaded while a newer version
+      // was written (the chain knows): the general path answers.
+      if (got[i].ok() ? !chain_->IsStale(keys[i], (*got[i])->sequence()) : got[i].status().data_loss()) continue;
+      got[i] = Status::NotFound("");  // its pin goes now
+    }
+    rest.push_back(hashes[i]);
+    rest_index.push_back(i);
+    is_rest[i] = true;
+  }
+  // The rest's answers, kept (each OK one's keep holds its bytes) so that `sink` hears every
+  // item in order, as from Get: a SHM_GET reply lists its slots in item order.
+  struct Answer {
+    Status status;
+    std::span<const std::byte> bytes;
+    Keep keep;
+  };
+  std::vector<std::optional<Answer>> answered(keys.size());
+  if (!rest.empty()) {
+    Get(ns, rest, [&](size_t k, const Status& st, std::span<const std::byte> bytes, const Keep& keep) {
+      answered[rest_index[k]] = Answer{st, st.ok() && keep ? bytes : std::span<const std::byte>{}, keep};
+      if (st.ok() && !keep) answered[rest_index[k]]->status = Status::Internal("a GET answer without its keep");
+    });
+  }
+  uint64_t bytes = 0, hits = 0;
+  wire::EventRecord removed{2, 0, {}};
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (answered[i]) {
+      sink(i, answered[i]->status, answered[i]->bytes, answered[i]->keep);
+      continue;
+    }
+    if (is_rest[i]) {  // Get answers every item; this is only a guard
+      sink(i, Status::Internal("the general path did not answer"), {}, nullptr);
+      continue;
+    }
+    if (!got[i].ok()) {
+      removed.hashes.push_back(hashes[i]);
+      sink(i, got[i].status(), {}, nullptr);
+      continue;
+    }
+    ++hits;
+    bytes += (*got[i])->payload().size();
+    sink(i, Status::OK(), (*got[i])->segment(0), *got[i]);
+  }
+  CountGets(ns, hashes.size() - rest.size(), hits, bytes, removed.hashes.size());
   if (!removed.hashes.empty()) Emit(ns, removed);
 }
 

@@ -50,6 +50,7 @@ class TieredStore : public DaemonStore {
   bool PutsWithoutBlocking() const override;
   bool LooksUpWithoutBlocking() const override;
   void Get(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) override;
+  void GetInPlace(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink) override;
   bool TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireHash> hashes, const GetSink& sink,
                              bool check) override;
   Status Recheck(uint32_t ns, const wire::WireHash& hash, const Keep& keep) override;

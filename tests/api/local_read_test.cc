@@ -57,8 +57,15 @@ class LocalReadTest : public ::testing::Test {
     std::filesystem::remove_all(dir_);
   }
   void Start(bool write_leases = false, uint64_t arena = kArena,
-             EvictionPolicyKind policy = kDefaultEvictionPolicy) {
+             EvictionPolicyKind policy = kDefaultEvictionPolicy, bool ssd = false) {
     TieredStoreOptions so;
+    if (ssd) {  // below the host tier (write-back): what host memory lets go of stays readable
+      so.offload.ssd_enabled = true;
+      so.offload.ssd.path = (dir_ / "ssd").string();
+      so.offload.ssd.capacity_bytes = 128ull << 20;
+      so.offload.ssd.read_arena_bytes = 16ull << 20;
+      so.offload.ssd.slab_grow_bytes = 16ull << 20;
+    }
     so.offload.host.capacity_bytes = arena;
     so.offload.host.eviction = policy;
     so.offload.host.max_record_bytes = 4ull << 20;
@@ -166,6 +173,47 @@ TEST_F(LocalReadTest, ASecondGetIntoReadsLocallyByteForByte) {
   ASSERT_NE(plain, nullptr);
   for (int round = 0; round < 2; ++round) GetInto(*plain, hashes, bufs, 2u << 20);
   EXPECT_EQ(plain->local_reads(), 0u);
+}
+
+// A batch with a value only the SSD tier holds is served by a worker; the values of it that
+// host memory holds are lent all the same, so the next GetInto of those reads them locally.
+TEST_F(LocalReadTest, ABatchServedByAWorkerLendsWhatHostMemoryHolds) {
+  ASSERT_NO_FATAL_FAILURE(Start(false, 8ull << 20, EvictionPolicyKind::kLru, /*ssd=*/true));
+  auto c = Connect(true);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->shared_arena());
+  // Key 0 first, then 12 MiB more through an 8 MiB host tier (LRU): key 0 goes down to the
+  // SSD tier; the last few stay in host memory.
+  std::vector<WireBlockHash> hashes;
+  std::vector<std::vector<std::byte>> values;
+  for (size_t i = 0; i < 25; ++i) {
+    hashes.push_back(H(700 + i));
+    values.push_back(Value(700 + i, 500000));
+  }
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    ASSERT_NO_FATAL_FAILURE(PutAll(*c, {hashes[i]}, {values[i]}));
+  }
+  const std::vector<WireBlockHash> hot = {hashes[22], hashes[23], hashes[24]};
+  const uint64_t ssd_hits = store_->chain().tier(1).Stats().hits;
+  std::vector<std::vector<std::byte>> bufs;
+  // The SSD's value between two of host memory's: each answer must still land at its item.
+  auto first = GetInto(*c, {hot[0], hashes[0], hot[1], hot[2]}, bufs, 1u << 20);
+  EXPECT_EQ(store_->chain().tier(1).Stats().hits, ssd_hits + 1) << "key 0 should have come from the SSD tier";
+  ASSERT_EQ(first.size(), 4u);
+  const size_t of_item[] = {22, 0, 23, 24};
+  for (size_t k = 0; k < 4; ++k) {
+    ASSERT_TRUE(first[k].status.ok()) << k << ": " << first[k].status.ToString();
+    const size_t i = of_item[k];
+    ASSERT_EQ(std::memcmp(bufs[k].data(), values[i].data(), values[i].size()), 0) << "item " << k;
+  }
+  EXPECT_EQ(c->local_reads(), 0u);
+  auto second = GetInto(*c, hot, bufs, 1u << 20);
+  ASSERT_EQ(second.size(), 3u);
+  for (size_t k = 0; k < 3; ++k) {
+    ASSERT_TRUE(second[k].status.ok()) << k << ": " << second[k].status.ToString();
+    ASSERT_EQ(std::memcmp(bufs[k].data(), values[22 + k].data(), values[22 + k].size()), 0) << k;
+  }
+  EXPECT_EQ(c->local_reads(), 3u) << "the worker's reply lent the three values held in host memory";
 }
 
 // Whatever another client does to a key is seen by the next local read: an overwrite gives the
