@@ -60,6 +60,20 @@ constexpr uint64_t kBeyondAnyValue = 1ull << 40;
 // Sectors one item may read from the SSD tier, and a request hold at a time.
 constexpr uint64_t kMaxRangeSectors = 256;
 
+// Hands host-tier item `i` to `sink` (the fast paths' answers): a damaged bundle, dropped just
+// now, as its error, named in `removed`; a good one with its bytes and the bundle keeping them.
+void SinkHostItem(size_t i, const wire::WireHash& hash, const Result<BundlePtr>& r, const DaemonStore::GetSink& sink,
+                  uint64_t& hits, uint64_t& bytes, wire::EventRecord& removed) {
+  if (!r.ok()) {
+    removed.hashes.push_back(hash);
+    sink(i, r.status(), {}, nullptr);
+    return;
+  }
+  ++hits;
+  bytes += (*r)->payload().size();
+  sink(i, Status::OK(), (*r)->segment(0), *r);
+}
+
 }  // namespace
 
 void DaemonStore::GetRanges(uint32_t ns, std::span<const wire::RangeItem> items, const RangesSink& sink) {
@@ -442,14 +456,7 @@ void TieredStore::GetInPlace(uint32_t ns, std::span<const wire::WireHash> hashes
       sink(i, Status::Internal("the general path did not answer"), {}, nullptr);
       continue;
     }
-    if (!got[i].ok()) {
-      removed.hashes.push_back(hashes[i]);
-      sink(i, got[i].status(), {}, nullptr);
-      continue;
-    }
-    ++hits;
-    bytes += (*got[i])->payload().size();
-    sink(i, Status::OK(), (*got[i])->segment(0), *got[i]);
+    SinkHostItem(i, hashes[i], got[i], sink, hits, bytes, removed);
   }
   CountGets(ns, hashes.size() - rest.size(), hits, bytes, removed.hashes.size());
   if (!removed.hashes.empty()) Emit(ns, removed);
@@ -742,14 +749,7 @@ bool TieredStore::TryGetWithoutBlocking(uint32_t ns, std::span<const wire::WireH
   uint64_t bytes = 0, hits = 0;
   wire::EventRecord removed{2, 0, {}};
   for (size_t i = 0; i < got.size(); ++i) {
-    if (!got[i].ok()) {
-      removed.hashes.push_back(hashes[i]);
-      sink(i, got[i].status(), {}, nullptr);
-      continue;
-    }
-    ++hits;
-    bytes += (*got[i])->payload().size();
-    sink(i, Status::OK(), (*got[i])->segment(0), *got[i]);
+    SinkHostItem(i, hashes[i], got[i], sink, hits, bytes, removed);
   }
   CountGets(ns, hashes.size(), hits, bytes, removed.hashes.size());
   if (!removed.hashes.empty()) Emit(ns, removed);
