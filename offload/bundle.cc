@@ -312,6 +312,10 @@ Result<uint64_t> Bundle::WriteRecordHeader(std::span<std::byte> out, const Bundl
 
 uint64_t Bundle::ChecksumOf(std::span<const std::byte> record) { return RecordChecksum(record); }
 
+uint64_t Bundle::StoredChecksum(std::span<const std::byte> record) {
+  return record.size() >= kChecksumAt + 8 ? Load<uint64_t>(record.data() + kChecksumAt) : 0;
+}
+
 Result<BundlePtr> Bundle::Make(const BundleKey& key,
                                std::span<const std::span<const std::byte>> segments,
                                uint64_t sequence, uint32_t pages) {

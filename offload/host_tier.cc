@@ -412,8 +412,14 @@ class HostTierImpl final : public HostTier {
 
   Status CheckPinned(const BundlePtr& b, const BundleKey& key) override {
     Status v = Bundle::VerifyRecord(b->record(), key);
-    if (v.ok()) return v;
     MutexLock lock(mu_);
+    if (v.ok()) {
+      // Whole in itself; and still the record this tier wrote (not rewritten, checksum and all).
+      auto it = index_.find(key);
+      if (it == index_.end() || DataOf(entries_[it->second]) != b->record().data()) return v;
+      v = MatchesIndex(Bundle::StoredChecksum(b->record()), entries_[it->second].checksum, key);
+      if (v.ok()) return v;
+    }
     if (IsOtherBundleVersion(v)) {  // another release's record: a miss, left in place
       ++stats_.other_version;
       return v.WithContext("host tier");
@@ -497,6 +503,9 @@ class HostTierImpl final : public HostTier {
       Entry& e = entries_[id];
       if (evicted != nullptr) {
         Result<BundlePtr> b = Bundle::ParseRecord({DataOf(e), e.record_bytes}, e.key);
+        if (b.ok()) {
+          if (Status m = MatchesIndex((*b)->checksum(), e.checksum, e.key); !m.ok()) b = m;
+        }
         if (b.ok()) {
           ++handing_over_[e.key];
           evicted->push_back(std::move(*b));
@@ -615,11 +624,21 @@ class HostTierImpl final : public HostTier {
     return true;
   }
 
+  // A record whole in itself may still not be the one this tier stored: with write leases a
+  // client can rewrite one in place, its checksum included. The checksum kept in the entry is
+  // the one the tier wrote or checked; a record whose own differs is damaged.
+  static Status MatchesIndex(uint64_t stored, uint64_t expected, const BundleKey& key) {
+    if (stored == expected) return Status::OK();
+    return Status::Corruption(fmt::format("bundle {}: the record's checksum {:016x} is not the {:016x} it was stored with",
+                                          key.ToString(), stored, expected));
+  }
+
   Result<BundlePtr> GetOne(const BundleKey& key, bool in_place = false, bool check = true)
       SPARSEKV_EXCLUDES(mu_) {
     EntryId id;
     std::byte* data;
     uint64_t bytes;
+    uint64_t expected;  // the record's checksum as this tier wrote or checked it
     {
       MutexLock lock(mu_);
       auto it = index_.find(key);
@@ -641,10 +660,12 @@ class HostTierImpl final : public HostTier {
       eviction_.Touch(id);
       data = DataOf(e);
       bytes = e.record_bytes;
+      expected = e.checksum;
     }
     if (in_place) {
       Status v = check ? Bundle::VerifyRecord({data, bytes}, key)
                        : Bundle::VerifyRecordLayout({data, bytes}, key);
+      if (v.ok() && check) v = MatchesIndex(Bundle::StoredChecksum({data, bytes}), expected, key);
       if (v.ok()) {
         {
           MutexLock lock(mu_);
@@ -658,6 +679,9 @@ class HostTierImpl final : public HostTier {
       }
     }
     Result<BundlePtr> b = Bundle::ParseRecord({data, bytes}, key);
+    if (b.ok()) {
+      if (Status m = MatchesIndex((*b)->checksum(), expected, key); !m.ok()) b = m;
+    }
     MutexLock lock(mu_);
     if (!b.ok() && IsOtherBundleVersion(b.status())) {
       // Another release's record: a miss, counted, left to its writer and to eviction.

@@ -666,5 +666,85 @@ TEST_F(WriteLeaseSsdTest, ScribblingOverTheArenaNeverServesOtherBytes) {
   EXPECT_TRUE((*got)[0].bytes == v);
 }
 
+// A record rewritten whole after its commit, value and header checksum alike (so that it is
+// consistent in itself), is never served as the key's value: the host tier compares a record
+// with the checksum it stored it with. Read over TCP, over shared memory (lent and then local),
+// and after eviction hands it down (the SSD tier below must not get it either).
+TEST_F(WriteLeaseSsdTest, ARecordRewrittenWholeAfterItsCommitIsNeverServed) {
+  RawLeaseSession s;
+  ASSERT_NO_FATAL_FAILURE(s.Open(unix_));
+  const std::vector<std::byte> v = Value(41, 200000), forged = Value(42, 200000);
+  // Rewrites the record of `slot` with `forged`, its checksum made to match.
+  auto forge = [&](const wire::ShmSlot& slot) {
+    std::memcpy(s.arena + slot.offset, forged.data(), forged.size());
+    const uint64_t sum = XXH3_64bits(s.arena + slot.offset - 48, 48 + forged.size());
+    std::memcpy(s.arena + slot.offset - 64 + 8, &sum, 8);
+  };
+  // Stores key `h` as `v` under a lease; returns where its value lies.
+  auto store = [&](const WireBlockHash& h) -> wire::ShmSlot {
+    auto lease = s.Lease({{h, static_cast<uint32_t>(v.size())}});
+    EXPECT_TRUE(lease.ok() && lease->items.slots.size() == 1u);
+    if (!lease.ok() || lease->items.slots.size() != 1u) return {};
+    const wire::ShmSlot slot = lease->items.slots[0];
+    auto st = s.Commit(lease->lease, 0, {s.Write(slot, v)});
+    EXPECT_TRUE(st.ok() && (*st)[0].code == StatusCode::kOk);
+    return slot;
+  };
+  auto not_forged = [&](const Result<std::vector<std::byte>>& got, const char* how) {
+    if (got.ok()) {
+      EXPECT_TRUE(*got != forged) << how << ": the rewritten record was served";
+      EXPECT_TRUE(*got == v) << how << ": other bytes";
+    } else {
+      EXPECT_TRUE(got.status().code() == StatusCode::kCorruption || got.status().code() == StatusCode::kNotFound)
+          << how << ": " << got.status().ToString();
+    }
+  };
+
+  // Over TCP.
+  const wire::ShmSlot a = store(H(60));
+  ASSERT_NE(a.bytes, 0u);
+  ASSERT_TRUE(Read(H(60)).ok());
+  forge(a);
+  not_forged(Read(H(60)), "TCP");
+
+  // Over shared memory: read once (lent, and learned for local reads), then rewritten.
+  auto shm = Connect(true);
+  ASSERT_NE(shm, nullptr);
+  auto get_into = [&](const WireBlockHash& h) -> Result<std::vector<std::byte>> {
+    std::vector<std::byte> into(v.size());
+    std::span<std::byte> dst(into);
+    auto got = shm->GetInto(std::span<const WireBlockHash>(&h, 1), std::span<const std::span<std::byte>>(&dst, 1));
+    if (!got.ok()) return got.status();
+    if (!(*got)[0].status.ok()) return (*got)[0].status;
+    return into;
+  };
+  const wire::ShmSlot b = store(H(61));
+  ASSERT_NE(b.bytes, 0u);
+  auto first = get_into(H(61));
+  ASSERT_TRUE(first.ok() && *first == v);
+  forge(b);
+  not_forged(get_into(H(61)), "shared memory");
+  auto views = shm->GetViews(std::vector<WireBlockHash>{H(61)});
+  ASSERT_TRUE(views.ok());
+  if (views->status(0).ok()) {
+    const auto bytes = views->bytes(0);
+    EXPECT_FALSE(std::equal(bytes.begin(), bytes.end(), forged.begin(), forged.end())) << "GetViews served it";
+  }
+
+  // Rewritten, then evicted by new values (nothing else reads it first).
+  const wire::ShmSlot c = store(H(62));
+  ASSERT_NE(c.bytes, 0u);
+  forge(c);
+  auto tcp = Connect(false);
+  ASSERT_NE(tcp, nullptr);
+  for (uint64_t i = 0; i < 40; ++i) {
+    const auto x = Value(4000 + i, 1u << 20);
+    BundleRef ref{H(4000 + i), x};
+    ASSERT_TRUE((*tcp->Put(std::span<const BundleRef>(&ref, 1)))[0].ok());
+  }
+  not_forged(Read(H(62)), "after eviction");
+  EXPECT_GE(Counter("sparsekv_write_lease_items_total"), 3);
+}
+
 }  // namespace
 }  // namespace sparsekv::server

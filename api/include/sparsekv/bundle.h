@@ -165,6 +165,9 @@ class Bundle {
                                             uint32_t pages = 0);
   // The checksum a whole record carries at byte 8: XXH3-64 (seed 0) of its bytes from 16 on.
   static uint64_t ChecksumOf(std::span<const std::byte> record);
+  // The checksum a record's header holds (what VerifyRecord compares ChecksumOf with). The
+  // record must be at least a header long.
+  static uint64_t StoredChecksum(std::span<const std::byte> record);
 
   // Checks a record read back from storage: magic, version, sizes against `record.size()`, the
   // checksum, and that it is filed under `expected`. Returns Corruption (data_loss) naming what
